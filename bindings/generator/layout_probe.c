@@ -1,0 +1,141 @@
+/*
+ * Prints one `Layout` (bindings/src/lib.rs) as Rust source, measured with offsetof/sizeof
+ * against the real internal headers of one Ruby release. Built by script/generate-bindings
+ * with -I pointing at a Ruby source tree (Debian source package) and its configured
+ * config.h; LAYOUT_NAME names the layout.
+ *
+ * Why C and not hand-typed numbers: the compiler resolves every #if (USE_RVARGC,
+ * SIZEOF_SERIAL_T, VM_DEBUG_BP_CHECK...) exactly as the Ruby build did.
+ */
+#include "ruby/ruby.h"
+#include "vm_core.h"
+#include "iseq.h"
+#include "id.h"
+#include "internal/class.h"
+#include "symbol.h"
+#include "ractor_core.h"
+#include <stddef.h>
+#include <stdio.h>
+
+/* Copies of private definitions in iseq.c and st.c, which have no header. They are checked
+ * against those files by script/generate-bindings (it greps the source for them). */
+#define IMMEDIATE_TABLE_SIZE 54
+struct succ_dict_block {
+    unsigned int rank;
+    uint64_t small_block_ranks;
+    uint64_t bits[512/64];
+};
+struct probe_st_table_entry {
+    st_index_t hash; /* st_hash_t in st.c: same width */
+    st_data_t key;
+    st_data_t record;
+};
+
+#define U(name, value) printf("    " #name ": %lu,\n", (unsigned long)(value))
+#define X(name, value) printf("    " #name ": 0x%lx,\n", (unsigned long)(value))
+#define OFF(name, type, field) U(name, offsetof(type, field))
+
+static size_t max_end(void) {
+    size_t ends[] = {
+        offsetof(struct rb_iseq_constant_body, type) + 8,
+        offsetof(struct rb_iseq_constant_body, iseq_encoded) + 8,
+        offsetof(struct rb_iseq_constant_body, location.first_lineno) + 8,
+        offsetof(struct rb_iseq_constant_body, insns_info.succ_index_table) + 8,
+        offsetof(struct rb_iseq_constant_body, parent_iseq) + 8,
+        offsetof(struct rb_iseq_constant_body, local_iseq) + 8,
+    };
+    size_t m = 0;
+    for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) if (ends[i] > m) m = ends[i];
+    return m;
+}
+
+int main(void) {
+    printf("Layout {\n    name: \"%s\",\n", LAYOUT_NAME);
+    OFF(vm_main_ractor, rb_vm_t, ractor.main_ractor);
+    OFF(vm_main_thread, rb_vm_t, ractor.main_thread);
+    OFF(ractor_gvl_owner, rb_ractor_t, threads.gvl.owner);
+    OFF(ractor_threads_main, rb_ractor_t, threads.main);
+    OFF(thread_self, rb_thread_t, self);
+    OFF(thread_vm, rb_thread_t, vm);
+    OFF(thread_ec, rb_thread_t, ec);
+    OFF(ec_vm_stack, rb_execution_context_t, vm_stack);
+    OFF(ec_vm_stack_size, rb_execution_context_t, vm_stack_size);
+    OFF(ec_cfp, rb_execution_context_t, cfp);
+    OFF(ec_thread_ptr, rb_execution_context_t, thread_ptr);
+    U(cfp_size, sizeof(rb_control_frame_t));
+    OFF(cfp_pc, rb_control_frame_t, pc);
+    OFF(cfp_sp, rb_control_frame_t, sp);
+    OFF(cfp_iseq, rb_control_frame_t, iseq);
+    OFF(cfp_self, rb_control_frame_t, self);
+    OFF(cfp_ep, rb_control_frame_t, ep);
+    OFF(iseq_body, rb_iseq_t, body);
+    OFF(body_type, struct rb_iseq_constant_body, type);
+    OFF(body_iseq_size, struct rb_iseq_constant_body, iseq_size);
+    OFF(body_iseq_encoded, struct rb_iseq_constant_body, iseq_encoded);
+    OFF(body_location_pathobj, struct rb_iseq_constant_body, location.pathobj);
+    OFF(body_location_base_label, struct rb_iseq_constant_body, location.base_label);
+    OFF(body_location_label, struct rb_iseq_constant_body, location.label);
+    OFF(body_location_first_lineno, struct rb_iseq_constant_body, location.first_lineno);
+    OFF(body_insns_info_body, struct rb_iseq_constant_body, insns_info.body);
+    OFF(body_insns_info_size, struct rb_iseq_constant_body, insns_info.size);
+    OFF(body_insns_info_succ_index_table, struct rb_iseq_constant_body, insns_info.succ_index_table);
+    OFF(body_parent_iseq, struct rb_iseq_constant_body, parent_iseq);
+    OFF(body_local_iseq, struct rb_iseq_constant_body, local_iseq);
+    U(body_read_size, max_end());
+    U(insn_info_entry_size, sizeof(struct iseq_insn_info_entry));
+    OFF(insn_info_entry_line_no, struct iseq_insn_info_entry, line_no);
+    U(succ_immediate_table_size, IMMEDIATE_TABLE_SIZE);
+    U(succ_dict_block_size, sizeof(struct succ_dict_block));
+    OFF(succ_dict_block_rank, struct succ_dict_block, rank);
+    OFF(succ_dict_block_small_block_ranks, struct succ_dict_block, small_block_ranks);
+    OFF(succ_dict_block_bits, struct succ_dict_block, bits);
+    U(iseq_type_top, ISEQ_TYPE_TOP);
+    U(iseq_type_method, ISEQ_TYPE_METHOD);
+    U(iseq_type_block, ISEQ_TYPE_BLOCK);
+    U(iseq_type_class, ISEQ_TYPE_CLASS);
+    U(iseq_type_rescue, ISEQ_TYPE_RESCUE);
+    U(iseq_type_ensure, ISEQ_TYPE_ENSURE);
+    U(iseq_type_eval, ISEQ_TYPE_EVAL);
+    U(iseq_type_main, ISEQ_TYPE_MAIN);
+    U(iseq_type_plain, ISEQ_TYPE_PLAIN);
+    OFF(me_def, rb_callable_method_entry_t, def);
+    OFF(me_owner, rb_callable_method_entry_t, owner);
+    OFF(me_def_original_id, rb_method_definition_t, original_id);
+    X(frame_magic_mask, VM_FRAME_MAGIC_MASK);
+    X(frame_magic_cfunc, VM_FRAME_MAGIC_CFUNC);
+    X(env_flag_local, VM_ENV_FLAG_LOCAL);
+    U(imemo_ment, imemo_ment);
+    U(imemo_iseq, imemo_iseq);
+    OFF(rbasic_flags, struct RBasic, flags);
+    U(fl_ushift, RUBY_FL_USHIFT);
+    X(fl_singleton, RUBY_FL_SINGLETON);
+    X(rstring_noembed, RSTRING_NOEMBED);
+    X(rstring_embed_len_mask, RSTRING_EMBED_LEN_MASK);
+    U(rstring_embed_len_shift, RSTRING_EMBED_LEN_SHIFT);
+    OFF(rstring_heap_len, struct RString, as.heap.len);
+    OFF(rstring_heap_ptr, struct RString, as.heap.ptr);
+    OFF(rstring_embed_ary, struct RString, as.embed.ary);
+    X(rarray_embed_flag, RARRAY_EMBED_FLAG);
+    X(rarray_embed_len_mask, RARRAY_EMBED_LEN_MASK);
+    U(rarray_embed_len_shift, RARRAY_EMBED_LEN_SHIFT);
+    OFF(rarray_heap_len, struct RArray, as.heap.len);
+    OFF(rarray_heap_ptr, struct RArray, as.heap.ptr);
+    OFF(rarray_embed_ary, struct RArray, as.ary);
+    OFF(rclass_ext_ptr, struct RClass, ptr);
+    OFF(classext_iv_tbl, struct rb_classext_struct, iv_tbl);
+    OFF(st_table_entries_start, st_table, entries_start);
+    OFF(st_table_entries_bound, st_table, entries_bound);
+    OFF(st_table_entries, st_table, entries);
+    U(st_table_entry_size, sizeof(struct probe_st_table_entry));
+    OFF(st_table_entry_key, struct probe_st_table_entry, key);
+    OFF(st_table_entry_record, struct probe_st_table_entry, record);
+    OFF(symbols_last_id, rb_symbols_t, last_id);
+    OFF(symbols_ids, rb_symbols_t, ids);
+    U(symbols_size, sizeof(rb_symbols_t));
+    U(id_scope_shift, RUBY_ID_SCOPE_SHIFT);
+    U(last_op_id, tLAST_OP_ID);
+    U(id_entry_unit, 512);
+    U(id_entry_size, 2);
+    printf("}\n");
+    return 0;
+}

@@ -1,0 +1,195 @@
+//! Ruby VM struct layouts, as data.
+//!
+//! Every Ruby release the walker supports maps (through [`layout_for_version`]) to one
+//! [`Layout`]: the byte offsets and constants the stack walker needs, nothing else. The
+//! entries in `generated.rs` are written by `script/generate-bindings`, which compiles
+//! `bindings/generator/layout_probe.c` against the real headers of each Ruby (Debian source
+//! packages) and prints `offsetof`/`sizeof` values. Never edit `generated.rs` by hand.
+
+mod generated;
+
+pub use generated::{LAYOUTS, VERSIONS};
+
+/// Offsets (in bytes) and constants of one distinct Ruby VM layout.
+///
+/// Field names follow Ruby's own `struct.field` path so each can be checked against the
+/// headers; `*_size` fields are `sizeof` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// A name for the layout, e.g. "3.1" (the first release that has it).
+    pub name: &'static str,
+
+    // rb_vm_t
+    pub vm_main_ractor: usize,
+    pub vm_main_thread: usize,
+
+    // rb_ractor_t: the GVL lives in the ractor since 3.0.
+    pub ractor_gvl_owner: usize,
+    pub ractor_threads_main: usize,
+
+    // rb_thread_t
+    pub thread_self: usize,
+    pub thread_vm: usize,
+    pub thread_ec: usize,
+
+    // rb_execution_context_t
+    pub ec_vm_stack: usize,
+    pub ec_vm_stack_size: usize,
+    pub ec_cfp: usize,
+    pub ec_thread_ptr: usize,
+
+    // rb_control_frame_t
+    pub cfp_size: usize,
+    pub cfp_pc: usize,
+    pub cfp_sp: usize,
+    pub cfp_iseq: usize,
+    pub cfp_self: usize,
+    pub cfp_ep: usize,
+
+    // rb_iseq_t and rb_iseq_constant_body
+    pub iseq_body: usize,
+    pub body_type: usize,
+    pub body_iseq_size: usize,
+    pub body_iseq_encoded: usize,
+    pub body_location_pathobj: usize,
+    pub body_location_base_label: usize,
+    pub body_location_label: usize,
+    pub body_location_first_lineno: usize,
+    pub body_insns_info_body: usize,
+    pub body_insns_info_size: usize,
+    pub body_insns_info_succ_index_table: usize,
+    pub body_parent_iseq: usize,
+    pub body_local_iseq: usize,
+    /// Bytes of the body the walker reads in one go (covers every `body_*` field above).
+    pub body_read_size: usize,
+    pub insn_info_entry_size: usize,
+    pub insn_info_entry_line_no: usize,
+    /// `IMMEDIATE_TABLE_SIZE` of iseq.c's succinct bit vector.
+    pub succ_immediate_table_size: usize,
+    pub succ_dict_block_size: usize,
+    pub succ_dict_block_rank: usize,
+    pub succ_dict_block_small_block_ranks: usize,
+    pub succ_dict_block_bits: usize,
+    // enum iseq_type
+    pub iseq_type_top: u32,
+    pub iseq_type_method: u32,
+    pub iseq_type_block: u32,
+    pub iseq_type_class: u32,
+    pub iseq_type_rescue: u32,
+    pub iseq_type_ensure: u32,
+    pub iseq_type_eval: u32,
+    pub iseq_type_main: u32,
+    pub iseq_type_plain: u32,
+
+    // Method entries (imemo_ment) and definitions
+    pub me_def: usize,
+    pub me_owner: usize,
+    pub me_def_original_id: usize,
+
+    // Environment (ep[...]) indexes and frame flags
+    pub frame_magic_mask: u64,
+    pub frame_magic_cfunc: u64,
+    pub env_flag_local: u64,
+    pub imemo_ment: u64,
+    pub imemo_iseq: u64,
+
+    // Object headers
+    pub rbasic_flags: usize,
+    pub fl_ushift: u32,
+    pub fl_singleton: u64,
+    pub rstring_noembed: u64,
+    pub rstring_embed_len_mask: u64,
+    pub rstring_embed_len_shift: u32,
+    pub rstring_heap_len: usize,
+    pub rstring_heap_ptr: usize,
+    pub rstring_embed_ary: usize,
+    pub rarray_embed_flag: u64,
+    pub rarray_embed_len_mask: u64,
+    pub rarray_embed_len_shift: u32,
+    pub rarray_heap_len: usize,
+    pub rarray_heap_ptr: usize,
+    pub rarray_embed_ary: usize,
+
+    // Classes: a class's name is its `__classpath__` instance variable, its singleton's
+    // object its `__attached__` one; both live in the class's iv_tbl (an st_table).
+    pub rclass_ext_ptr: usize,
+    pub classext_iv_tbl: usize,
+    pub st_table_entries_start: usize,
+    pub st_table_entries_bound: usize,
+    pub st_table_entries: usize,
+    pub st_table_entry_size: usize,
+    pub st_table_entry_key: usize,
+    pub st_table_entry_record: usize,
+
+    // Symbols: struct rb_symbols_t (ruby_global_symbols) and ID encoding
+    pub symbols_last_id: usize,
+    pub symbols_ids: usize,
+    pub symbols_size: usize,
+    pub id_scope_shift: u32,
+    pub last_op_id: u64,
+    pub id_entry_unit: u64,
+    pub id_entry_size: u64,
+}
+
+/// The layout for a Ruby version string such as "3.1.2", if it is a known release.
+pub fn layout_for_version(version: &str) -> Option<&'static Layout> {
+    VERSIONS
+        .iter()
+        .find(|(v, _)| *v == version)
+        .map(|(_, index)| &LAYOUTS[*index])
+}
+
+/// The layout of the newest known release of `major.minor`, for a patch release newer than
+/// the table (the caller warns). Layouts do not change within a minor series in practice.
+pub fn layout_for_minor(major: u32, minor: u32) -> Option<(&'static str, &'static Layout)> {
+    let prefix = format!("{major}.{minor}.");
+    VERSIONS
+        .iter()
+        .filter(|(v, _)| v.starts_with(&prefix))
+        .max_by_key(|(v, _)| v[prefix.len()..].parse::<u32>().unwrap_or(0))
+        .map(|(v, index)| (*v, &LAYOUTS[*index]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_version_points_at_a_layout() {
+        for (version, index) in VERSIONS {
+            assert!(*index < LAYOUTS.len(), "{version} points past LAYOUTS");
+        }
+    }
+
+    #[test]
+    fn ruby_3_1_2_is_known_and_minor_fallback_finds_it() {
+        let layout = layout_for_version("3.1.2").expect("3.1.2 in the table");
+        assert_eq!(layout.name, "3.1");
+        let (v, fallback) = layout_for_minor(3, 1).unwrap();
+        assert!(v.starts_with("3.1."));
+        assert_eq!(fallback, layout);
+        assert!(layout_for_version("1.8.7").is_none());
+    }
+
+    #[test]
+    fn body_read_covers_every_body_field() {
+        for l in LAYOUTS {
+            for off in [
+                l.body_type,
+                l.body_iseq_size,
+                l.body_iseq_encoded,
+                l.body_location_pathobj,
+                l.body_location_label,
+                l.body_location_base_label,
+                l.body_location_first_lineno,
+                l.body_insns_info_body,
+                l.body_insns_info_size,
+                l.body_insns_info_succ_index_table,
+                l.body_parent_iseq,
+                l.body_local_iseq,
+            ] {
+                assert!(off + 8 <= l.body_read_size, "{}: {off}", l.name);
+            }
+        }
+    }
+}

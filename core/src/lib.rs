@@ -1,0 +1,17 @@
+//! rbspy_ext's core: reads the stack of a running Ruby process from its memory, without a
+//! Ruby VM of its own. See ARCHITECTURE.md for a snapshot followed through these modules.
+//!
+//! - [`process`]: /proc/PID/maps and the ELF symbols of libruby;
+//! - [`memory`]: `process_vm_readv` behind the [`memory::Memory`] trait (and a test image);
+//! - [`objects`]: Ruby strings, arrays, symbol names and class names;
+//! - [`lines`]: instruction → line numbers;
+//! - [`spy`]: the one stack walker and its caches.
+pub mod error;
+pub mod lines;
+pub mod memory;
+pub mod objects;
+pub mod process;
+pub mod spy;
+
+pub use error::{Error, MemoryError, Result};
+pub use spy::{Config, Frame, Spy};

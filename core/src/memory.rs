@@ -1,0 +1,220 @@
+//! Where bytes come from: another process (`process_vm_readv`) or, in tests and fuzzing, an
+//! in-memory image. Everything above this module is generic over [`Memory`], so the walker
+//! can be exercised without a live process.
+use crate::error::MemoryError;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A read-only view of an address space.
+pub trait Memory {
+    /// Fills `buf` with the bytes at `addr`, or fails without a partial result.
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError>;
+
+    /// Fills several buffers; a process source does this in one system call, which is what
+    /// keeps a warm sample at a handful of calls.
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {
+        for (addr, buf) in requests.iter_mut() {
+            self.read(*addr, buf)?;
+        }
+        Ok(())
+    }
+
+    /// Reads a little-endian u64 at `addr`.
+    fn read_u64(&self, addr: u64) -> Result<u64, MemoryError> {
+        let mut b = [0u8; 8];
+        self.read(addr, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Reads `len` bytes into a new vector; `len` is capped by the caller.
+    fn read_vec(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemoryError> {
+        let mut v = vec![0u8; len];
+        self.read(addr, &mut v)?;
+        Ok(v)
+    }
+}
+
+/// The memory of a live process, read with `process_vm_readv`. Never writes.
+#[derive(Debug)]
+pub struct ProcessMemory {
+    pid: i32,
+    calls: AtomicU64,
+}
+
+/// Linux caps the iovec count of one call at IOV_MAX (1024).
+const IOV_MAX: usize = 1024;
+
+impl ProcessMemory {
+    pub fn new(pid: i32) -> Self {
+        ProcessMemory {
+            pid,
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// How many `process_vm_readv` calls this source has made (for benchmarks).
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    fn readv(&self, requests: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {
+        let locals: Vec<libc::iovec> = requests
+            .iter_mut()
+            .map(|(_, buf)| libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            })
+            .collect();
+        let remotes: Vec<libc::iovec> = requests
+            .iter()
+            .map(|(addr, buf)| libc::iovec {
+                iov_base: *addr as usize as *mut libc::c_void,
+                iov_len: buf.len(),
+            })
+            .collect();
+        let want: usize = requests.iter().map(|(_, b)| b.len()).sum();
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: every local iovec points into a live, exclusively borrowed buffer of the
+        // stated length; remote iovecs are only read by the kernel.
+        let got = unsafe {
+            libc::process_vm_readv(
+                self.pid,
+                locals.as_ptr(),
+                locals.len() as libc::c_ulong,
+                remotes.as_ptr(),
+                remotes.len() as libc::c_ulong,
+                0,
+            )
+        };
+        if got < 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Err(match errno {
+                libc::ESRCH => MemoryError::Gone,
+                libc::EPERM | libc::EACCES => MemoryError::Denied,
+                libc::EFAULT => {
+                    let (addr, buf) = &requests[0];
+                    MemoryError::Unmapped {
+                        addr: *addr,
+                        len: buf.len(),
+                    }
+                }
+                e => MemoryError::Other(e),
+            });
+        }
+        if got as usize != want {
+            // The kernel stops at the first remote range it cannot read: name that one.
+            let mut seen = 0usize;
+            for (addr, buf) in requests.iter() {
+                if seen + buf.len() > got as usize {
+                    return Err(MemoryError::Unmapped {
+                        addr: *addr,
+                        len: buf.len(),
+                    });
+                }
+                seen += buf.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Memory for ProcessMemory {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.readv(&mut [(addr, buf)])
+    }
+
+    fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {
+        for chunk in requests.chunks_mut(IOV_MAX) {
+            self.readv(chunk)?;
+        }
+        Ok(())
+    }
+}
+
+/// An address space made of byte regions, for tests and fuzzing.
+#[derive(Debug, Default, Clone)]
+pub struct MemoryImage {
+    regions: BTreeMap<u64, Vec<u8>>,
+}
+
+impl MemoryImage {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Maps `bytes` at `addr` (regions must not overlap).
+    pub fn map(&mut self, addr: u64, bytes: Vec<u8>) {
+        self.regions.insert(addr, bytes);
+    }
+
+    /// Overwrites bytes inside an already mapped region.
+    pub fn write(&mut self, addr: u64, bytes: &[u8]) {
+        let (start, region) = self
+            .regions
+            .range_mut(..=addr)
+            .next_back()
+            .expect("write into a mapped region");
+        let off = (addr - start) as usize;
+        region[off..off + bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+impl Memory for MemoryImage {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        let fail = MemoryError::Unmapped {
+            addr,
+            len: buf.len(),
+        };
+        let (start, region) = self.regions.range(..=addr).next_back().ok_or(fail)?;
+        let off = usize::try_from(addr - start).map_err(|_| fail)?;
+        let end = off.checked_add(buf.len()).ok_or(fail)?;
+        let src = region.get(off..end).ok_or(fail)?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_reads_inside_regions_only() {
+        let mut m = MemoryImage::new();
+        m.map(0x1000, (0u8..16).collect());
+        let mut b = [0u8; 4];
+        m.read(0x1004, &mut b).unwrap();
+        assert_eq!(b, [4, 5, 6, 7]);
+        assert!(m.read(0x100e, &mut b).is_err());
+        assert!(m.read(0xfff, &mut b).is_err());
+        assert!(m.read(u64::MAX - 1, &mut b).is_err());
+    }
+
+    #[test]
+    fn process_memory_reads_own_process_in_one_call() {
+        let a = 0x1122334455667788u64.to_le_bytes();
+        let b = [9u8; 100];
+        let mem = ProcessMemory::new(std::process::id() as i32);
+        let mut x = [0u8; 8];
+        let mut y = [0u8; 100];
+        mem.read_many(&mut [
+            (a.as_ptr() as u64, &mut x[..]),
+            (b.as_ptr() as u64, &mut y[..]),
+        ])
+        .unwrap();
+        assert_eq!(x, a);
+        assert_eq!(y, b);
+        assert_eq!(mem.calls(), 1);
+        assert!(matches!(
+            mem.read(8, &mut x),
+            Err(MemoryError::Unmapped { .. })
+        ));
+    }
+}

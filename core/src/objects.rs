@@ -1,0 +1,293 @@
+//! Reading Ruby heap objects out of another process: strings, arrays, symbol names and
+//! class paths. Everything here is bounded (lengths capped, loops limited) because the
+//! memory may be garbage: a racing target, or a wrong guess during the VM search.
+use crate::error::MemoryError;
+use crate::memory::Memory;
+use rbspy_ext_bindings::Layout;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub const T_MASK: u64 = 0x1f;
+pub const T_CLASS: u64 = 0x02;
+pub const T_MODULE: u64 = 0x03;
+pub const T_STRING: u64 = 0x05;
+pub const T_ARRAY: u64 = 0x07;
+pub const T_IMEMO: u64 = 0x1a;
+
+/// Longest string the spy will copy (paths and labels are far shorter).
+const MAX_STRING: usize = 64 * 1024;
+/// Most iv_tbl entries scanned when looking up a class's name.
+const MAX_IVARS: u64 = 4096;
+
+/// Why an object could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObjectError {
+    Memory(MemoryError),
+    /// The object's header is not what the caller expected.
+    Shape(&'static str, u64),
+}
+
+impl From<MemoryError> for ObjectError {
+    fn from(e: MemoryError) -> Self {
+        ObjectError::Memory(e)
+    }
+}
+
+pub type ObjResult<T> = Result<T, ObjectError>;
+
+/// True for VALUEs that are pointers to heap objects (not nil/true/false/fixnums/symbols).
+pub fn is_heap_object(value: u64) -> bool {
+    value != 0 && value & 0x7 == 0 && value > 0x1000
+}
+
+pub fn word(bytes: &[u8], offset: usize) -> u64 {
+    bytes
+        .get(offset..offset + 8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .unwrap_or(0)
+}
+
+pub fn word32(bytes: &[u8], offset: usize) -> u32 {
+    bytes
+        .get(offset..offset + 4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .unwrap_or(0)
+}
+
+/// Reads a T_STRING's bytes (lossily decoded as UTF-8).
+pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<String> {
+    if !is_heap_object(value) {
+        return Err(ObjectError::Shape("String", value));
+    }
+    let mut head = [0u8; 48];
+    mem.read(value, &mut head[..l.rstring_embed_ary + 24])?;
+    let flags = word(&head, l.rbasic_flags);
+    if flags & T_MASK != T_STRING {
+        return Err(ObjectError::Shape("String", value));
+    }
+    let bytes = if flags & l.rstring_noembed != 0 {
+        let len = word(&head, l.rstring_heap_len) as usize;
+        if len > MAX_STRING {
+            return Err(ObjectError::Shape("String", value));
+        }
+        mem.read_vec(word(&head, l.rstring_heap_ptr), len)?
+    } else {
+        let len = ((flags & l.rstring_embed_len_mask) >> l.rstring_embed_len_shift) as usize;
+        let start = l.rstring_embed_ary;
+        head.get(start..start + len)
+            .ok_or(ObjectError::Shape("String", value))?
+            .to_vec()
+    };
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Reads element `index` of a T_ARRAY.
+pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) -> ObjResult<u64> {
+    if !is_heap_object(value) {
+        return Err(ObjectError::Shape("Array", value));
+    }
+    let mut head = [0u8; 48];
+    mem.read(value, &mut head[..l.rarray_heap_ptr + 8])?;
+    let flags = word(&head, l.rbasic_flags);
+    if flags & T_MASK != T_ARRAY {
+        return Err(ObjectError::Shape("Array", value));
+    }
+    let (len, ptr) = if flags & l.rarray_embed_flag != 0 {
+        (
+            (flags & l.rarray_embed_len_mask) >> l.rarray_embed_len_shift,
+            value + l.rarray_embed_ary as u64,
+        )
+    } else {
+        (word(&head, l.rarray_heap_len), word(&head, l.rarray_heap_ptr))
+    };
+    if index >= len {
+        return Err(ObjectError::Shape("Array index", value));
+    }
+    Ok(mem.read_u64(ptr + index * 8)?)
+}
+
+/// Length of a T_ARRAY.
+pub fn read_array_len<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<u64> {
+    let mut head = [0u8; 48];
+    mem.read(value, &mut head[..l.rarray_heap_ptr + 8])?;
+    let flags = word(&head, l.rbasic_flags);
+    if flags & T_MASK != T_ARRAY {
+        return Err(ObjectError::Shape("Array", value));
+    }
+    Ok(if flags & l.rarray_embed_flag != 0 {
+        (flags & l.rarray_embed_len_mask) >> l.rarray_embed_len_shift
+    } else {
+        word(&head, l.rarray_heap_len)
+    })
+}
+
+/// Resolves IDs (method and ivar names) through the target's global symbol table
+/// (`ruby_global_symbols`), caching every answer: IDs never change meaning.
+#[derive(Debug)]
+pub struct SymbolTable {
+    /// Address of the target's `rb_symbols_t`.
+    pub addr: u64,
+    names: HashMap<u64, Arc<str>>,
+}
+
+impl SymbolTable {
+    pub fn new(addr: u64) -> Self {
+        SymbolTable {
+            addr,
+            names: HashMap::new(),
+        }
+    }
+
+    /// True if `candidate` holds a plausible `rb_symbols_t`: a small last_id and an `ids`
+    /// array with exactly one chunk per `id_entry_unit` IDs. Used to find the table in a
+    /// stripped libruby by scanning its writable data.
+    pub fn validate<M: Memory>(mem: &M, l: &Layout, bytes: &[u8]) -> bool {
+        let last_id = word32(bytes, l.symbols_last_id) as u64;
+        let ids = word(bytes, l.symbols_ids);
+        if !(l.last_op_id..1 << 28).contains(&last_id) || !is_heap_object(ids) {
+            return false;
+        }
+        matches!(read_array_len(mem, l, ids), Ok(n) if n == last_id / l.id_entry_unit + 1)
+    }
+
+    /// The name of `id`, e.g. "each" or "__classpath__".
+    pub fn name<M: Memory>(&mut self, mem: &M, l: &Layout, id: u64) -> ObjResult<Arc<str>> {
+        if let Some(n) = self.names.get(&id) {
+            return Ok(n.clone());
+        }
+        let serial = if id > l.last_op_id {
+            id >> l.id_scope_shift
+        } else {
+            id
+        };
+        let mut head = [0u8; 64];
+        mem.read(self.addr, &mut head[..l.symbols_size])?;
+        let last_id = word32(&head, l.symbols_last_id) as u64;
+        if serial == 0 || serial > last_id {
+            return Err(ObjectError::Shape("ID", id));
+        }
+        let ids = word(&head, l.symbols_ids);
+        let chunk = read_array_entry(mem, l, ids, serial / l.id_entry_unit)?;
+        let str_value =
+            read_array_entry(mem, l, chunk, (serial % l.id_entry_unit) * l.id_entry_size)?;
+        let name: Arc<str> = read_string(mem, l, str_value)?.into();
+        self.names.insert(id, name.clone());
+        Ok(name)
+    }
+}
+
+/// Computes method labels the way Ruby 3.4 does (`Foo#bar`, `Foo.bar`, or the bare name when
+/// the owner has no permanent name), caching the class part per owner.
+#[derive(Debug, Default)]
+pub struct ClassNames {
+    /// owner VALUE → prefix ("Foo#" / "Foo.") or None for "no qualification".
+    prefixes: HashMap<u64, Option<Arc<str>>>,
+}
+
+impl ClassNames {
+    pub fn qualify<M: Memory>(
+        &mut self,
+        mem: &M,
+        l: &Layout,
+        symbols: &mut SymbolTable,
+        owner: u64,
+        name: &str,
+    ) -> String {
+        if !self.prefixes.contains_key(&owner) {
+            // A class we cannot name (anonymous, or memory that does not read) gets the bare
+            // method name, which is also what Ruby prints for anonymous owners.
+            let prefix = method_prefix(mem, l, symbols, owner).ok().flatten();
+            self.prefixes.insert(owner, prefix.map(Arc::from));
+        }
+        match &self.prefixes[&owner] {
+            Some(p) => format!("{p}{name}"),
+            None => name.to_string(),
+        }
+    }
+}
+
+/// "Foo#" for an instance method of a named class or module, "Foo." for a singleton method
+/// of one, None otherwise (Ruby's `gen_method_name`).
+fn method_prefix<M: Memory>(
+    mem: &M,
+    l: &Layout,
+    symbols: &mut SymbolTable,
+    owner: u64,
+) -> ObjResult<Option<String>> {
+    let flags = class_flags(mem, l, owner)?;
+    let Some(flags) = flags else { return Ok(None) };
+    if flags & l.fl_singleton != 0 {
+        let Some(attached) = ivar(mem, l, symbols, owner, "__attached__")? else {
+            return Ok(None);
+        };
+        if class_flags(mem, l, attached)?.is_none() {
+            return Ok(None);
+        }
+        Ok(permanent_name(mem, l, symbols, attached)?.map(|n| format!("{n}.")))
+    } else {
+        Ok(permanent_name(mem, l, symbols, owner)?.map(|n| format!("{n}#")))
+    }
+}
+
+/// The flags of a T_CLASS/T_MODULE, or None for any other object.
+fn class_flags<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Option<u64>> {
+    if !is_heap_object(value) {
+        return Ok(None);
+    }
+    let flags = mem.read_u64(value + l.rbasic_flags as u64)?;
+    Ok(matches!(flags & T_MASK, T_CLASS | T_MODULE).then_some(flags))
+}
+
+/// A class's `__classpath__` (set once the class is reachable from a constant): Ruby's
+/// "permanent" name. A class with only a temporary path is treated as anonymous.
+fn permanent_name<M: Memory>(
+    mem: &M,
+    l: &Layout,
+    symbols: &mut SymbolTable,
+    class: u64,
+) -> ObjResult<Option<String>> {
+    match ivar(mem, l, symbols, class, "__classpath__")? {
+        Some(path) => Ok(Some(read_string(mem, l, path)?)),
+        None => Ok(None),
+    }
+}
+
+/// Looks up a hidden instance variable of a class in its iv_tbl (an st_table keyed by ID).
+fn ivar<M: Memory>(
+    mem: &M,
+    l: &Layout,
+    symbols: &mut SymbolTable,
+    class: u64,
+    name: &str,
+) -> ObjResult<Option<u64>> {
+    let ext = mem.read_u64(class + l.rclass_ext_ptr as u64)?;
+    if ext == 0 {
+        return Ok(None);
+    }
+    let table = mem.read_u64(ext + l.classext_iv_tbl as u64)?;
+    if table == 0 {
+        return Ok(None);
+    }
+    let mut head = [0u8; 64];
+    mem.read(table, &mut head[..l.st_table_entries + 8])?;
+    let start = word(&head, l.st_table_entries_start);
+    let bound = word(&head, l.st_table_entries_bound);
+    if bound < start || bound - start > MAX_IVARS {
+        return Err(ObjectError::Shape("st_table", table));
+    }
+    let size = l.st_table_entry_size as u64;
+    let entries = mem.read_vec(
+        word(&head, l.st_table_entries) + start * size,
+        ((bound - start) * size) as usize,
+    )?;
+    for entry in entries.chunks_exact(l.st_table_entry_size) {
+        let key = word(entry, l.st_table_entry_key);
+        // Deleted entries and IDs that do not resolve are skipped, not fatal.
+        if let Ok(key_name) = symbols.name(mem, l, key) {
+            if &*key_name == name {
+                return Ok(Some(word(entry, l.st_table_entry_record)));
+            }
+        }
+    }
+    Ok(None)
+}

@@ -1,0 +1,240 @@
+//! What the kernel tells us about a process: its mappings, and the symbols and writable
+//! segments of the binary that holds the Ruby VM (libruby.so, or a statically linked ruby).
+use crate::error::{Error, Result};
+use goblin::elf::{program_header::PT_LOAD, Elf};
+use std::fs;
+use std::io::ErrorKind;
+
+/// One line of /proc/PID/maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub perms: String,
+    pub offset: u64,
+    pub path: String,
+}
+
+/// Parses /proc/PID/maps text; malformed lines are skipped.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines()
+        .filter_map(|line| {
+            let mut it = line.split_whitespace();
+            let range = it.next()?;
+            let perms = it.next()?.to_string();
+            let offset = u64::from_str_radix(it.next()?, 16).ok()?;
+            let _dev = it.next()?;
+            let _inode = it.next()?;
+            let path = it.collect::<Vec<_>>().join(" ");
+            let (s, e) = range.split_once('-')?;
+            Some(Mapping {
+                start: u64::from_str_radix(s, 16).ok()?,
+                end: u64::from_str_radix(e, 16).ok()?,
+                perms,
+                offset,
+                path,
+            })
+        })
+        .collect()
+}
+
+fn io_error(pid: i32, what: &str, e: std::io::Error) -> Error {
+    match e.kind() {
+        ErrorKind::NotFound => Error::NoSuchProcess { pid },
+        ErrorKind::PermissionDenied => Error::PermissionDenied { pid },
+        _ => Error::Io {
+            pid,
+            context: what.to_string(),
+            source: e,
+        },
+    }
+}
+
+/// Reads and parses /proc/PID/maps, mapping "no such file" to `NoSuchProcess` and EACCES to
+/// `PermissionDenied`.
+pub fn read_maps(pid: i32) -> Result<Vec<Mapping>> {
+    let text = fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| io_error(pid, "reading /proc/PID/maps", e))?;
+    let maps = parse_maps(&text);
+    if maps.is_empty() {
+        // A zombie has no mappings left: nothing to read.
+        return Err(Error::NoSuchProcess { pid });
+    }
+    Ok(maps)
+}
+
+/// A binary mapped into the target, with what the spy needs from its ELF file.
+#[derive(Debug, Clone)]
+pub struct RubyBinary {
+    /// The path as /proc/PID/maps shows it (may not exist for us: chroots, containers).
+    pub path: String,
+    /// Added to an ELF virtual address to get the address in the target.
+    pub bias: u64,
+    /// `.dynsym` entries the spy may use: (name, address in the target, size).
+    pub symbols: Vec<(String, u64, u64)>,
+    /// Writable PT_LOAD segments in the target: (start, end).
+    pub writable: Vec<(u64, u64)>,
+}
+
+impl RubyBinary {
+    /// The target address of an exported symbol.
+    pub fn symbol(&self, name: &str) -> Option<u64> {
+        self.symbols
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .map(|(_, a, _)| *a)
+    }
+}
+
+/// Symbols worth keeping from .dynsym (the ELF is parsed once at attach).
+const WANTED: &[&str] = &[
+    "ruby_version",
+    "ruby_current_vm_ptr",
+    "ruby_current_vm",
+    "ruby_single_main_ractor",
+    "ruby_global_symbols",
+    "ruby_api_version",
+];
+
+/// Opens the bytes of a mapped file as the target sees it. /proc/PID/map_files works across
+/// mount namespaces and chroots (root only); the path through /proc/PID/root and the plain
+/// path are fallbacks for unprivileged readers of their own processes.
+fn read_mapped_file(pid: i32, mapping: &Mapping) -> Result<Vec<u8>> {
+    let candidates = [
+        format!(
+            "/proc/{pid}/map_files/{:x}-{:x}",
+            mapping.start, mapping.end
+        ),
+        format!("/proc/{pid}/root{}", mapping.path),
+        mapping.path.clone(),
+    ];
+    let mut last = None;
+    for c in &candidates {
+        match fs::read(c) {
+            Ok(bytes) => return Ok(bytes),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(io_error(
+        pid,
+        &format!("opening {}", mapping.path),
+        last.expect("at least one candidate"),
+    ))
+}
+
+fn is_libruby(path: &str) -> bool {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    file.starts_with("libruby") && file.contains(".so")
+}
+
+/// Finds the binary that holds the Ruby VM: libruby.so if one is mapped, otherwise the main
+/// executable (a statically linked ruby), which must then export `ruby_version`.
+pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
+    let exe = fs::read_link(format!("/proc/{pid}/exe"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let lib = maps.iter().find(|m| is_libruby(&m.path)).map(|m| &m.path);
+    let path = match lib {
+        Some(p) => p.clone(),
+        None => exe.trim_end_matches(" (deleted)").to_string(),
+    };
+    let mine: Vec<&Mapping> = maps.iter().filter(|m| m.path == path).collect();
+    let first = mine.iter().min_by_key(|m| m.start).ok_or_else(|| Error::NotRuby {
+        pid,
+        detail: format!("no libruby is mapped and the executable ({exe}) is not mapped either"),
+    })?;
+    let bytes = read_mapped_file(pid, first)?;
+    let elf = Elf::parse(&bytes).map_err(|e| Error::NotRuby {
+        pid,
+        detail: format!("{path} is not a readable ELF file ({e})"),
+    })?;
+    let base_mapping = mine
+        .iter()
+        .filter(|m| m.offset == 0)
+        .min_by_key(|m| m.start)
+        .unwrap_or(first);
+    let first_load = elf
+        .program_headers
+        .iter()
+        .filter(|p| p.p_type == PT_LOAD)
+        .map(|p| p.p_vaddr & !(p.p_align.max(1) - 1))
+        .min()
+        .unwrap_or(0);
+    let bias = base_mapping.start.wrapping_sub(first_load);
+    let symbols: Vec<(String, u64, u64)> = elf
+        .dynsyms
+        .iter()
+        .filter(|s| s.st_value != 0)
+        .filter_map(|s| {
+            let name = elf.dynstrtab.get_at(s.st_name)?;
+            WANTED.contains(&name).then(|| {
+                (
+                    name.to_string(),
+                    bias.wrapping_add(s.st_value),
+                    s.st_size,
+                )
+            })
+        })
+        .collect();
+    let writable = elf
+        .program_headers
+        .iter()
+        .filter(|p| p.p_type == PT_LOAD && p.is_write())
+        .map(|p| {
+            let start = bias.wrapping_add(p.p_vaddr);
+            (start, start + p.p_memsz)
+        })
+        .collect();
+    let binary = RubyBinary {
+        path: path.clone(),
+        bias,
+        symbols,
+        writable,
+    };
+    if binary.symbol("ruby_version").is_none() {
+        return Err(Error::NotRuby {
+            pid,
+            detail: format!("{path} does not export ruby_version (no libruby is mapped)"),
+        });
+    }
+    Ok(binary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_maps_lines_with_and_without_paths() {
+        let text = "55d0c0a00000-55d0c0a01000 r--p 00000000 fe:01 123 /usr/bin/ruby3.1\n\
+                    7f00-8f00 rw-p 00001000 00:00 0 \n\
+                    7fff0000-7fff1000 rw-p 00000000 00:00 0 [stack]\n\
+                    garbage line\n\
+                    7f0000-7f1000 r-xp 00000000 fe:01 9 /opt/my dir/libruby.so.3.1\n";
+        let maps = parse_maps(text);
+        assert_eq!(maps.len(), 4);
+        assert_eq!(maps[0].start, 0x55d0c0a00000);
+        assert_eq!(maps[0].path, "/usr/bin/ruby3.1");
+        assert_eq!(maps[1].offset, 0x1000);
+        assert_eq!(maps[1].path, "");
+        assert_eq!(maps[3].path, "/opt/my dir/libruby.so.3.1");
+        assert!(is_libruby(&maps[3].path));
+        assert!(!is_libruby("/usr/bin/ruby"));
+    }
+
+    #[test]
+    fn own_process_is_not_ruby() {
+        let pid = std::process::id() as i32;
+        let maps = read_maps(pid).unwrap();
+        let err = find_ruby_binary(pid, &maps).unwrap_err();
+        assert!(matches!(err, Error::NotRuby { .. }), "{err}");
+    }
+
+    #[test]
+    fn missing_process_is_reported() {
+        assert!(matches!(
+            read_maps(i32::MAX),
+            Err(Error::NoSuchProcess { .. })
+        ));
+    }
+}

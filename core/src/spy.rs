@@ -1,0 +1,847 @@
+//! The one stack walker: attach to a process once, then read its current stack as often as
+//! needed. Everything that cannot change between samples (addresses, the layout, iseq
+//! labels and line tables, method names, class names) is cached in the [`Spy`], so a warm
+//! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
+//! environments + iseq headers, and method-entry headers.
+use crate::error::{Error, MemoryError, Result};
+use crate::lines::LineTable;
+use crate::memory::{Memory, ProcessMemory};
+use crate::objects::{
+    is_heap_object, read_array_entry, read_string, word, word32, ClassNames, ObjectError,
+    SymbolTable, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
+};
+use crate::process::{find_ruby_binary, read_maps};
+use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
+const MAX_FRAMES: u64 = 65_536;
+/// Most environments followed from a block frame to its method frame.
+const MAX_EP_DEPTH: usize = 256;
+/// How often a snapshot is retried when the stack changes under it.
+pub const SNAPSHOT_ATTEMPTS: u32 = 8;
+
+/// One frame, innermost first, shaped like `Thread::Backtrace::Location`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Qualified the way Ruby 3.4 prints it: `Foo::Bar#baz`, `block in Foo.build`.
+    pub label: Arc<str>,
+    pub base_label: Arc<str>,
+    pub path: Arc<str>,
+    pub absolute_path: Option<Arc<str>>,
+    pub lineno: i32,
+    pub c_function: bool,
+}
+
+/// Options for [`Spy::attach_with`].
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// Use this version's layout instead of the one the process reports.
+    pub force_version: Option<String>,
+}
+
+/// What never changes about one iseq.
+#[derive(Debug)]
+struct IseqInfo {
+    body: u64,
+    encoded: u64,
+    size: u32,
+    path: Arc<str>,
+    absolute_path: Option<Arc<str>>,
+    label: Arc<str>,
+    base_label: Arc<str>,
+    /// True when the iseq belongs to a method (its local iseq is a method), so its label
+    /// gets the owner's name.
+    in_method: bool,
+    lines: LineTable,
+    /// Qualified labels by owner class.
+    qualified: HashMap<u64, Arc<str>>,
+}
+
+/// What is cached about one method entry, checked against its header on every sample.
+#[derive(Debug, Clone)]
+struct MethodInfo {
+    def: u64,
+    owner: u64,
+    /// `Owner#name` for C functions.
+    cfunc_label: Option<Arc<str>>,
+    name: Option<Arc<str>>,
+}
+
+/// A handle on one Ruby process.
+pub struct Spy<M: Memory = ProcessMemory> {
+    pid: i32,
+    mem: M,
+    layout: &'static Layout,
+    version: String,
+    warning: Option<String>,
+    vm: u64,
+    main_ractor: u64,
+    main_thread: u64,
+    symbols: Option<SymbolTable>,
+    writable: Vec<(u64, u64)>,
+    classes: ClassNames,
+    iseqs: HashMap<u64, IseqInfo>,
+    methods: HashMap<u64, MethodInfo>,
+    /// The thread and execution context seen last, read speculatively in one call.
+    last_ec: Option<(u64, u64)>,
+}
+
+/// A failure inside one attempt: either the stack moved (retry) or a real error.
+enum Attempt {
+    Changed(String),
+    Fatal(Error),
+}
+
+impl From<Error> for Attempt {
+    fn from(e: Error) -> Self {
+        Attempt::Fatal(e)
+    }
+}
+
+impl Spy<ProcessMemory> {
+    /// Attaches to a live process: finds libruby, its version and its VM.
+    pub fn attach(pid: i32) -> Result<Self> {
+        Self::attach_with(pid, &Config::default())
+    }
+
+    pub fn attach_with(pid: i32, config: &Config) -> Result<Self> {
+        if pid <= 0 {
+            return Err(Error::InvalidArgument(format!(
+                "pid must be positive, got {pid}"
+            )));
+        }
+        let maps = read_maps(pid)?;
+        let binary = find_ruby_binary(pid, &maps)?;
+        let mem = ProcessMemory::new(pid);
+        let version_addr = binary.symbol("ruby_version").expect("checked by find_ruby_binary");
+        let raw = mem
+            .read_vec(version_addr, 16)
+            .map_err(|e| memory_error(pid, "reading ruby_version", e))?;
+        let found = String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[]))
+            .into_owned();
+        let wanted = config.force_version.clone().unwrap_or_else(|| found.clone());
+        let (layout, warning) = resolve_layout(pid, &wanted)?;
+        let vm_ptr = binary
+            .symbol("ruby_current_vm_ptr")
+            .or_else(|| binary.symbol("ruby_current_vm"))
+            .ok_or_else(|| Error::NotRuby {
+                pid,
+                detail: format!(
+                    "{} (Ruby {found}) exports no ruby_current_vm_ptr; finding the VM \
+                     without it is not supported yet",
+                    binary.path
+                ),
+            })?;
+        let vm = mem
+            .read_u64(vm_ptr)
+            .map_err(|e| memory_error(pid, "reading ruby_current_vm_ptr", e))?;
+        let mut spy = Spy {
+            pid,
+            mem,
+            layout,
+            version: found,
+            warning,
+            vm,
+            main_ractor: 0,
+            main_thread: 0,
+            symbols: binary.symbol("ruby_global_symbols").map(SymbolTable::new),
+            writable: binary.writable.clone(),
+            classes: ClassNames::default(),
+            iseqs: HashMap::new(),
+            methods: HashMap::new(),
+            last_ec: None,
+        };
+        spy.validate_vm()?;
+        Ok(spy)
+    }
+}
+
+fn memory_error(pid: i32, context: &'static str, e: MemoryError) -> Error {
+    match e {
+        MemoryError::Gone => Error::ProcessExited { pid },
+        MemoryError::Denied => Error::PermissionDenied { pid },
+        source => Error::Memory {
+            pid,
+            context,
+            source,
+        },
+    }
+}
+
+/// The layout for a version string, falling back to the newest known release of the same
+/// minor series (with a warning).
+fn resolve_layout(pid: i32, version: &str) -> Result<(&'static Layout, Option<String>)> {
+    let parts: Vec<u32> = version
+        .split('.')
+        .map(|p| p.parse::<u32>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: "not a MAJOR.MINOR.PATCH version".into(),
+        })?;
+    if parts.len() != 3 {
+        return Err(Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: "not a MAJOR.MINOR.PATCH version".into(),
+        });
+    }
+    if let Some(layout) = layout_for_version(version) {
+        return Ok((layout, None));
+    }
+    match layout_for_minor(parts[0], parts[1]) {
+        Some((known, layout)) => Ok((
+            layout,
+            Some(format!(
+                "Ruby {version} is newer than the layout table; using the layout of {known}"
+            )),
+        )),
+        None => Err(Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: format!(
+                "known layouts: {}",
+                rbspy_ext_bindings::VERSIONS
+                    .iter()
+                    .map(|(v, _)| *v)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
+    }
+}
+
+impl<M: Memory> Spy<M> {
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The Ruby version the target reports (e.g. "3.1.2").
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Set when the layout came from the newest known release of the same minor series.
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
+    }
+
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    fn mem_err(&self, context: &'static str) -> impl Fn(MemoryError) -> Error + '_ {
+        move |e| memory_error(self.pid, context, e)
+    }
+
+    /// Checks the VM pointer through its own back-pointers: the main thread must point back
+    /// at the VM, and the main ractor must name the same main thread.
+    fn validate_vm(&mut self) -> Result<()> {
+        let l = self.layout;
+        let corrupt = |what| Error::Corrupt {
+            pid: self.pid,
+            what,
+            addr: self.vm,
+        };
+        if !is_heap_object(self.vm) {
+            return Err(corrupt("VM pointer"));
+        }
+        let mut vm = vec![0u8; l.vm_main_thread.max(l.vm_main_ractor) + 8];
+        self.mem
+            .read(self.vm, &mut vm)
+            .map_err(self.mem_err("reading the VM"))?;
+        let ractor = word(&vm, l.vm_main_ractor);
+        let thread = word(&vm, l.vm_main_thread);
+        let thread_vm = self
+            .mem
+            .read_u64(thread + l.thread_vm as u64)
+            .map_err(|_| corrupt("VM (its main thread is unreadable)"))?;
+        let ractor_main = self
+            .mem
+            .read_u64(ractor + l.ractor_threads_main as u64)
+            .map_err(|_| corrupt("VM (its main ractor is unreadable)"))?;
+        if thread_vm != self.vm || ractor_main != thread {
+            return Err(corrupt("VM"));
+        }
+        self.main_ractor = ractor;
+        self.main_thread = thread;
+        Ok(())
+    }
+
+    /// The stack of the thread holding the GVL (the main thread when none does), innermost
+    /// frame first. Retries a bounded number of times if the stack changes while read.
+    pub fn snapshot(&mut self) -> Result<Vec<Frame>> {
+        let mut last = String::new();
+        for _ in 0..SNAPSHOT_ATTEMPTS {
+            match self.try_snapshot() {
+                Ok(frames) => return Ok(frames),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Changed(why)) => {
+                    // Forget the speculative thread: it may be what changed.
+                    self.last_ec = None;
+                    last = why;
+                }
+            }
+        }
+        // A process that vanished between attempts reports as exited, not as a moving stack.
+        if !std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
+            return Err(Error::ProcessExited { pid: self.pid });
+        }
+        Err(Error::StackChanged {
+            pid: self.pid,
+            attempts: SNAPSHOT_ATTEMPTS,
+            last,
+        })
+    }
+
+    /// Maps a read failure during a walk: the process being gone or unreadable is fatal,
+    /// an unmapped address means the stack moved under us.
+    fn moved(&self, what: &str) -> impl Fn(MemoryError) -> Attempt + '_ {
+        let what = what.to_string();
+        move |e| match e {
+            MemoryError::Gone => Attempt::Fatal(Error::ProcessExited { pid: self.pid }),
+            MemoryError::Denied => Attempt::Fatal(Error::PermissionDenied { pid: self.pid }),
+            other => Attempt::Changed(format!("{what}: {other}")),
+        }
+    }
+
+    fn object_moved(&self, what: &str, e: ObjectError) -> Attempt {
+        match e {
+            ObjectError::Memory(m) => self.moved(what)(m),
+            ObjectError::Shape(kind, addr) => {
+                Attempt::Changed(format!("{what}: {kind} at {addr:#x} does not validate"))
+            }
+        }
+    }
+
+    /// Reads the current thread's execution context: one call that reads the GVL owner
+    /// together with the last thread's `ec` field and that ec's stack fields.
+    fn current_ec(&mut self) -> std::result::Result<[u64; 3], Attempt> {
+        let l = self.layout;
+        let mut owner = [0u8; 8];
+        let mut ec_field = [0u8; 8];
+        let mut ec_head = [0u8; 24];
+        if let Some((thread, ec)) = self.last_ec {
+            self.mem
+                .read_many(&mut [
+                    (self.main_ractor + l.ractor_gvl_owner as u64, &mut owner[..]),
+                    (thread + l.thread_ec as u64, &mut ec_field[..]),
+                    (ec + l.ec_vm_stack as u64, &mut ec_head[..]),
+                ])
+                .map_err(self.moved("reading the GVL owner"))?;
+            let owner = word(&owner, 0);
+            let current = if owner == 0 { self.main_thread } else { owner };
+            if current == thread && word(&ec_field, 0) == ec {
+                return Ok(self.ec_fields(&ec_head));
+            }
+            return self.read_ec_of(current);
+        }
+        self.mem
+            .read(self.main_ractor + l.ractor_gvl_owner as u64, &mut owner)
+            .map_err(self.moved("reading the GVL owner"))?;
+        let owner = word(&owner, 0);
+        self.read_ec_of(if owner == 0 { self.main_thread } else { owner })
+    }
+
+    fn ec_fields(&self, head: &[u8]) -> [u64; 3] {
+        let l = self.layout;
+        let base = l.ec_vm_stack;
+        [
+            word(head, l.ec_vm_stack - base),
+            word(head, l.ec_vm_stack_size - base),
+            word(head, l.ec_cfp - base),
+        ]
+    }
+
+    fn read_ec_of(&mut self, thread: u64) -> std::result::Result<[u64; 3], Attempt> {
+        let l = self.layout;
+        let ec = self
+            .mem
+            .read_u64(thread + l.thread_ec as u64)
+            .map_err(self.moved("reading the thread's execution context"))?;
+        let mut head = [0u8; 24];
+        self.mem
+            .read(ec + l.ec_vm_stack as u64, &mut head)
+            .map_err(self.moved("reading the execution context"))?;
+        self.last_ec = Some((thread, ec));
+        Ok(self.ec_fields(&head))
+    }
+
+    fn try_snapshot(&mut self) -> std::result::Result<Vec<Frame>, Attempt> {
+        let l = self.layout;
+        let [vm_stack, vm_stack_size, cfp] = self.current_ec()?;
+        let cfp_size = l.cfp_size as u64;
+        // Control frames grow down from the end of the VM stack; the last slot is a dummy
+        // frame that Ruby's own backtrace skips.
+        let end = vm_stack.wrapping_add(vm_stack_size.wrapping_mul(8));
+        let last = end.wrapping_sub(cfp_size);
+        if vm_stack == 0
+            || vm_stack_size > MAX_FRAMES * 1024
+            || cfp < vm_stack
+            || cfp > last
+            || (last - cfp) % cfp_size != 0
+        {
+            return Err(Attempt::Changed(format!(
+                "control frame pointer {cfp:#x} outside its stack"
+            )));
+        }
+        let count = (last - cfp) / cfp_size;
+        if count > MAX_FRAMES {
+            return Err(Attempt::Changed(format!("{count} frames")));
+        }
+        let cfps = self
+            .mem
+            .read_vec(cfp, (count * cfp_size) as usize)
+            .map_err(self.moved("reading control frames"))?;
+        let frames: Vec<RawFrame> = cfps
+            .chunks_exact(l.cfp_size)
+            .map(|c| RawFrame {
+                pc: word(c, l.cfp_pc),
+                iseq: word(c, l.cfp_iseq),
+                ep: word(c, l.cfp_ep),
+            })
+            .collect();
+        let envs = self.read_envs_and_iseqs(&frames)?;
+        self.build_frames(&frames, &envs)
+    }
+
+    /// Second batched read: `ep[-2..=0]` of every frame, plus the headers of every iseq and of
+    /// its cached body, which both validates the iseq cache and tells new iseqs apart.
+    fn read_envs_and_iseqs(
+        &mut self,
+        frames: &[RawFrame],
+    ) -> std::result::Result<Envs, Attempt> {
+        let l = self.layout;
+        let mut env_bufs = vec![[0u8; 24]; frames.len()];
+        let mut iseq_addrs: Vec<u64> = frames
+            .iter()
+            .filter(|f| f.iseq != 0 && f.pc != 0)
+            .map(|f| f.iseq)
+            .collect();
+        iseq_addrs.sort_unstable();
+        iseq_addrs.dedup();
+        let mut iseq_bufs = vec![[0u8; 24]; iseq_addrs.len()];
+        let mut body_bufs = vec![[0u8; 16]; iseq_addrs.len()];
+        {
+            let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
+            for (f, buf) in frames.iter().zip(env_bufs.iter_mut()) {
+                requests.push((f.ep.wrapping_sub(16), &mut buf[..]));
+            }
+            for ((addr, ibuf), bbuf) in iseq_addrs
+                .iter()
+                .zip(iseq_bufs.iter_mut())
+                .zip(body_bufs.iter_mut())
+            {
+                requests.push((*addr, &mut ibuf[..]));
+                if let Some(info) = self.iseqs.get(addr) {
+                    requests.push((info.body, &mut bbuf[..]));
+                }
+            }
+            self.mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading frame environments"))?;
+        }
+        let mut envs = Envs::default();
+        for (f, buf) in frames.iter().zip(env_bufs.iter()) {
+            envs.slots.insert(f.ep, slots(buf));
+        }
+        for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(&iseq_bufs).zip(&body_bufs) {
+            let flags = word(ibuf, l.rbasic_flags);
+            if flags & T_MASK != T_IMEMO || (flags >> l.fl_ushift) & 0xf != l.imemo_iseq {
+                return Err(Attempt::Changed(format!("iseq at {addr:#x} is not an iseq")));
+            }
+            let body = word(ibuf, l.iseq_body);
+            let valid = self.iseqs.get(addr).is_some_and(|info| {
+                info.body == body
+                    && word32(bbuf, l.body_iseq_size) == info.size
+                    && word(bbuf, l.body_iseq_encoded) == info.encoded
+            });
+            if !valid {
+                self.iseqs.remove(addr);
+                let info = self.load_iseq(body)?;
+                self.iseqs.insert(*addr, info);
+            }
+        }
+        Ok(envs)
+    }
+
+    /// Reads and decodes everything an iseq's frames need (cold path, once per iseq).
+    fn load_iseq(&mut self, body: u64) -> std::result::Result<IseqInfo, Attempt> {
+        let l = self.layout;
+        let b = self
+            .mem
+            .read_vec(body, l.body_read_size)
+            .map_err(self.moved("reading an iseq body"))?;
+        let strings = |spy: &Self, v: u64| {
+            read_string(&spy.mem, l, v).map_err(|e| spy.object_moved("reading an iseq label", e))
+        };
+        let label: Arc<str> = strings(self, word(&b, l.body_location_label))?.into();
+        let base_label: Arc<str> = strings(self, word(&b, l.body_location_base_label))?.into();
+        let (path, absolute_path) = self.read_pathobj(word(&b, l.body_location_pathobj))?;
+        let size = word32(&b, l.body_iseq_size);
+        let lines = LineTable::read(
+            &self.mem,
+            l,
+            word(&b, l.body_insns_info_body),
+            word32(&b, l.body_insns_info_size) as u64,
+            word(&b, l.body_insns_info_succ_index_table),
+            size as u64,
+        )
+        .map_err(|e| self.object_moved("reading a line table", e))?;
+        let local = word(&b, l.body_local_iseq);
+        let in_method = if local == 0 {
+            false
+        } else {
+            let local_body = self
+                .mem
+                .read_u64(local + l.iseq_body as u64)
+                .map_err(self.moved("reading a local iseq"))?;
+            let mut t = [0u8; 4];
+            self.mem
+                .read(local_body + l.body_type as u64, &mut t)
+                .map_err(self.moved("reading a local iseq"))?;
+            u32::from_le_bytes(t) == l.iseq_type_method
+        };
+        Ok(IseqInfo {
+            body,
+            encoded: word(&b, l.body_iseq_encoded),
+            size,
+            path,
+            absolute_path,
+            label,
+            base_label,
+            in_method,
+            lines,
+            qualified: HashMap::new(),
+        })
+    }
+
+    /// An iseq's `pathobj` is either the path String or a frozen [path, realpath] Array.
+    fn read_pathobj(
+        &self,
+        pathobj: u64,
+    ) -> std::result::Result<(Arc<str>, Option<Arc<str>>), Attempt> {
+        let l = self.layout;
+        let fail = |e| self.object_moved("reading an iseq path", e);
+        let flags = self
+            .mem
+            .read_u64(pathobj)
+            .map_err(self.moved("reading an iseq path"))?;
+        match flags & T_MASK {
+            T_STRING => {
+                let p: Arc<str> = read_string(&self.mem, l, pathobj).map_err(fail)?.into();
+                Ok((p.clone(), Some(p)))
+            }
+            T_ARRAY => {
+                let path = read_array_entry(&self.mem, l, pathobj, 0).map_err(fail)?;
+                let real = read_array_entry(&self.mem, l, pathobj, 1).map_err(fail)?;
+                let path: Arc<str> = read_string(&self.mem, l, path).map_err(fail)?.into();
+                let real = if is_heap_object(real) {
+                    Some(read_string(&self.mem, l, real).map_err(fail)?.into())
+                } else {
+                    None
+                };
+                Ok((path, real))
+            }
+            _ => Err(Attempt::Changed(format!(
+                "pathobj at {pathobj:#x} is neither String nor Array"
+            ))),
+        }
+    }
+
+    /// The method entry of a frame (Ruby's `rb_vm_frame_method_entry`): the first
+    /// `ep[-2]` along the environment chain that is a method entry.
+    fn frame_method_entry(
+        &self,
+        ep: u64,
+        envs: &mut Envs,
+    ) -> std::result::Result<Option<u64>, Attempt> {
+        let l = self.layout;
+        let mut ep = ep;
+        for _ in 0..MAX_EP_DEPTH {
+            let s = match envs.slots.get(&ep) {
+                Some(s) => *s,
+                None => {
+                    // An environment that escaped to the heap (a block outliving its frame).
+                    let mut buf = [0u8; 24];
+                    self.mem
+                        .read(ep.wrapping_sub(16), &mut buf)
+                        .map_err(self.moved("reading an environment"))?;
+                    envs.slots.insert(ep, slots(&buf));
+                    slots(&buf)
+                }
+            };
+            if is_heap_object(s.me_cref) {
+                envs.candidates.push(s.me_cref);
+            }
+            let local = s.flags & l.env_flag_local != 0;
+            if local {
+                return Ok(is_heap_object(s.me_cref).then_some(s.me_cref));
+            }
+            if is_heap_object(s.me_cref) {
+                // Possibly a method entry (bmethod); confirmed by its header later.
+                return Ok(Some(s.me_cref));
+            }
+            ep = s.specval & !0x3;
+        }
+        Err(Attempt::Changed("environment chain too long".into()))
+    }
+
+    fn build_frames(
+        &mut self,
+        frames: &[RawFrame],
+        envs: &Envs,
+    ) -> std::result::Result<Vec<Frame>, Attempt> {
+        let l = self.layout;
+        let mut envs = Envs {
+            slots: envs.slots.clone(),
+            candidates: Vec::new(),
+        };
+        // Which frames are reported, and the method entry each needs (for C functions: its
+        // name; for Ruby methods and their blocks: the owner's name).
+        let mut wanted: Vec<(usize, bool, Option<u64>)> = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            if f.iseq != 0 {
+                if f.pc == 0 {
+                    continue; // IFUNC and dummy frames: Ruby skips them too.
+                }
+                let in_method = self.iseqs.get(&f.iseq).is_some_and(|x| x.in_method);
+                let me = if in_method {
+                    self.frame_method_entry(f.ep, &mut envs)?
+                } else {
+                    None
+                };
+                wanted.push((i, false, me));
+            } else {
+                let s = envs.slots[&f.ep];
+                if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
+                    continue;
+                }
+                let me = self.frame_method_entry(f.ep, &mut envs)?;
+                wanted.push((i, true, me));
+            }
+        }
+        let mes = self.read_method_entries(wanted.iter().filter_map(|w| w.2))?;
+
+        let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
+        let mut pending_cfuncs: Vec<usize> = Vec::new();
+        for (i, is_cfunc, me) in wanted {
+            let f = &frames[i];
+            if is_cfunc {
+                let info = me
+                    .and_then(|m| mes.get(&m))
+                    .ok_or_else(|| Attempt::Changed("C frame without a method entry".into()))?;
+                let label = self.cfunc_label(me.expect("checked"), info)?;
+                pending_cfuncs.push(out.len());
+                out.push(Frame {
+                    base_label: info.name.clone().unwrap_or_else(|| label.clone()),
+                    label,
+                    path: Arc::from(""),
+                    absolute_path: None,
+                    lineno: 0,
+                    c_function: true,
+                });
+                continue;
+            }
+            let owner = me.and_then(|m| mes.get(&m)).map(|m| m.owner);
+            let frame = self.iseq_frame(f, owner)?;
+            // A C function reports the location of the Ruby frame that called it.
+            for idx in pending_cfuncs.drain(..) {
+                out[idx].path = frame.path.clone();
+                out[idx].absolute_path = frame.absolute_path.clone();
+                out[idx].lineno = frame.lineno;
+            }
+            out.push(frame);
+        }
+        Ok(out)
+    }
+
+    /// Third batched read: headers of every method entry the frames point at. Cached entries
+    /// are kept only while their `def` and `owner` still match.
+    fn read_method_entries(
+        &mut self,
+        candidates: impl Iterator<Item = u64>,
+    ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
+        let l = self.layout;
+        let mut addrs: Vec<u64> = candidates.collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        if addrs.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let head_len = l.me_owner.max(l.me_def) + 8;
+        let mut bufs = vec![vec![0u8; head_len]; addrs.len()];
+        {
+            let mut requests: Vec<(u64, &mut [u8])> = addrs
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(a, b)| (*a, &mut b[..]))
+                .collect();
+            self.mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading method entries"))?;
+        }
+        let mut out = HashMap::new();
+        for (addr, buf) in addrs.iter().zip(&bufs) {
+            let flags = word(buf, l.rbasic_flags);
+            let is_ment =
+                flags & T_MASK == T_IMEMO && (flags >> l.fl_ushift) & 0xf == l.imemo_ment;
+            if !is_ment {
+                continue; // a cref or svar: the frame has no method entry of its own
+            }
+            let def = word(buf, l.me_def);
+            let owner = word(buf, l.me_owner);
+            let cached = self
+                .methods
+                .get(addr)
+                .filter(|m| m.def == def && m.owner == owner)
+                .cloned();
+            let info = cached.unwrap_or(MethodInfo {
+                def,
+                owner,
+                cfunc_label: None,
+                name: None,
+            });
+            self.methods.insert(*addr, info.clone());
+            out.insert(*addr, info);
+        }
+        Ok(out)
+    }
+
+    fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
+        if self.symbols.is_none() {
+            let addr = self.find_symbol_table().ok_or_else(|| {
+                Attempt::Fatal(Error::Corrupt {
+                    pid: self.pid,
+                    what: "symbol table (not found in libruby's data)",
+                    addr: 0,
+                })
+            })?;
+            self.symbols = Some(SymbolTable::new(addr));
+        }
+        Ok(self.symbols.as_mut().expect("just set"))
+    }
+
+    /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
+    /// segments for a struct that validates through its `ids` array.
+    fn find_symbol_table(&self) -> Option<u64> {
+        let l = self.layout;
+        for &(start, end) in &self.writable {
+            let len = (end - start).min(16 << 20) as usize;
+            let Ok(data) = self.mem.read_vec(start, len) else {
+                continue;
+            };
+            let mut off = 0;
+            while off + l.symbols_size <= data.len() {
+                let bytes = &data[off..off + l.symbols_size];
+                if SymbolTable::validate(&self.mem, l, bytes) {
+                    return Some(start + off as u64);
+                }
+                off += 8;
+            }
+        }
+        None
+    }
+
+    fn cfunc_label(&mut self, me: u64, info: &MethodInfo) -> std::result::Result<Arc<str>, Attempt> {
+        if let Some(label) = &info.cfunc_label {
+            return Ok(label.clone());
+        }
+        let l = self.layout;
+        let id = self
+            .mem
+            .read_u64(info.def + l.me_def_original_id as u64)
+            .map_err(self.moved("reading a method definition"))?;
+        self.symbols()?;
+        let symbols = self.symbols.as_mut().expect("found by symbols()");
+        let name = symbols
+            .name(&self.mem, l, id)
+            .map_err(|_| Attempt::Changed(format!("method name ID {id:#x} does not resolve")))?;
+        let label: Arc<str> = self
+            .classes
+            .qualify(&self.mem, l, symbols, info.owner, &name)
+            .into();
+        if let Some(m) = self.methods.get_mut(&me) {
+            m.cfunc_label = Some(label.clone());
+            m.name = Some(name);
+        }
+        Ok(label)
+    }
+
+    fn iseq_frame(&mut self, f: &RawFrame, owner: Option<u64>) -> std::result::Result<Frame, Attempt> {
+        let l = self.layout;
+        let info = self.iseqs.get(&f.iseq).expect("loaded in read_envs_and_iseqs");
+        let n = (f.pc.wrapping_sub(info.encoded) / 8) as usize;
+        if f.pc < info.encoded || n > info.size as usize {
+            return Err(Attempt::Changed("pc outside its iseq".into()));
+        }
+        // The pc points at the next instruction (Ruby's calc_pos uses pos - 1).
+        let pos = n.saturating_sub(1);
+        let lineno = info
+            .lines
+            .line_at(pos)
+            .ok_or_else(|| Attempt::Changed("pc outside the line table".into()))?;
+        let label = match owner {
+            Some(owner) if info.in_method => {
+                if let Some(q) = info.qualified.get(&owner) {
+                    q.clone()
+                } else {
+                    let (label, base) = (info.label.clone(), info.base_label.clone());
+                    self.symbols()?;
+                    let symbols = self.symbols.as_mut().expect("found by symbols()");
+                    let qualified = self.classes.qualify(&self.mem, l, symbols, owner, &base);
+                    // "block (2 levels) in foo" → "block (2 levels) in Foo#foo".
+                    let q: Arc<str> = match label.strip_suffix(&*base) {
+                        Some(prefix) => format!("{prefix}{qualified}").into(),
+                        None => label.clone(),
+                    };
+                    let info = self.iseqs.get_mut(&f.iseq).expect("present");
+                    info.qualified.insert(owner, q.clone());
+                    q
+                }
+            }
+            _ => info.label.clone(),
+        };
+        let info = &self.iseqs[&f.iseq];
+        Ok(Frame {
+            label,
+            base_label: info.base_label.clone(),
+            path: info.path.clone(),
+            absolute_path: info.absolute_path.clone(),
+            lineno,
+            c_function: false,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RawFrame {
+    pc: u64,
+    iseq: u64,
+    ep: u64,
+}
+
+/// `ep[-2]`, `ep[-1]`, `ep[0]` of one environment.
+#[derive(Debug, Clone, Copy)]
+struct Slots {
+    me_cref: u64,
+    specval: u64,
+    flags: u64,
+}
+
+fn slots(buf: &[u8; 24]) -> Slots {
+    Slots {
+        me_cref: word(buf, 0),
+        specval: word(buf, 8),
+        flags: word(buf, 16),
+    }
+}
+
+#[derive(Debug, Default)]
+struct Envs {
+    slots: HashMap<u64, Slots>,
+    candidates: Vec<u64>,
+}

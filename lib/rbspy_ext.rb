@@ -1,0 +1,41 @@
+# frozen_string_literal: true
+
+require_relative "rbspy_ext/version"
+require_relative "rbspy_ext/error"
+require_relative "rbspy_ext/frame"
+
+# The compiled extension defines RubySpy::Handle (a live view of one process's Ruby VM).
+# `rake compile` and `gem install` both place it at lib/rbspy_ext/rbspy_ext.so.
+require_relative "rbspy_ext/rbspy_ext"
+
+# RubySpy reads the stack of a running Ruby process from its memory, without stopping or
+# changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.
+module RubySpy
+  class << self
+    # The stack of the thread that holds the GVL in process +pid+ (the main thread when no
+    # thread holds it), innermost frame first, exactly as that thread's
+    # +Thread#backtrace_locations+ would list it.
+    #
+    # @param pid [Integer] a process id; +Process.pid+ snapshots the calling process
+    # @return [Array<RubySpy::Frame>]
+    # @raise [TypeError] if +pid+ is not an Integer
+    # @raise [ArgumentError] if +pid+ is not positive
+    # @raise [RubySpy::Error] (a subclass naming the cause) when the process cannot be read
+    # @example
+    #   RubySpy.snapshot(worker_pid).each { |frame| puts frame }
+    def snapshot(pid)
+      attach(pid).snapshot
+    end
+
+    # Opens a reusable handle on process +pid+. The handle finds the Ruby VM once and caches
+    # what cannot change (addresses, struct layout, method names, line tables), so repeated
+    # snapshots through it cost a few memory reads each.
+    #
+    # @param pid [Integer]
+    # @return [RubySpy::Handle]
+    # @raise (see .snapshot)
+    def attach(pid)
+      Handle.new(pid)
+    end
+  end
+end

@@ -1,0 +1,31 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # Base class of every error RubySpy raises on its own account. Each message says what was
+  # found and what to try.
+  class Error < StandardError; end
+
+  # No process has the given pid (or it is a zombie with no memory left to read).
+  class NoSuchProcess < Error; end
+
+  # The kernel refused to let this process read the target's memory.
+  class PermissionDenied < Error; end
+
+  # The process exists, but no Ruby VM was found in it (no libruby and no ruby executable
+  # exporting Ruby's symbols, or a VM pointer that does not validate).
+  class NotRubyProcess < Error; end
+
+  # The target runs a Ruby whose struct layout RubySpy does not know.
+  class UnsupportedVersion < Error; end
+
+  # The target exited while it was being read.
+  class ProcessExited < Error; end
+
+  # The target's stack kept changing while it was read, and a bounded number of retries did
+  # not yield a consistent copy. Taking the snapshot again usually succeeds.
+  class StackChanged < Error; end
+
+  # Memory that should hold a Ruby structure did not look like one (an internal
+  # inconsistency or a layout mismatch); the message names the structure.
+  class CorruptMemory < Error; end
+end
