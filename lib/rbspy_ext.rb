@@ -7,6 +7,7 @@ require_relative "rbspy_ext/frame"
 # The compiled extension defines RubySpy::Handle (a live view of one process's Ruby VM).
 # `rake compile` and `gem install` both place it at lib/rbspy_ext/rbspy_ext.so.
 require_relative "rbspy_ext/rbspy_ext"
+require_relative "rbspy_ext/handle"
 
 # RubySpy reads the stack of a running Ruby process from its memory, without stopping or
 # changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.
@@ -32,10 +33,11 @@ module RubySpy
     # snapshots through it cost a few memory reads each.
     #
     # @param pid [Integer]
+    # @param force_version [String, nil] use this release's layout instead of the reported one
     # @return [RubySpy::Handle]
     # @raise (see .snapshot)
-    def attach(pid)
-      Handle.new(pid)
+    def attach(pid, force_version: nil)
+      Handle.new(pid, force_version: force_version)
     end
   end
 end

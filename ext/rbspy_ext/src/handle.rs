@@ -1,0 +1,118 @@
+//! `RubySpy::Handle`: one attached process. The Ruby side (lib/rbspy_ext/handle.rb) turns
+//! the raw frame arrays into `RubySpy::Frame` objects.
+use crate::{errors, nogvl::nogvl};
+use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, Ruby, Value};
+use rbspy_ext_core::{Config, Frame, Spy};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Mutex;
+
+#[magnus::wrap(class = "RubySpy::Handle", free_immediately, size)]
+struct Handle {
+    spy: Mutex<Spy>,
+    /// Snapshots of the calling process keep the GVL: releasing it would let another
+    /// thread take it, and the snapshot would show that thread instead of the caller.
+    own_process: bool,
+}
+
+fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
+    if !pid.is_kind_of(ruby.class_integer()) {
+        return Err(Error::new(
+            ruby.exception_type_error(),
+            format!("pid must be an Integer, got {}", unsafe { pid.classname() }),
+        ));
+    }
+    let pid: i64 = i64::try_convert(pid)?;
+    if pid <= 0 || pid > i32::MAX as i64 {
+        return Err(Error::new(
+            ruby.exception_arg_error(),
+            format!("pid must be a positive process id, got {pid}"),
+        ));
+    }
+    Ok(pid as i32)
+}
+
+/// Runs core work without the GVL (or with it, for the own process), mapping errors and
+/// panics to Ruby exceptions.
+fn run<T>(
+    ruby: &Ruby,
+    keep_gvl: bool,
+    what: &str,
+    work: impl FnOnce() -> rbspy_ext_core::Result<T>,
+) -> Result<T, Error> {
+    let result = if keep_gvl {
+        catch_unwind(AssertUnwindSafe(work))
+    } else {
+        nogvl(work)
+    };
+    match result {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(errors::to_ruby(ruby, e)),
+        Err(_) => Err(errors::panicked(ruby, what)),
+    }
+}
+
+impl Handle {
+    fn new(ruby: &Ruby, pid: Value, force_version: Option<String>) -> Result<Handle, Error> {
+        let pid = pid_arg(ruby, pid)?;
+        let own_process = pid as u32 == std::process::id();
+        let config = Config { force_version };
+        let spy = run(ruby, own_process, "attaching", || Spy::attach_with(pid, &config))?;
+        Ok(Handle {
+            spy: Mutex::new(spy),
+            own_process,
+        })
+    }
+
+    fn pid(&self) -> i32 {
+        self.lock().pid()
+    }
+
+    fn ruby_version(&self) -> String {
+        self.lock().version().to_string()
+    }
+
+    fn warning(&self) -> Option<String> {
+        self.lock().warning().map(str::to_string)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Spy> {
+        // A panic while locked was already reported; the caches stay usable.
+        self.spy.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `[[label, base_label, path, absolute_path, lineno, c_function], ...]`, innermost first.
+    fn raw_snapshot(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let frames: Vec<Frame> = run(ruby, rb_self.own_process, "taking a snapshot", || {
+            rb_self.lock().snapshot()
+        })?;
+        let out = ruby.ary_new_capa(frames.len());
+        for f in frames {
+            out.push((
+                &*f.label,
+                &*f.base_label,
+                &*f.path,
+                f.absolute_path.as_deref(),
+                f.lineno,
+                f.c_function,
+            ))?;
+        }
+        Ok(out)
+    }
+
+    /// `process_vm_readv` calls made so far (benchmarks count them).
+    fn read_calls(&self) -> u64 {
+        self.lock().memory().calls()
+    }
+}
+
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    let module = ruby.define_module("RubySpy")?;
+    let class = module.define_class("Handle", ruby.class_object())?;
+    class.define_singleton_method("_new", function!(Handle::new, 2))?;
+    class.define_method("pid", method!(Handle::pid, 0))?;
+    class.define_method("ruby_version", method!(Handle::ruby_version, 0))?;
+    class.define_method("warning", method!(Handle::warning, 0))?;
+    class.define_method("_raw_snapshot", method!(Handle::raw_snapshot, 0))?;
+    class.define_method("read_calls", method!(Handle::read_calls, 0))?;
+    Ok(())
+}

@@ -1,0 +1,43 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # A live view of one Ruby process, opened by {RubySpy.attach}. It finds the Ruby VM once
+  # and caches what cannot change, so each {#snapshot} costs a few memory reads. A handle is
+  # safe to share between threads (snapshots through it are serialised).
+  class Handle
+    class << self
+      # @param pid [Integer] the process to read; +Process.pid+ for the calling process
+      # @param force_version [String, nil] use this Ruby version's struct layout instead of
+      #   the version the process reports (for builds whose version string is misleading)
+      # @return [RubySpy::Handle]
+      # @raise [TypeError] if +pid+ is not an Integer
+      # @raise [ArgumentError] if +pid+ is not positive
+      # @raise [RubySpy::Error] a subclass naming why the process cannot be read
+      def new(pid, force_version: nil)
+        _new(pid, force_version)
+      end
+    end
+
+    # The stack of the thread holding the GVL (the main thread when none holds it),
+    # innermost frame first.
+    #
+    # @return [Array<RubySpy::Frame>]
+    # @raise [RubySpy::ProcessExited] if the process has gone
+    # @raise [RubySpy::StackChanged] if the stack kept changing during several attempts
+    def snapshot
+      _raw_snapshot.map do |label, base_label, path, absolute_path, lineno, c_function|
+        Frame.new(label: label, base_label: base_label, path: path,
+                  absolute_path: absolute_path, lineno: lineno, c_function: c_function)
+      end
+    end
+
+    # @!method pid
+    #   @return [Integer] the process this handle reads
+    # @!method ruby_version
+    #   @return [String] the Ruby version the process reports, e.g. "3.1.2"
+    # @!method warning
+    #   @return [String, nil] set when the struct layout came from another patch release
+    # @!method read_calls
+    #   @return [Integer] how many +process_vm_readv+ calls this handle has made
+  end
+end
