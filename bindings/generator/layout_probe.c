@@ -106,6 +106,8 @@ int main(void) {
     X(env_flag_local, VM_ENV_FLAG_LOCAL);
     U(imemo_ment, imemo_ment);
     U(imemo_iseq, imemo_iseq);
+    U(imemo_svar, imemo_svar);
+    OFF(svar_cref_or_me, struct vm_svar, cref_or_me);
     OFF(rbasic_flags, struct RBasic, flags);
     U(fl_ushift, RUBY_FL_USHIFT);
     X(fl_singleton, RUBY_FL_SINGLETON);

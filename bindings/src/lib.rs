@@ -92,6 +92,9 @@ pub struct Layout {
     pub env_flag_local: u64,
     pub imemo_ment: u64,
     pub imemo_iseq: u64,
+    /// A method that uses `$~`/`$_` keeps an svar in `ep[-2]`; the method entry is inside.
+    pub imemo_svar: u64,
+    pub svar_cref_or_me: usize,
 
     // Object headers
     pub rbasic_flags: usize,

@@ -5,7 +5,10 @@ use std::time::Instant;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let pid: i32 = args.get(1).and_then(|p| p.parse().ok()).expect("usage: snapshot PID [COUNT]");
+    let pid: i32 = args
+        .get(1)
+        .and_then(|p| p.parse().ok())
+        .expect("usage: snapshot PID [COUNT]");
     let count: u32 = args.get(2).and_then(|c| c.parse().ok()).unwrap_or(0);
     let started = Instant::now();
     let mut spy = match Spy::attach(pid) {
@@ -24,7 +27,12 @@ fn main() {
         let c = if f.c_function { " [c]" } else { "" };
         println!("{}:{}:in '{}'{c}", f.path, f.lineno, f.label);
     }
-    println!("# {} frames, cold {:?}, Ruby {}", frames.len(), cold, spy.version());
+    println!(
+        "# {} frames, cold {:?}, Ruby {}",
+        frames.len(),
+        cold,
+        spy.version()
+    );
     if count > 0 {
         let calls_before = spy.memory().calls();
         let t = Instant::now();

@@ -48,7 +48,7 @@ impl LineTable {
         let succ_size = if iseq_size < imm {
             0
         } else {
-            (iseq_size - imm + 511) / 512
+            (iseq_size - imm).div_ceil(512)
         };
         let succ = if entry_count > 1 {
             if succ_table == 0 {
@@ -118,7 +118,11 @@ mod tests {
     fn encode(l: &Layout, max_pos: usize, positions: &[usize]) -> Vec<u8> {
         let imm = l.succ_immediate_table_size;
         let imm_size = if max_pos < imm { max_pos + 8 } else { imm } / 9;
-        let succ_size = if max_pos < imm { 0 } else { (max_pos - imm + 511) / 512 };
+        let succ_size = if max_pos < imm {
+            0
+        } else {
+            (max_pos - imm).div_ceil(512)
+        };
         let mut out = vec![0u8; imm_size * 8 + succ_size * l.succ_dict_block_size];
         let mut r = 0usize;
         for j in 0..imm_size {
@@ -172,9 +176,15 @@ mod tests {
             let mut mem = MemoryImage::new();
             mem.map(0x10000, entries);
             mem.map(0x80000, encode(l, max_pos, &positions));
-            let table =
-                LineTable::read(&mem, l, 0x10000, lines.len() as u64, 0x80000, max_pos as u64)
-                    .unwrap();
+            let table = LineTable::read(
+                &mem,
+                l,
+                0x10000,
+                lines.len() as u64,
+                0x80000,
+                max_pos as u64,
+            )
+            .unwrap();
             for pos in 0..max_pos {
                 let expected = positions.iter().rposition(|p| *p <= pos).map(|i| lines[i]);
                 assert_eq!(table.line_at(pos), expected, "max_pos {max_pos} pos {pos}");

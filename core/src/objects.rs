@@ -98,7 +98,10 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
             value + l.rarray_embed_ary as u64,
         )
     } else {
-        (word(&head, l.rarray_heap_len), word(&head, l.rarray_heap_ptr))
+        (
+            word(&head, l.rarray_heap_len),
+            word(&head, l.rarray_heap_ptr),
+        )
     };
     if index >= len {
         return Err(ObjectError::Shape("Array index", value));
@@ -193,13 +196,15 @@ impl ClassNames {
         owner: u64,
         name: &str,
     ) -> String {
-        if !self.prefixes.contains_key(&owner) {
-            // A class we cannot name (anonymous, or memory that does not read) gets the bare
-            // method name, which is also what Ruby prints for anonymous owners.
-            let prefix = method_prefix(mem, l, symbols, owner).ok().flatten();
-            self.prefixes.insert(owner, prefix.map(Arc::from));
-        }
-        match &self.prefixes[&owner] {
+        // A class we cannot name (anonymous, or memory that does not read) gets the bare
+        // method name, which is also what Ruby prints for anonymous owners.
+        let prefix = self.prefixes.entry(owner).or_insert_with(|| {
+            method_prefix(mem, l, symbols, owner)
+                .ok()
+                .flatten()
+                .map(Arc::from)
+        });
+        match prefix {
             Some(p) => format!("{p}{name}"),
             None => name.to_string(),
         }

@@ -139,10 +139,13 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
         None => exe.trim_end_matches(" (deleted)").to_string(),
     };
     let mine: Vec<&Mapping> = maps.iter().filter(|m| m.path == path).collect();
-    let first = mine.iter().min_by_key(|m| m.start).ok_or_else(|| Error::NotRuby {
-        pid,
-        detail: format!("no libruby is mapped and the executable ({exe}) is not mapped either"),
-    })?;
+    let first = mine
+        .iter()
+        .min_by_key(|m| m.start)
+        .ok_or_else(|| Error::NotRuby {
+            pid,
+            detail: format!("no libruby is mapped and the executable ({exe}) is not mapped either"),
+        })?;
     let bytes = read_mapped_file(pid, first)?;
     let elf = Elf::parse(&bytes).map_err(|e| Error::NotRuby {
         pid,
@@ -167,13 +170,9 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
         .filter(|s| s.st_value != 0)
         .filter_map(|s| {
             let name = elf.dynstrtab.get_at(s.st_name)?;
-            WANTED.contains(&name).then(|| {
-                (
-                    name.to_string(),
-                    bias.wrapping_add(s.st_value),
-                    s.st_size,
-                )
-            })
+            WANTED
+                .contains(&name)
+                .then(|| (name.to_string(), bias.wrapping_add(s.st_value), s.st_size))
         })
         .collect();
     let writable = elf

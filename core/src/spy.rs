@@ -115,13 +115,18 @@ impl Spy<ProcessMemory> {
         let maps = read_maps(pid)?;
         let binary = find_ruby_binary(pid, &maps)?;
         let mem = ProcessMemory::new(pid);
-        let version_addr = binary.symbol("ruby_version").expect("checked by find_ruby_binary");
+        let version_addr = binary
+            .symbol("ruby_version")
+            .expect("checked by find_ruby_binary");
         let raw = mem
             .read_vec(version_addr, 16)
             .map_err(|e| memory_error(pid, "reading ruby_version", e))?;
-        let found = String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[]))
-            .into_owned();
-        let wanted = config.force_version.clone().unwrap_or_else(|| found.clone());
+        let found =
+            String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+        let wanted = config
+            .force_version
+            .clone()
+            .unwrap_or_else(|| found.clone());
         let (layout, warning) = resolve_layout(pid, &wanted)?;
         let vm_ptr = binary
             .symbol("ruby_current_vm_ptr")
@@ -404,16 +409,13 @@ impl<M: Memory> Spy<M> {
                 ep: word(c, l.cfp_ep),
             })
             .collect();
-        let envs = self.read_envs_and_iseqs(&frames)?;
-        self.build_frames(&frames, &envs)
+        let mut envs = self.read_envs_and_iseqs(&frames)?;
+        self.build_frames(&frames, &mut envs)
     }
 
     /// Second batched read: `ep[-2..=0]` of every frame, plus the headers of every iseq and of
     /// its cached body, which both validates the iseq cache and tells new iseqs apart.
-    fn read_envs_and_iseqs(
-        &mut self,
-        frames: &[RawFrame],
-    ) -> std::result::Result<Envs, Attempt> {
+    fn read_envs_and_iseqs(&mut self, frames: &[RawFrame]) -> std::result::Result<Envs, Attempt> {
         let l = self.layout;
         let mut env_bufs = vec![[0u8; 24]; frames.len()];
         let mut iseq_addrs: Vec<u64> = frames
@@ -449,9 +451,10 @@ impl<M: Memory> Spy<M> {
             envs.slots.insert(f.ep, slots(buf));
         }
         for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(&iseq_bufs).zip(&body_bufs) {
-            let flags = word(ibuf, l.rbasic_flags);
-            if flags & T_MASK != T_IMEMO || (flags >> l.fl_ushift) & 0xf != l.imemo_iseq {
-                return Err(Attempt::Changed(format!("iseq at {addr:#x} is not an iseq")));
+            if imemo_type(l, word(ibuf, l.rbasic_flags)) != Some(l.imemo_iseq) {
+                return Err(Attempt::Changed(format!(
+                    "iseq at {addr:#x} is not an iseq"
+                )));
             }
             let body = word(ibuf, l.iseq_body);
             let valid = self.iseqs.get(addr).is_some_and(|info| {
@@ -574,9 +577,6 @@ impl<M: Memory> Spy<M> {
                     slots(&buf)
                 }
             };
-            if is_heap_object(s.me_cref) {
-                envs.candidates.push(s.me_cref);
-            }
             let local = s.flags & l.env_flag_local != 0;
             if local {
                 return Ok(is_heap_object(s.me_cref).then_some(s.me_cref));
@@ -593,13 +593,9 @@ impl<M: Memory> Spy<M> {
     fn build_frames(
         &mut self,
         frames: &[RawFrame],
-        envs: &Envs,
+        envs: &mut Envs,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
         let l = self.layout;
-        let mut envs = Envs {
-            slots: envs.slots.clone(),
-            candidates: Vec::new(),
-        };
         // Which frames are reported, and the method entry each needs (for C functions: its
         // name; for Ruby methods and their blocks: the owner's name).
         let mut wanted: Vec<(usize, bool, Option<u64>)> = Vec::new();
@@ -610,7 +606,7 @@ impl<M: Memory> Spy<M> {
                 }
                 let in_method = self.iseqs.get(&f.iseq).is_some_and(|x| x.in_method);
                 let me = if in_method {
-                    self.frame_method_entry(f.ep, &mut envs)?
+                    self.frame_method_entry(f.ep, envs)?
                 } else {
                     None
                 };
@@ -620,7 +616,7 @@ impl<M: Memory> Spy<M> {
                 if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
                     continue;
                 }
-                let me = self.frame_method_entry(f.ep, &mut envs)?;
+                let me = self.frame_method_entry(f.ep, envs)?;
                 wanted.push((i, true, me));
             }
         }
@@ -634,10 +630,10 @@ impl<M: Memory> Spy<M> {
                 let info = me
                     .and_then(|m| mes.get(&m))
                     .ok_or_else(|| Attempt::Changed("C frame without a method entry".into()))?;
-                let label = self.cfunc_label(me.expect("checked"), info)?;
+                let (label, base_label) = self.cfunc_label(me.expect("checked"), info)?;
                 pending_cfuncs.push(out.len());
                 out.push(Frame {
-                    base_label: info.name.clone().unwrap_or_else(|| label.clone()),
+                    base_label,
                     label,
                     path: Arc::from(""),
                     absolute_path: None,
@@ -647,6 +643,13 @@ impl<M: Memory> Spy<M> {
                 continue;
             }
             let owner = me.and_then(|m| mes.get(&m)).map(|m| m.owner);
+            if owner.is_none() && self.iseqs[&f.iseq].in_method {
+                // Every method frame has a method entry: not finding one means the frame
+                // was being pushed or popped while we read it.
+                return Err(Attempt::Changed(
+                    "method frame without a method entry".into(),
+                ));
+            }
             let frame = self.iseq_frame(f, owner)?;
             // A C function reports the location of the Ruby frame that called it.
             for idx in pending_cfuncs.drain(..) {
@@ -686,14 +689,24 @@ impl<M: Memory> Spy<M> {
         }
         let mut out = HashMap::new();
         for (addr, buf) in addrs.iter().zip(&bufs) {
-            let flags = word(buf, l.rbasic_flags);
-            let is_ment =
-                flags & T_MASK == T_IMEMO && (flags >> l.fl_ushift) & 0xf == l.imemo_ment;
-            if !is_ment {
-                continue; // a cref or svar: the frame has no method entry of its own
+            let mut head = buf.clone();
+            let mut imemo = imemo_type(l, word(&head, l.rbasic_flags));
+            if imemo == Some(l.imemo_svar) {
+                // Rare (methods using $~): one more read to reach the entry inside.
+                let inner = word(&head, l.svar_cref_or_me);
+                if !is_heap_object(inner) {
+                    continue;
+                }
+                self.mem
+                    .read(inner, &mut head)
+                    .map_err(self.moved("reading a method entry"))?;
+                imemo = imemo_type(l, word(&head, l.rbasic_flags));
             }
-            let def = word(buf, l.me_def);
-            let owner = word(buf, l.me_owner);
+            if imemo != Some(l.imemo_ment) {
+                continue; // a cref: the frame has no method entry of its own
+            }
+            let def = word(&head, l.me_def);
+            let owner = word(&head, l.me_owner);
             let cached = self
                 .methods
                 .get(addr)
@@ -713,13 +726,13 @@ impl<M: Memory> Spy<M> {
 
     fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
         if self.symbols.is_none() {
-            let addr = self.find_symbol_table().ok_or_else(|| {
-                Attempt::Fatal(Error::Corrupt {
+            let addr = self
+                .find_symbol_table()
+                .ok_or(Attempt::Fatal(Error::Corrupt {
                     pid: self.pid,
                     what: "symbol table (not found in libruby's data)",
                     addr: 0,
-                })
-            })?;
+                }))?;
             self.symbols = Some(SymbolTable::new(addr));
         }
         Ok(self.symbols.as_mut().expect("just set"))
@@ -746,9 +759,14 @@ impl<M: Memory> Spy<M> {
         None
     }
 
-    fn cfunc_label(&mut self, me: u64, info: &MethodInfo) -> std::result::Result<Arc<str>, Attempt> {
-        if let Some(label) = &info.cfunc_label {
-            return Ok(label.clone());
+    /// (qualified label, bare name) of a C function's method entry.
+    fn cfunc_label(
+        &mut self,
+        me: u64,
+        info: &MethodInfo,
+    ) -> std::result::Result<(Arc<str>, Arc<str>), Attempt> {
+        if let (Some(label), Some(name)) = (&info.cfunc_label, &info.name) {
+            return Ok((label.clone(), name.clone()));
         }
         let l = self.layout;
         let id = self
@@ -766,14 +784,21 @@ impl<M: Memory> Spy<M> {
             .into();
         if let Some(m) = self.methods.get_mut(&me) {
             m.cfunc_label = Some(label.clone());
-            m.name = Some(name);
+            m.name = Some(name.clone());
         }
-        Ok(label)
+        Ok((label, name))
     }
 
-    fn iseq_frame(&mut self, f: &RawFrame, owner: Option<u64>) -> std::result::Result<Frame, Attempt> {
+    fn iseq_frame(
+        &mut self,
+        f: &RawFrame,
+        owner: Option<u64>,
+    ) -> std::result::Result<Frame, Attempt> {
         let l = self.layout;
-        let info = self.iseqs.get(&f.iseq).expect("loaded in read_envs_and_iseqs");
+        let info = self
+            .iseqs
+            .get(&f.iseq)
+            .expect("loaded in read_envs_and_iseqs");
         let n = (f.pc.wrapping_sub(info.encoded) / 8) as usize;
         if f.pc < info.encoded || n > info.size as usize {
             return Err(Attempt::Changed("pc outside its iseq".into()));
@@ -817,6 +842,11 @@ impl<M: Memory> Spy<M> {
     }
 }
 
+/// The imemo type of an object whose flags are given, if it is a T_IMEMO.
+fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {
+    (flags & T_MASK == T_IMEMO).then_some((flags >> l.fl_ushift) & 0xf)
+}
+
 #[derive(Debug, Clone, Copy)]
 struct RawFrame {
     pc: u64,
@@ -840,8 +870,8 @@ fn slots(buf: &[u8; 24]) -> Slots {
     }
 }
 
+/// The environments read during one sample, by `ep`.
 #[derive(Debug, Default)]
 struct Envs {
     slots: HashMap<u64, Slots>,
-    candidates: Vec<u64>,
 }

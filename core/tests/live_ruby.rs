@@ -1,0 +1,177 @@
+//! The core against real Ruby processes (needs `ruby` on PATH; .ci/run installs it).
+use rbspy_ext_core::{Error, Spy};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// A spawned Ruby script, killed and reaped on drop.
+struct Target {
+    child: Child,
+    ready: PathBuf,
+    _dir: TempDir,
+}
+
+struct TempDir(PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Target {
+    fn spawn(script: &str, args: &[&str]) -> Target {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "rbspy-core-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ready = dir.join("ready");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/scripts")
+            .join(script);
+        let child = Command::new("ruby")
+            .arg(&script)
+            .arg(&ready)
+            .args(args)
+            .spawn()
+            .expect("`ruby` must be on PATH (script/setup installs it)");
+        let t = Target {
+            child,
+            ready,
+            _dir: TempDir(dir),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !t.ready.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "{} never became ready",
+                script.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        t
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// The target's own backtrace: (label, path, lineno) per frame.
+    fn expected(&self) -> Vec<(String, String, i32)> {
+        std::fs::read_to_string(&self.ready)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split('\t').collect();
+                (f[0].to_string(), f[1].to_string(), f[2].parse().unwrap())
+            })
+            .collect()
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Ruby before 3.4 prints bare method names; ours are qualified. "block in Outer::Worker.run"
+/// → "block in run".
+fn unqualify(label: &str) -> String {
+    let (prefix, name) = match label.rfind(" in ") {
+        Some(i) => (&label[..i + 4], &label[i + 4..]),
+        None => ("", label),
+    };
+    let bare = name.rsplit(['#', '.']).next().unwrap_or(name);
+    let bare = if name.starts_with('<') { name } else { bare };
+    format!("{prefix}{bare}")
+}
+
+#[test]
+fn snapshot_equals_the_targets_own_backtrace() {
+    for depth in ["0", "5", "160"] {
+        let target = Target::spawn("parked.rb", &[depth]);
+        let expected = target.expected();
+        let mut spy = Spy::attach(target.pid()).unwrap();
+        let frames = spy.snapshot().unwrap();
+        let got: Vec<(String, String, i32)> = frames
+            .iter()
+            .map(|f| (unqualify(&f.label), f.path.to_string(), f.lineno))
+            .collect();
+        assert_eq!(got, expected, "depth {depth}");
+        assert_eq!(&*frames[0].label, "Kernel#sleep");
+        assert!(frames[0].c_function);
+        assert!(frames.iter().any(|f| &*f.label == "Outer::Worker#park"));
+        assert!(frames
+            .iter()
+            .any(|f| &*f.label == "block in Outer::Worker.run"));
+        assert!(frames.iter().any(|f| &*f.label == "Array#each"));
+    }
+}
+
+#[test]
+fn warm_snapshots_take_at_most_four_reads_and_agree() {
+    let target = Target::spawn("parked.rb", &["40"]);
+    let mut spy = Spy::attach(target.pid()).unwrap();
+    let first = spy.snapshot().unwrap();
+    let before = spy.memory().calls();
+    for _ in 0..100 {
+        assert_eq!(spy.snapshot().unwrap(), first);
+    }
+    let per = (spy.memory().calls() - before) as f64 / 100.0;
+    assert!(per <= 4.0, "{per} process_vm_readv calls per warm snapshot");
+}
+
+#[test]
+fn a_busy_target_yields_valid_stacks_or_a_counted_retry() {
+    let target = Target::spawn("busy.rb", &[]);
+    let mut spy = Spy::attach(target.pid()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/busy.rb");
+    let mut ok = 0;
+    for _ in 0..300 {
+        match spy.snapshot() {
+            Ok(frames) => {
+                ok += 1;
+                // Every Ruby frame is one of busy.rb's (or Ruby's own builtins such as
+                // Integer#zero?), never invented.
+                for f in frames.iter().filter(|f| !f.path.starts_with("<internal:")) {
+                    assert_eq!(Path::new(&*f.path), script.as_path(), "{f:?}");
+                    assert!((1..=7).contains(&f.lineno), "{f:?}");
+                }
+                for f in frames.iter().filter(|f| f.path.starts_with("<internal:")) {
+                    assert_eq!(&*f.label, "Integer#zero?", "{f:?}");
+                }
+                assert!(frames.iter().any(|f| &*f.label == "<main>"));
+            }
+            Err(Error::StackChanged { .. }) => {}
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+    assert!(ok > 250, "only {ok} of 300 snapshots succeeded");
+}
+
+#[test]
+fn a_process_without_ruby_is_not_ruby() {
+    let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+    let err = Spy::attach(child.id() as i32)
+        .err()
+        .expect("sleep is not Ruby");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(matches!(err, Error::NotRuby { .. }), "{err}");
+}
+
+#[test]
+fn a_target_that_exits_is_reported() {
+    let mut target = Target::spawn("parked.rb", &["1"]);
+    let mut spy = Spy::attach(target.pid()).unwrap();
+    target.child.kill().unwrap();
+    target.child.wait().unwrap();
+    let err = spy.snapshot().unwrap_err();
+    assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
+}
