@@ -56,7 +56,9 @@ impl Handle {
         let pid = pid_arg(ruby, pid)?;
         let own_process = pid as u32 == std::process::id();
         let config = Config { force_version };
-        let spy = run(ruby, own_process, "attaching", || Spy::attach_with(pid, &config))?;
+        let spy = run(ruby, own_process, "attaching", || {
+            Spy::attach_with(pid, &config)
+        })?;
         Ok(Handle {
             spy: Mutex::new(spy),
             own_process,
