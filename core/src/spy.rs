@@ -54,6 +54,8 @@ struct IseqInfo {
     /// True when the iseq belongs to a method (its local iseq is a method), so its label
     /// gets the owner's name.
     in_method: bool,
+    /// The iseq is a method body itself (its frames always have a method entry).
+    is_method: bool,
     lines: LineTable,
     /// Qualified labels by owner class.
     qualified: HashMap<u64, Arc<str>>,
@@ -517,6 +519,7 @@ impl<M: Memory> Spy<M> {
             label,
             base_label,
             in_method,
+            is_method: word32(&b, l.body_type) == l.iseq_type_method,
             lines,
             qualified: HashMap::new(),
         })
@@ -555,15 +558,18 @@ impl<M: Memory> Spy<M> {
         }
     }
 
-    /// The method entry of a frame (Ruby's `rb_vm_frame_method_entry`): the first
-    /// `ep[-2]` along the environment chain that is a method entry.
-    fn frame_method_entry(
+    /// The candidates for a frame's method entry, in Ruby's order
+    /// (`rb_vm_frame_method_entry`): `ep[-2]` of each environment from the frame's own to the
+    /// local one. The first that turns out to be an `imemo_ment` (crefs are skipped) is it;
+    /// their headers are read in one batch afterwards.
+    fn method_entry_chain(
         &self,
         ep: u64,
         envs: &mut Envs,
-    ) -> std::result::Result<Option<u64>, Attempt> {
+    ) -> std::result::Result<Vec<u64>, Attempt> {
         let l = self.layout;
         let mut ep = ep;
+        let mut chain = Vec::new();
         for _ in 0..MAX_EP_DEPTH {
             let s = match envs.slots.get(&ep) {
                 Some(s) => *s,
@@ -577,13 +583,11 @@ impl<M: Memory> Spy<M> {
                     slots(&buf)
                 }
             };
-            let local = s.flags & l.env_flag_local != 0;
-            if local {
-                return Ok(is_heap_object(s.me_cref).then_some(s.me_cref));
-            }
             if is_heap_object(s.me_cref) {
-                // Possibly a method entry (bmethod); confirmed by its header later.
-                return Ok(Some(s.me_cref));
+                chain.push(s.me_cref);
+            }
+            if s.flags & l.env_flag_local != 0 {
+                return Ok(chain);
             }
             ep = s.specval & !0x3;
         }
@@ -598,7 +602,7 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         // Which frames are reported, and the method entry each needs (for C functions: its
         // name; for Ruby methods and their blocks: the owner's name).
-        let mut wanted: Vec<(usize, bool, Option<u64>)> = Vec::new();
+        let mut wanted: Vec<(usize, bool, Vec<u64>)> = Vec::new();
         for (i, f) in frames.iter().enumerate() {
             if f.iseq != 0 {
                 if f.pc == 0 {
@@ -606,9 +610,9 @@ impl<M: Memory> Spy<M> {
                 }
                 let in_method = self.iseqs.get(&f.iseq).is_some_and(|x| x.in_method);
                 let me = if in_method {
-                    self.frame_method_entry(f.ep, envs)?
+                    self.method_entry_chain(f.ep, envs)?
                 } else {
-                    None
+                    Vec::new()
                 };
                 wanted.push((i, false, me));
             } else {
@@ -616,16 +620,17 @@ impl<M: Memory> Spy<M> {
                 if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
                     continue;
                 }
-                let me = self.frame_method_entry(f.ep, envs)?;
+                let me = self.method_entry_chain(f.ep, envs)?;
                 wanted.push((i, true, me));
             }
         }
-        let mes = self.read_method_entries(wanted.iter().filter_map(|w| w.2))?;
+        let mes = self.read_method_entries(wanted.iter().flat_map(|w| w.2.iter().copied()))?;
 
         let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
         let mut pending_cfuncs: Vec<usize> = Vec::new();
-        for (i, is_cfunc, me) in wanted {
+        for (i, is_cfunc, chain) in wanted {
             let f = &frames[i];
+            let me = chain.into_iter().find(|m| mes.contains_key(m));
             if is_cfunc {
                 let info = me
                     .and_then(|m| mes.get(&m))
@@ -643,7 +648,7 @@ impl<M: Memory> Spy<M> {
                 continue;
             }
             let owner = me.and_then(|m| mes.get(&m)).map(|m| m.owner);
-            if owner.is_none() && self.iseqs[&f.iseq].in_method {
+            if owner.is_none() && self.iseqs[&f.iseq].is_method {
                 // Every method frame has a method entry: not finding one means the frame
                 // was being pushed or popped while we read it.
                 return Err(Attempt::Changed(
