@@ -16,6 +16,7 @@
 #include "ractor_core.h"
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 /* Copies of private definitions in iseq.c and st.c, which have no header. They are checked
  * against those files by script/generate-bindings (it greps the source for them). */
@@ -81,6 +82,7 @@ int main(void) {
     OFF(body_insns_info_succ_index_table, struct rb_iseq_constant_body, insns_info.succ_index_table);
     OFF(body_parent_iseq, struct rb_iseq_constant_body, parent_iseq);
     OFF(body_local_iseq, struct rb_iseq_constant_body, local_iseq);
+    OFF(body_mandatory_only_iseq, struct rb_iseq_constant_body, mandatory_only_iseq);
     U(body_read_size, max_end());
     U(insn_info_entry_size, sizeof(struct iseq_insn_info_entry));
     OFF(insn_info_entry_line_no, struct iseq_insn_info_entry, line_no);
@@ -101,6 +103,19 @@ int main(void) {
     OFF(me_def, rb_callable_method_entry_t, def);
     OFF(me_owner, rb_callable_method_entry_t, owner);
     OFF(me_def_original_id, rb_method_definition_t, original_id);
+    OFF(me_def_iseqptr, rb_method_definition_t, body.iseq.iseqptr);
+    {
+        /* `type` is a bitfield: find its bits in the first word by setting them all. */
+        rb_method_definition_t def;
+        uint64_t first = 0;
+        memset(&def, 0, sizeof(def));
+        def.type = (rb_method_type_t)((1u << VM_METHOD_TYPE_MINIMUM_BITS) - 1);
+        memcpy(&first, &def, sizeof(first));
+        X(me_def_type_mask, first);
+        U(me_def_type_shift, __builtin_ctzll(first));
+    }
+    U(method_type_iseq, VM_METHOD_TYPE_ISEQ);
+    U(method_type_cfunc, VM_METHOD_TYPE_CFUNC);
     X(frame_magic_mask, VM_FRAME_MAGIC_MASK);
     X(frame_magic_cfunc, VM_FRAME_MAGIC_CFUNC);
     X(env_flag_local, VM_ENV_FLAG_LOCAL);

@@ -60,6 +60,8 @@ pub struct Layout {
     pub body_insns_info_succ_index_table: usize,
     pub body_parent_iseq: usize,
     pub body_local_iseq: usize,
+    /// Builtin methods with `Primitive.mandatory_only?` run a second iseq (0: no such field).
+    pub body_mandatory_only_iseq: usize,
     /// Bytes of the body the walker reads in one go (covers every `body_*` field above).
     pub body_read_size: usize,
     pub insn_info_entry_size: usize,
@@ -85,6 +87,13 @@ pub struct Layout {
     pub me_def: usize,
     pub me_owner: usize,
     pub me_def_original_id: usize,
+    /// `def->body.iseq.iseqptr`: the method body a Ruby method's frames must be running.
+    pub me_def_iseqptr: usize,
+    /// `def->type` is a bitfield in the definition's first word.
+    pub me_def_type_mask: u64,
+    pub me_def_type_shift: u32,
+    pub method_type_iseq: u64,
+    pub method_type_cfunc: u64,
 
     // Environment (ep[...]) indexes and frame flags
     pub frame_magic_mask: u64,

@@ -54,6 +54,8 @@ struct IseqInfo {
     /// True when the iseq belongs to a method (its local iseq is a method), so its label
     /// gets the owner's name.
     in_method: bool,
+    /// `body.local_iseq`: the method (or top-level/class body) this iseq belongs to.
+    local_iseq: u64,
     /// The iseq is a method body itself (its frames always have a method entry).
     is_method: bool,
     lines: LineTable,
@@ -66,6 +68,11 @@ struct IseqInfo {
 struct MethodInfo {
     def: u64,
     owner: u64,
+    def_type: u64,
+    original_id: u64,
+    /// For Ruby methods: the iseqs its frames may run (the body, and the
+    /// mandatory-only variant of some builtins); a frame claiming this entry must run one.
+    iseqs: [u64; 2],
     /// `Owner#name` for C functions.
     cfunc_label: Option<Arc<str>>,
     name: Option<Arc<str>>,
@@ -519,6 +526,7 @@ impl<M: Memory> Spy<M> {
             label,
             base_label,
             in_method,
+            local_iseq: local,
             is_method: word32(&b, l.body_type) == l.iseq_type_method,
             lines,
             qualified: HashMap::new(),
@@ -634,7 +642,8 @@ impl<M: Memory> Spy<M> {
             if is_cfunc {
                 let info = me
                     .and_then(|m| mes.get(&m))
-                    .ok_or_else(|| Attempt::Changed("C frame without a method entry".into()))?;
+                    .filter(|m| m.def_type == l.method_type_cfunc)
+                    .ok_or_else(|| Attempt::Changed("C frame without a C method entry".into()))?;
                 let (label, base_label) = self.cfunc_label(me.expect("checked"), info)?;
                 pending_cfuncs.push(out.len());
                 out.push(Frame {
@@ -647,8 +656,14 @@ impl<M: Memory> Spy<M> {
                 });
                 continue;
             }
-            let owner = me.and_then(|m| mes.get(&m)).map(|m| m.owner);
-            if owner.is_none() && self.iseqs[&f.iseq].is_method {
+            let info = &self.iseqs[&f.iseq];
+            // The entry must define the method this frame runs; otherwise the environment we
+            // read belonged to a frame pushed or popped meanwhile.
+            let owner = me
+                .and_then(|m| mes.get(&m))
+                .filter(|m| !info.in_method || m.iseqs.contains(&info.local_iseq))
+                .map(|m| m.owner);
+            if owner.is_none() && info.is_method {
                 // Every method frame has a method entry: not finding one means the frame
                 // was being pushed or popped while we read it.
                 return Err(Attempt::Changed(
@@ -717,16 +732,47 @@ impl<M: Memory> Spy<M> {
                 .get(addr)
                 .filter(|m| m.def == def && m.owner == owner)
                 .cloned();
-            let info = cached.unwrap_or(MethodInfo {
-                def,
-                owner,
-                cfunc_label: None,
-                name: None,
-            });
+            let info = match cached {
+                Some(info) => info,
+                None => self.load_method(def, owner)?,
+            };
             self.methods.insert(*addr, info.clone());
             out.insert(*addr, info);
         }
         Ok(out)
+    }
+
+    /// Reads a method definition (cold path, once per method entry).
+    fn load_method(&self, def: u64, owner: u64) -> std::result::Result<MethodInfo, Attempt> {
+        let l = self.layout;
+        let d = self
+            .mem
+            .read_vec(def, l.me_def_original_id.max(l.me_def_iseqptr) + 8)
+            .map_err(self.moved("reading a method definition"))?;
+        let def_type = (word(&d, 0) & l.me_def_type_mask) >> l.me_def_type_shift;
+        let mut iseqs = [0, 0];
+        if def_type == l.method_type_iseq {
+            iseqs[0] = word(&d, l.me_def_iseqptr);
+            if l.body_mandatory_only_iseq != 0 {
+                let body = self
+                    .mem
+                    .read_u64(iseqs[0] + l.iseq_body as u64)
+                    .map_err(self.moved("reading a method's iseq"))?;
+                iseqs[1] = self
+                    .mem
+                    .read_u64(body + l.body_mandatory_only_iseq as u64)
+                    .map_err(self.moved("reading a method's iseq"))?;
+            }
+        }
+        Ok(MethodInfo {
+            def,
+            owner,
+            def_type,
+            original_id: word(&d, l.me_def_original_id),
+            iseqs,
+            cfunc_label: None,
+            name: None,
+        })
     }
 
     fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
@@ -774,10 +820,7 @@ impl<M: Memory> Spy<M> {
             return Ok((label.clone(), name.clone()));
         }
         let l = self.layout;
-        let id = self
-            .mem
-            .read_u64(info.def + l.me_def_original_id as u64)
-            .map_err(self.moved("reading a method definition"))?;
+        let id = info.original_id;
         self.symbols()?;
         let symbols = self.symbols.as_mut().expect("found by symbols()");
         let name = symbols

@@ -175,3 +175,55 @@ fn a_target_that_exits_is_reported() {
     let err = spy.snapshot().unwrap_err();
     assert!(matches!(err, Error::ProcessExited { .. }), "{err}");
 }
+
+/// A target whose libruby path no longer exists for the reader (as for a target in a chroot
+/// or another mount namespace): the library is a copy in a directory deleted after start.
+/// The spy must read it through /proc/PID/map_files.
+#[test]
+fn a_libruby_whose_path_is_gone_is_read_through_map_files() {
+    let libruby = Command::new("ruby")
+        .args([
+            "-e",
+            "print File.read('/proc/self/maps')[%r{/\\S*/libruby\\S*}]",
+        ])
+        .output()
+        .unwrap();
+    let libruby = String::from_utf8(libruby.stdout).unwrap();
+    let libname = Path::new(&libruby)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let soname = libname.rsplit_once('.').unwrap().0.to_string(); // libruby-3.1.so.3.1
+    let dir = std::env::temp_dir().join(format!("rbspy-core-gone-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(&libruby, dir.join(&soname)).unwrap();
+    let ready = dir.join("ready");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/parked.rb");
+    let mut child = Command::new("ruby")
+        .env("LD_LIBRARY_PATH", &dir)
+        .arg(&script)
+        .arg(&ready)
+        .arg("2")
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "target never became ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let expected_len = std::fs::read_to_string(&ready).unwrap().lines().count();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", child.id())).unwrap();
+    let result = Spy::attach(child.id() as i32).and_then(|mut spy| spy.snapshot());
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        maps.contains(&format!("{soname} (deleted)")),
+        "the copy was not used:\n{maps}"
+    );
+    let frames = result.unwrap();
+    assert_eq!(frames.len(), expected_len);
+    assert_eq!(&*frames[0].label, "Kernel#sleep");
+}
