@@ -1,0 +1,23 @@
+# frozen_string_literal: true
+
+# Specs run with `rspec` from the repository root and test the gem in lib/ (the compiled
+# extension lands in lib/rbspy_ext/ via `rake compile`). Spec files require "rbspy_ext"
+# themselves, so that loading this helper never needs the extension.
+lib = File.expand_path("../lib", __dir__)
+$LOAD_PATH.unshift(lib) unless $LOAD_PATH.include?(lib)
+
+Dir[File.join(__dir__, "support", "**", "*.rb")].sort.each { |f| require f }
+
+RSpec.configure do |config|
+  config.include RubySpyTest::TargetHelpers
+  config.after { stop_all_targets }
+
+  config.expect_with :rspec do |expectations|
+    # Show whole frame lists in failure messages.
+    if expectations.respond_to?(:max_formatted_output_length=)
+      expectations.max_formatted_output_length = nil
+    end
+  end
+  config.order = :random
+  Kernel.srand config.seed
+end

@@ -1,0 +1,319 @@
+# frozen_string_literal: true
+
+require "fileutils"
+require "json"
+require "rbconfig"
+require "tmpdir"
+
+module RubySpyTest
+  ROOT = File.expand_path("../..", __dir__)
+  FIXTURES = File.join(ROOT, "spec", "fixtures")
+
+  # Kernel state letter of a process (R, S, D, T, t, Z, ...), nil when there is none.
+  def self.process_state(pid)
+    stat = File.read("/proc/#{pid}/stat")
+    stat[(stat.rindex(")") + 2)..].split(" ", 2).first
+  rescue SystemCallError
+    nil
+  end
+
+  # What looks wrong with a live process that a read must leave alone: gone, a zombie,
+  # stopped, or traced. Empty when it is running normally.
+  def self.process_problems(pid)
+    fields = File.readlines("/proc/#{pid}/status").to_h { |l| l.chomp.split(":\t", 2) }
+    problems = []
+    state = fields["State"].to_s
+    problems << "process #{pid} is #{state}" if state.start_with?("T", "t", "Z", "X")
+    tracer = fields["TracerPid"].to_i
+    problems << "process #{pid} is being traced by #{tracer}" unless tracer.zero?
+    problems
+  rescue SystemCallError
+    ["process #{pid} is gone"]
+  end
+
+  # One frame of the ground truth a fixture recorded from Ruby's own backtrace_locations.
+  ExpectedFrame = Struct.new(:label, :base_label, :path, :absolute_path, :lineno,
+                             keyword_init: true) do
+    def to_s
+      "#{path}:#{lineno}:in '#{label}'"
+    end
+  end
+
+  # A fixture script running in its own process:
+  #
+  #   RbConfig.ruby spec/fixtures/NAME.rb READY_PATH [ARGS...]
+  #
+  # run from the repository root (so the main script's path is relative, like in real use)
+  # with its output in a private temporary directory. #start returns once the fixture has
+  # written its ready file (see spec/fixtures/lib/park.rb) and is settled in the state the
+  # file describes.
+  class Target
+    READY_TIMEOUT = 15 # seconds
+    POLL_INTERVAL = 0.01 # seconds
+
+    attr_reader :name, :args, :pid, :dir, :ready_path, :log_path, :ruby_version, :frames,
+                :info, :document
+
+    # Spawns and waits. With stdio: true the fixture's stdin and stdout are pipes to the
+    # spec (#ping talks through them); otherwise both go to the log file.
+    def self.start(name, *args, stdio: false)
+      target = new(name, *args, stdio: stdio)
+      target.spawn
+      target.wait_until_ready
+      target
+    rescue Exception
+      target&.stop
+      raise
+    end
+
+    def initialize(name, *args, stdio: false)
+      @name = name
+      @args = args
+      @stdio = stdio
+      @status = nil
+    end
+
+    def script
+      File.join("spec", "fixtures", "#{name}.rb")
+    end
+
+    def spawn
+      raise ArgumentError, "no fixture #{script}" unless File.file?(File.join(ROOT, script))
+
+      @dir = Dir.mktmpdir("rbspy-#{name}-")
+      @ready_path = File.join(@dir, "ready.json")
+      @log_path = File.join(@dir, "output.log")
+      options = { chdir: ROOT, err: [@log_path, "w"] }
+      if @stdio
+        child_in, @stdin = IO.pipe
+        @stdout, child_out = IO.pipe
+        options[:in] = child_in
+        options[:out] = child_out
+      else
+        options[:in] = File::NULL
+        options[:out] = [:child, :err]
+      end
+      @pid = Process.spawn(RbConfig.ruby, script, @ready_path, *args, options)
+      self
+    ensure
+      child_in&.close
+      child_out&.close
+    end
+
+    def wait_until_ready
+      deadline = monotonic + READY_TIMEOUT
+      until File.exist?(@ready_path)
+        reap_nonblocking
+        fail_startup("exited (#{@status.inspect}) before writing its ready file") if @status
+        fail_startup("wrote no ready file within #{READY_TIMEOUT} s") if monotonic > deadline
+        sleep POLL_INTERVAL
+      end
+      load_ready_file
+      settle(deadline)
+      self
+    end
+
+    # True while the process exists and has not been reaped (a zombie counts as gone).
+    def alive?
+      reap_nonblocking
+      return false if @status
+
+      state = RubySpyTest.process_state(pid)
+      !state.nil? && state != "Z" && state != "X"
+    end
+
+    # Everything that looks wrong with the process, empty when it is running normally: it
+    # exists, is not stopped or traced, and (for stdio targets) still answers a ping.
+    def health_problems
+      return ["process #{pid} is gone (#{@status.inspect})"] unless alive?
+
+      problems = RubySpyTest.process_problems(pid)
+      if @stdio && problems.empty?
+        begin
+          token = "#{Process.pid}-#{rand(1_000_000)}"
+          answer = ping(token)
+          problems << "process #{pid} answered #{answer.inspect} to ping #{token}" unless answer == "pong #{token}"
+        rescue StandardError => e
+          problems << "process #{pid} did not answer a ping: #{e.class}: #{e.message}"
+        end
+      end
+      problems
+    end
+
+    # After #kill!: waits (without reaping) until the process is a zombie, i.e. dead with its
+    # memory gone but its pid still taken.
+    def wait_until_zombie(timeout: READY_TIMEOUT)
+      deadline = monotonic + timeout
+      until RubySpyTest.process_state(pid) == "Z"
+        raise "process #{pid} did not become a zombie within #{timeout} s" if monotonic > deadline
+
+        sleep POLL_INTERVAL
+      end
+    end
+
+    # Round trip through a stdio target (spec/fixtures/responder.rb).
+    def ping(token, timeout: 5)
+      raise "#{name} was not started with stdio: true" unless @stdio
+
+      @stdin.puts("ping #{token}")
+      @stdin.flush
+      raise "no answer within #{timeout} s" unless IO.select([@stdout], nil, nil, timeout)
+
+      line = @stdout.gets or raise "stdout closed"
+      line.chomp
+    end
+
+    # SIGKILL without reaping: the process becomes a zombie until #reap or #stop.
+    def kill!
+      Process.kill(:KILL, pid)
+    rescue Errno::ESRCH
+      nil
+    end
+
+    def reap
+      return @status if @status
+
+      _, @status = Process.wait2(pid)
+      @status
+    rescue Errno::ECHILD
+      @status
+    end
+
+    def stop
+      if pid && !@status
+        kill!
+        reap
+      end
+      [@stdin, @stdout].each { |io| io.close if io && !io.closed? }
+      FileUtils.rm_rf(@dir) if @dir
+      nil
+    end
+
+    def output
+      File.exist?(@log_path.to_s) ? File.read(@log_path) : ""
+    end
+
+    def inspect
+      "#<#{self.class.name} #{script} pid=#{pid}>"
+    end
+
+    private
+
+    def load_ready_file
+      @document = JSON.parse(File.read(@ready_path))
+      fail_startup("reported an error:\n#{@document["error"]}") if @document["error"]
+      unless @document["pid"] == pid
+        fail_startup("wrote pid #{@document["pid"]} into its ready file, expected #{pid}")
+      end
+      @ruby_version = @document.fetch("ruby_version")
+      @info = @document["info"] || {}
+      @frames = @document["frames"]&.map do |f|
+        ExpectedFrame.new(label: f.fetch("label"), base_label: f.fetch("base_label"),
+                          path: f.fetch("path"), absolute_path: f["absolute_path"],
+                          lineno: f.fetch("lineno"))
+      end
+    end
+
+    # The watcher thread that recorded the ground truth held the GVL until just after the
+    # rename; wait until it has exited or blocked (on Ruby < 3.3 a finished thread's native
+    # thread lingers for a few seconds in Ruby's thread cache, asleep). For a parked fixture
+    # also wait until the main thread is asleep in the kernel.
+    def settle(deadline)
+      waits = []
+      tid = @document["watcher_tid"]
+      waits << tid if tid
+      waits << pid if @frames
+      waits.each do |t|
+        until (state = thread_state(t)).nil? || state == "S"
+          fail_startup("thread #{t} did not settle (state #{state})") if monotonic > deadline
+          sleep POLL_INTERVAL
+        end
+      end
+    end
+
+    def thread_state(tid)
+      stat = File.read("/proc/#{pid}/task/#{tid}/stat")
+      stat[(stat.rindex(")") + 2)..].split(" ", 2).first
+    rescue SystemCallError
+      nil
+    end
+
+    def reap_nonblocking
+      return if @status || pid.nil?
+
+      _, status = Process.wait2(pid, Process::WNOHANG)
+      @status = status if status
+    rescue Errno::ECHILD
+      nil
+    end
+
+    def fail_startup(what)
+      raise "fixture #{script} (pid #{pid}) #{what}\n--- its output ---\n#{output}"
+    end
+
+    def monotonic
+      Process.clock_gettime(Process::CLOCK_MONOTONIC)
+    end
+  end
+
+  # Included into every example group (see spec_helper.rb). Targets started through these
+  # helpers are killed and reaped after each example, pass or fail.
+  module TargetHelpers
+    def start_target(name, *args, stdio: false)
+      target = Target.start(name, *args, stdio: stdio)
+      running_targets << target
+      target
+    end
+
+    # Several copies of the same fixture at once, each with its own ready file; spawned
+    # together, then waited for.
+    def start_targets(name, count, *args)
+      targets = Array.new(count) { Target.new(name, *args) }
+      targets.each do |t|
+        running_targets << t
+        t.spawn
+      end
+      targets.each(&:wait_until_ready)
+      targets
+    end
+
+    # Runs the same fixture +times+ times one after another, yielding each running copy and
+    # stopping it before the next starts.
+    def each_run(name, *args, times:)
+      times.times do |i|
+        target = start_target(name, *args)
+        begin
+          yield target, i
+        ensure
+          target.stop
+          running_targets.delete(target)
+        end
+      end
+    end
+
+    def with_target(name, *args, stdio: false)
+      target = Target.start(name, *args, stdio: stdio)
+      yield target
+    ensure
+      target&.stop
+    end
+
+    def stop_all_targets
+      running_targets.each(&:stop)
+      running_targets.clear
+    end
+
+    def running_targets
+      @running_targets ||= []
+    end
+
+    # The line of the fixture carrying "# MARKER" (fixtures mark line ranges this way).
+    def fixture_line(name, marker)
+      path = File.join(FIXTURES, "#{name}.rb")
+      index = File.readlines(path).index { |line| line.include?("# #{marker}") }
+      raise "no '# #{marker}' in #{path}" unless index
+
+      index + 1
+    end
+  end
+end
