@@ -19,11 +19,13 @@ use std::sync::Arc;
 const MAX_FRAMES: u64 = 65_536;
 /// Most environments followed from a block frame to its method frame.
 const MAX_EP_DEPTH: usize = 256;
+/// Most escaped environments cached between samples.
+const MAX_CACHED_ENVS: usize = 4096;
 /// How often a snapshot is retried when the stack changes under it.
 pub const SNAPSHOT_ATTEMPTS: u32 = 8;
 
 /// One frame, innermost first, shaped like `Thread::Backtrace::Location`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Frame {
     /// Qualified the way Ruby 3.4 prints it: `Foo::Bar#baz`, `block in Foo.build`.
     pub label: Arc<str>,
@@ -95,6 +97,10 @@ pub struct Spy<M: Memory = ProcessMemory> {
     methods: HashMap<u64, MethodInfo>,
     /// The thread and execution context seen last, read speculatively in one call.
     last_ec: Option<(u64, u64)>,
+    /// Bytes of value stack the last sample needed (see `read_frames`).
+    stack_hint: usize,
+    /// Environments that escaped to the heap, by `ep` (see `env_slots`).
+    heap_envs: HashMap<u64, Slots>,
 }
 
 /// A failure inside one attempt: either the stack moved (retry) or a real error.
@@ -166,6 +172,8 @@ impl Spy<ProcessMemory> {
             iseqs: HashMap::new(),
             methods: HashMap::new(),
             last_ec: None,
+            stack_hint: 0,
+            heap_envs: HashMap::new(),
         };
         spy.validate_vm()?;
         Ok(spy)
@@ -294,8 +302,10 @@ impl<M: Memory> Spy<M> {
                 Ok(frames) => return Ok(frames),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Changed(why)) => {
-                    // Forget the speculative thread: it may be what changed.
+                    // Forget what may be what changed: the speculative thread and cached
+                    // heap environments.
                     self.last_ec = None;
+                    self.heap_envs.clear();
                     last = why;
                 }
             }
@@ -406,10 +416,66 @@ impl<M: Memory> Spy<M> {
         if count > MAX_FRAMES {
             return Err(Attempt::Changed(format!("{count} frames")));
         }
-        let cfps = self
-            .mem
-            .read_vec(cfp, (count * cfp_size) as usize)
-            .map_err(self.moved("reading control frames"))?;
+        let (frames, envs) = self.read_frames(vm_stack, cfp, count)?;
+        // Which frames are reported, and the candidates for the method entry each needs (for
+        // C functions: its name; for Ruby methods and their blocks: the owner's name).
+        let mut wanted: Vec<Wanted> = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            if f.iseq != 0 {
+                if f.pc == 0 {
+                    continue; // IFUNC and dummy frames: Ruby skips them too.
+                }
+                // An iseq not seen before may belong to a method: collect its chain too.
+                let needs_owner = self.iseqs.get(&f.iseq).is_none_or(|x| x.in_method);
+                let chain = if needs_owner {
+                    self.method_entry_chain(f.ep, &envs)?
+                } else {
+                    Vec::new()
+                };
+                wanted.push(Wanted {
+                    index: i,
+                    cfunc: false,
+                    chain,
+                });
+            } else {
+                let s = self.env_slots(f.ep, &envs)?;
+                if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
+                    continue;
+                }
+                let chain = self.method_entry_chain(f.ep, &envs)?;
+                wanted.push(Wanted {
+                    index: i,
+                    cfunc: true,
+                    chain,
+                });
+            }
+        }
+        let mes = self.read_iseqs_and_method_entries(&frames, &wanted)?;
+        self.build_frames(&frames, wanted, &mes)
+    }
+
+    /// Second read: the control frames and, in the same call, the used part of the value
+    /// stack below them, where every running frame's environment (`ep[-2..=0]`) lives. Its
+    /// extent is guessed from the previous sample; a larger stack costs one more read.
+    fn read_frames(
+        &mut self,
+        vm_stack: u64,
+        cfp: u64,
+        count: u64,
+    ) -> std::result::Result<(Vec<RawFrame>, Envs), Attempt> {
+        let l = self.layout;
+        let guess = (self.stack_hint as u64).min(cfp - vm_stack) as usize;
+        let mut cfps = vec![0u8; count as usize * l.cfp_size];
+        let mut values = vec![0u8; guess];
+        {
+            let mut requests: Vec<(u64, &mut [u8])> = vec![(cfp, &mut cfps[..])];
+            if guess > 0 {
+                requests.push((vm_stack, &mut values[..]));
+            }
+            self.mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading control frames"))?;
+        }
         let frames: Vec<RawFrame> = cfps
             .chunks_exact(l.cfp_size)
             .map(|c| RawFrame {
@@ -418,15 +484,63 @@ impl<M: Memory> Spy<M> {
                 ep: word(c, l.cfp_ep),
             })
             .collect();
-        let mut envs = self.read_envs_and_iseqs(&frames)?;
-        self.build_frames(&frames, &mut envs)
+        let needed = frames
+            .iter()
+            .map(|f| f.ep)
+            .filter(|ep| *ep >= vm_stack + 16 && *ep + 8 <= cfp)
+            .map(|ep| (ep + 8 - vm_stack) as usize)
+            .max()
+            .unwrap_or(0);
+        if needed > values.len() {
+            let more = self
+                .mem
+                .read_vec(vm_stack + values.len() as u64, needed - values.len())
+                .map_err(self.moved("reading the value stack"))?;
+            values.extend_from_slice(&more);
+        }
+        // Slack so that a slightly deeper stack next time still fits in one read.
+        self.stack_hint = needed + needed / 4 + 1024;
+        Ok((
+            frames,
+            Envs {
+                base: vm_stack,
+                values,
+            },
+        ))
     }
 
-    /// Second batched read: `ep[-2..=0]` of every frame, plus the headers of every iseq and of
-    /// its cached body, which both validates the iseq cache and tells new iseqs apart.
-    fn read_envs_and_iseqs(&mut self, frames: &[RawFrame]) -> std::result::Result<Envs, Attempt> {
+    /// `ep[-2..=0]` of an environment: from the value stack copy, or from an environment
+    /// that escaped to the heap (a method whose block became a Proc, a block called after
+    /// its method returned). Escaped environments do not change, so they are cached; a
+    /// failed attempt clears the cache in case one was freed and its address reused.
+    fn env_slots(&mut self, ep: u64, envs: &Envs) -> std::result::Result<Slots, Attempt> {
+        if let Some(s) = envs.on_stack(ep) {
+            return Ok(s);
+        }
+        if let Some(s) = self.heap_envs.get(&ep) {
+            return Ok(*s);
+        }
+        let mut buf = [0u8; 24];
+        self.mem
+            .read(ep.wrapping_sub(16), &mut buf)
+            .map_err(self.moved("reading an environment"))?;
+        let s = slots(&buf);
+        if self.heap_envs.len() >= MAX_CACHED_ENVS {
+            self.heap_envs.clear();
+        }
+        self.heap_envs.insert(ep, s);
+        Ok(s)
+    }
+
+    /// Third read, batched: the header of every iseq and of its cached body (validating the
+    /// iseq cache: same body, same instructions, same size), and the header of every
+    /// candidate method entry. New iseqs and method entries are loaded on the cold path.
+    fn read_iseqs_and_method_entries(
+        &mut self,
+        frames: &[RawFrame],
+        wanted: &[Wanted],
+    ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
         let l = self.layout;
-        let mut env_bufs = vec![[0u8; 24]; frames.len()];
         let mut iseq_addrs: Vec<u64> = frames
             .iter()
             .filter(|f| f.iseq != 0 && f.pc != 0)
@@ -434,13 +548,18 @@ impl<M: Memory> Spy<M> {
             .collect();
         iseq_addrs.sort_unstable();
         iseq_addrs.dedup();
+        let mut me_addrs: Vec<u64> = wanted
+            .iter()
+            .flat_map(|w| w.chain.iter().copied())
+            .collect();
+        me_addrs.sort_unstable();
+        me_addrs.dedup();
+        let head_len = l.me_owner.max(l.me_def).max(l.svar_cref_or_me) + 8;
         let mut iseq_bufs = vec![[0u8; 24]; iseq_addrs.len()];
         let mut body_bufs = vec![[0u8; 16]; iseq_addrs.len()];
+        let mut me_bufs = vec![vec![0u8; head_len]; me_addrs.len()];
         {
             let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
-            for (f, buf) in frames.iter().zip(env_bufs.iter_mut()) {
-                requests.push((f.ep.wrapping_sub(16), &mut buf[..]));
-            }
             for ((addr, ibuf), bbuf) in iseq_addrs
                 .iter()
                 .zip(iseq_bufs.iter_mut())
@@ -451,13 +570,12 @@ impl<M: Memory> Spy<M> {
                     requests.push((info.body, &mut bbuf[..]));
                 }
             }
+            for (addr, buf) in me_addrs.iter().zip(me_bufs.iter_mut()) {
+                requests.push((*addr, &mut buf[..]));
+            }
             self.mem
                 .read_many(&mut requests)
-                .map_err(self.moved("reading frame environments"))?;
-        }
-        let mut envs = Envs::default();
-        for (f, buf) in frames.iter().zip(env_bufs.iter()) {
-            envs.slots.insert(f.ep, slots(buf));
+                .map_err(self.moved("reading iseqs and method entries"))?;
         }
         for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(&iseq_bufs).zip(&body_bufs) {
             if imemo_type(l, word(ibuf, l.rbasic_flags)) != Some(l.imemo_iseq) {
@@ -477,7 +595,7 @@ impl<M: Memory> Spy<M> {
                 self.iseqs.insert(*addr, info);
             }
         }
-        Ok(envs)
+        self.method_entries(&me_addrs, &me_bufs)
     }
 
     /// Reads and decodes everything an iseq's frames need (cold path, once per iseq).
@@ -571,26 +689,15 @@ impl<M: Memory> Spy<M> {
     /// local one. The first that turns out to be an `imemo_ment` (crefs are skipped) is it;
     /// their headers are read in one batch afterwards.
     fn method_entry_chain(
-        &self,
+        &mut self,
         ep: u64,
-        envs: &mut Envs,
+        envs: &Envs,
     ) -> std::result::Result<Vec<u64>, Attempt> {
         let l = self.layout;
         let mut ep = ep;
         let mut chain = Vec::new();
         for _ in 0..MAX_EP_DEPTH {
-            let s = match envs.slots.get(&ep) {
-                Some(s) => *s,
-                None => {
-                    // An environment that escaped to the heap (a block outliving its frame).
-                    let mut buf = [0u8; 24];
-                    self.mem
-                        .read(ep.wrapping_sub(16), &mut buf)
-                        .map_err(self.moved("reading an environment"))?;
-                    envs.slots.insert(ep, slots(&buf));
-                    slots(&buf)
-                }
-            };
+            let s = self.env_slots(ep, envs)?;
             if is_heap_object(s.me_cref) {
                 chain.push(s.me_cref);
             }
@@ -605,39 +712,19 @@ impl<M: Memory> Spy<M> {
     fn build_frames(
         &mut self,
         frames: &[RawFrame],
-        envs: &mut Envs,
+        wanted: Vec<Wanted>,
+        mes: &HashMap<u64, MethodInfo>,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
         let l = self.layout;
-        // Which frames are reported, and the method entry each needs (for C functions: its
-        // name; for Ruby methods and their blocks: the owner's name).
-        let mut wanted: Vec<(usize, bool, Vec<u64>)> = Vec::new();
-        for (i, f) in frames.iter().enumerate() {
-            if f.iseq != 0 {
-                if f.pc == 0 {
-                    continue; // IFUNC and dummy frames: Ruby skips them too.
-                }
-                let in_method = self.iseqs.get(&f.iseq).is_some_and(|x| x.in_method);
-                let me = if in_method {
-                    self.method_entry_chain(f.ep, envs)?
-                } else {
-                    Vec::new()
-                };
-                wanted.push((i, false, me));
-            } else {
-                let s = envs.slots[&f.ep];
-                if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
-                    continue;
-                }
-                let me = self.method_entry_chain(f.ep, envs)?;
-                wanted.push((i, true, me));
-            }
-        }
-        let mes = self.read_method_entries(wanted.iter().flat_map(|w| w.2.iter().copied()))?;
-
         let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
         let mut pending_cfuncs: Vec<usize> = Vec::new();
-        for (i, is_cfunc, chain) in wanted {
-            let f = &frames[i];
+        for Wanted {
+            index,
+            cfunc: is_cfunc,
+            chain,
+        } in wanted
+        {
+            let f = &frames[index];
             let me = chain.into_iter().find(|m| mes.contains_key(m));
             if is_cfunc {
                 let info = me
@@ -684,31 +771,14 @@ impl<M: Memory> Spy<M> {
 
     /// Third batched read: headers of every method entry the frames point at. Cached entries
     /// are kept only while their `def` and `owner` still match.
-    fn read_method_entries(
+    fn method_entries(
         &mut self,
-        candidates: impl Iterator<Item = u64>,
+        addrs: &[u64],
+        bufs: &[Vec<u8>],
     ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
         let l = self.layout;
-        let mut addrs: Vec<u64> = candidates.collect();
-        addrs.sort_unstable();
-        addrs.dedup();
-        if addrs.is_empty() {
-            return Ok(HashMap::new());
-        }
-        let head_len = l.me_owner.max(l.me_def) + 8;
-        let mut bufs = vec![vec![0u8; head_len]; addrs.len()];
-        {
-            let mut requests: Vec<(u64, &mut [u8])> = addrs
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(a, b)| (*a, &mut b[..]))
-                .collect();
-            self.mem
-                .read_many(&mut requests)
-                .map_err(self.moved("reading method entries"))?;
-        }
         let mut out = HashMap::new();
-        for (addr, buf) in addrs.iter().zip(&bufs) {
+        for (addr, buf) in addrs.iter().zip(bufs) {
             let mut head = buf.clone();
             let mut imemo = imemo_type(l, word(&head, l.rbasic_flags));
             if imemo == Some(l.imemo_svar) {
@@ -846,7 +916,7 @@ impl<M: Memory> Spy<M> {
         let info = self
             .iseqs
             .get(&f.iseq)
-            .expect("loaded in read_envs_and_iseqs");
+            .expect("loaded in read_iseqs_and_method_entries");
         let n = (f.pc.wrapping_sub(info.encoded) / 8) as usize;
         if f.pc < info.encoded || n > info.size as usize {
             return Err(Attempt::Changed("pc outside its iseq".into()));
@@ -918,8 +988,24 @@ fn slots(buf: &[u8; 24]) -> Slots {
     }
 }
 
-/// The environments read during one sample, by `ep`.
+/// The environments of one sample: a copy of the value stack `[base, base + len)`.
 #[derive(Debug, Default)]
 struct Envs {
-    slots: HashMap<u64, Slots>,
+    base: u64,
+    values: Vec<u8>,
+}
+
+impl Envs {
+    fn on_stack(&self, ep: u64) -> Option<Slots> {
+        let start = ep.checked_sub(16)?.checked_sub(self.base)? as usize;
+        let bytes: &[u8; 24] = self.values.get(start..start + 24)?.try_into().ok()?;
+        Some(slots(bytes))
+    }
+}
+
+/// A frame to report and the candidates for its method entry.
+struct Wanted {
+    index: usize,
+    cfunc: bool,
+    chain: Vec<u64>,
 }

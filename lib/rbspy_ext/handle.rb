@@ -14,7 +14,10 @@ module RubySpy
       # @raise [ArgumentError] if +pid+ is not positive
       # @raise [RubySpy::Error] a subclass naming why the process cannot be read
       def new(pid, force_version: nil)
-        _new(pid, force_version)
+        handle = _new(pid, force_version)
+        handle.instance_variable_set(:@frames, [])
+        handle.instance_variable_set(:@lock, Mutex.new)
+        handle
       end
     end
 
@@ -25,9 +28,16 @@ module RubySpy
     # @raise [RubySpy::ProcessExited] if the process has gone
     # @raise [RubySpy::StackChanged] if the stack kept changing during several attempts
     def snapshot
-      _raw_snapshot.map do |label, base_label, path, absolute_path, lineno, c_function|
-        Frame.new(label: label, base_label: base_label, path: path,
-                  absolute_path: absolute_path, lineno: lineno, c_function: c_function)
+      # Frames are immutable, so each distinct one is built once and reused (see
+      # ext/rbspy_ext/src/handle.rs); the lock keeps ids and their definitions together.
+      @lock.synchronize do
+        ids, fresh = _snapshot_ids
+        fresh.each do |id, label, base_label, path, absolute_path, lineno, c_function|
+          @frames[id] = Frame.new(label: label, base_label: base_label, path: path,
+                                  absolute_path: absolute_path, lineno: lineno,
+                                  c_function: c_function)
+        end
+        ids.map { |id| @frames[id] }
       end
     end
 

@@ -3,12 +3,17 @@
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, Ruby, Value};
 use rbspy_ext_core::{Config, Frame, Spy};
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 #[magnus::wrap(class = "RubySpy::Handle", free_immediately, size)]
 struct Handle {
     spy: Mutex<Spy>,
+    /// Every distinct frame seen gets a small id; the Ruby side keeps one frozen
+    /// `RubySpy::Frame` per id, so a warm snapshot allocates one Array of Integers instead
+    /// of a Frame and four Strings per frame.
+    frame_ids: Mutex<HashMap<Frame, u32>>,
     /// Snapshots of the calling process keep the GVL: releasing it would let another
     /// thread take it, and the snapshot would show that thread instead of the caller.
     own_process: bool,
@@ -61,6 +66,7 @@ impl Handle {
         })?;
         Ok(Handle {
             spy: Mutex::new(spy),
+            frame_ids: Mutex::new(HashMap::new()),
             own_process,
         })
     }
@@ -82,14 +88,31 @@ impl Handle {
         self.spy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `[[label, base_label, path, absolute_path, lineno, c_function], ...]`, innermost first.
-    fn raw_snapshot(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
-        let frames: Vec<Frame> = run(ruby, rb_self.own_process, "taking a snapshot", || {
-            rb_self.lock().snapshot()
+    /// `[ids, fresh]`: the frame ids of the current stack, innermost first, and
+    /// `[id, label, base_label, path, absolute_path, lineno, c_function]` for each id not
+    /// returned before. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so
+    /// every fresh id reaches the cache before another snapshot can refer to it.
+    fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<(RArray, RArray), Error> {
+        let (ids, fresh) = run(ruby, rb_self.own_process, "taking a snapshot", || {
+            let frames = rb_self.lock().snapshot()?;
+            let mut table = rb_self.frame_ids.lock().unwrap_or_else(|p| p.into_inner());
+            let mut fresh = Vec::new();
+            let ids: Vec<u32> = frames
+                .into_iter()
+                .map(|f| {
+                    let next = table.len() as u32;
+                    *table.entry(f).or_insert_with_key(|f| {
+                        fresh.push((next, f.clone()));
+                        next
+                    })
+                })
+                .collect();
+            Ok((ids, fresh))
         })?;
-        let out = ruby.ary_new_capa(frames.len());
-        for f in frames {
-            out.push((
+        let fresh_ary = ruby.ary_new_capa(fresh.len());
+        for (id, f) in fresh {
+            fresh_ary.push((
+                id,
                 &*f.label,
                 &*f.base_label,
                 &*f.path,
@@ -98,7 +121,7 @@ impl Handle {
                 f.c_function,
             ))?;
         }
-        Ok(out)
+        Ok((ruby.ary_from_vec(ids), fresh_ary))
     }
 
     /// `process_vm_readv` calls made so far (benchmarks count them).
@@ -114,7 +137,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("pid", method!(Handle::pid, 0))?;
     class.define_method("ruby_version", method!(Handle::ruby_version, 0))?;
     class.define_method("warning", method!(Handle::warning, 0))?;
-    class.define_method("_raw_snapshot", method!(Handle::raw_snapshot, 0))?;
+    class.define_method("_snapshot_ids", method!(Handle::snapshot_ids, 0))?;
     class.define_method("read_calls", method!(Handle::read_calls, 0))?;
     Ok(())
 }
