@@ -8,12 +8,19 @@
  * SIZEOF_SERIAL_T, VM_DEBUG_BP_CHECK...) exactly as the Ruby build did.
  */
 #include "ruby/ruby.h"
+#include "ruby/version.h"
+#define RV (RUBY_API_VERSION_MAJOR * 100 + RUBY_API_VERSION_MINOR)
 #include "vm_core.h"
 #include "iseq.h"
 #include "id.h"
+#if RV >= 300
 #include "internal/class.h"
-#include "symbol.h"
+#include "internal/imemo.h"
 #include "ractor_core.h"
+#else
+#include "internal.h"
+#endif
+#include "symbol.h"
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
@@ -35,6 +42,17 @@ struct probe_st_table_entry {
 #define U(name, value) printf("    " #name ": %lu,\n", (unsigned long)(value))
 #define X(name, value) printf("    " #name ": 0x%lx,\n", (unsigned long)(value))
 #define OFF(name, type, field) U(name, offsetof(type, field))
+#define SOME(name, value) printf("    " #name ": Some(%lu),\n", (unsigned long)(value))
+#define SOMEOFF(name, type, field) SOME(name, offsetof(type, field))
+#define NONE(name) printf("    " #name ": None,\n")
+
+/* Finds a one-bit bitfield: sets it in a zeroed struct and reports (byte offset, mask). */
+#define ONE_BIT(name, type, field) do { \
+        type probe_; unsigned char *b_ = (unsigned char *)&probe_; \
+        memset(&probe_, 0, sizeof(probe_)); probe_.field = 1; \
+        for (size_t i_ = 0; i_ < sizeof(probe_); i_++) if (b_[i_]) { \
+            printf("    " #name ": Some((%zu, 0x%x)),\n", i_, b_[i_]); break; } \
+    } while (0)
 
 static size_t max_end(void) {
     size_t ends[] = {
@@ -52,10 +70,24 @@ static size_t max_end(void) {
 
 int main(void) {
     printf("Layout {\n    name: \"%s\",\n", LAYOUT_NAME);
-    OFF(vm_main_ractor, rb_vm_t, ractor.main_ractor);
+#if RV >= 300
+    SOMEOFF(vm_main_ractor, rb_vm_t, ractor.main_ractor);
     OFF(vm_main_thread, rb_vm_t, ractor.main_thread);
-    OFF(ractor_gvl_owner, rb_ractor_t, threads.gvl.owner);
-    OFF(ractor_threads_main, rb_ractor_t, threads.main);
+    NONE(vm_gvl_owner);
+#if RV >= 302
+    /* 3.2 replaced the GVL struct by a per-ractor scheduler; `running` is the holder. */
+    SOMEOFF(ractor_gvl_owner, rb_ractor_t, threads.sched.running);
+#else
+    SOMEOFF(ractor_gvl_owner, rb_ractor_t, threads.gvl.owner);
+#endif
+    SOMEOFF(ractor_threads_main, rb_ractor_t, threads.main);
+#else
+    NONE(vm_main_ractor);
+    OFF(vm_main_thread, rb_vm_t, main_thread);
+    SOMEOFF(vm_gvl_owner, rb_vm_t, gvl.owner);
+    NONE(ractor_gvl_owner);
+    NONE(ractor_threads_main);
+#endif
     OFF(thread_self, rb_thread_t, self);
     OFF(thread_vm, rb_thread_t, vm);
     OFF(thread_ec, rb_thread_t, ec);
@@ -82,7 +114,11 @@ int main(void) {
     OFF(body_insns_info_succ_index_table, struct rb_iseq_constant_body, insns_info.succ_index_table);
     OFF(body_parent_iseq, struct rb_iseq_constant_body, parent_iseq);
     OFF(body_local_iseq, struct rb_iseq_constant_body, local_iseq);
-    OFF(body_mandatory_only_iseq, struct rb_iseq_constant_body, mandatory_only_iseq);
+#if RV >= 301
+    SOMEOFF(body_mandatory_only_iseq, struct rb_iseq_constant_body, mandatory_only_iseq);
+#else
+    NONE(body_mandatory_only_iseq);
+#endif
     U(body_read_size, max_end());
     U(insn_info_entry_size, sizeof(struct iseq_insn_info_entry));
     OFF(insn_info_entry_line_no, struct iseq_insn_info_entry, line_no);
@@ -127,19 +163,56 @@ int main(void) {
     U(fl_ushift, RUBY_FL_USHIFT);
     X(fl_singleton, RUBY_FL_SINGLETON);
     X(rstring_noembed, RSTRING_NOEMBED);
+#if RV >= 303
+    /* 3.3 moved the length out of the union: one field for both representations. */
+    X(rstring_embed_len_mask, 0);
+    U(rstring_embed_len_shift, 0);
+    SOMEOFF(rstring_embed_len, struct RString, len);
+    OFF(rstring_heap_len, struct RString, len);
+#elif RV >= 302
+    X(rstring_embed_len_mask, 0);
+    U(rstring_embed_len_shift, 0);
+    SOMEOFF(rstring_embed_len, struct RString, as.embed.len);
+    OFF(rstring_heap_len, struct RString, as.heap.len);
+#else
     X(rstring_embed_len_mask, RSTRING_EMBED_LEN_MASK);
     U(rstring_embed_len_shift, RSTRING_EMBED_LEN_SHIFT);
+    NONE(rstring_embed_len);
     OFF(rstring_heap_len, struct RString, as.heap.len);
+#endif
     OFF(rstring_heap_ptr, struct RString, as.heap.ptr);
+#if RV >= 300
     OFF(rstring_embed_ary, struct RString, as.embed.ary);
+#else
+    OFF(rstring_embed_ary, struct RString, as.ary);
+#endif
     X(rarray_embed_flag, RARRAY_EMBED_FLAG);
     X(rarray_embed_len_mask, RARRAY_EMBED_LEN_MASK);
     U(rarray_embed_len_shift, RARRAY_EMBED_LEN_SHIFT);
     OFF(rarray_heap_len, struct RArray, as.heap.len);
     OFF(rarray_heap_ptr, struct RArray, as.heap.ptr);
     OFF(rarray_embed_ary, struct RArray, as.ary);
-    OFF(rclass_ext_ptr, struct RClass, ptr);
-    OFF(classext_iv_tbl, struct rb_classext_struct, iv_tbl);
+#if RV >= 303
+    /* The class extension lives right after struct RClass, with the class path and the
+     * singleton's attached object as fields. */
+    NONE(rclass_ext_ptr);
+#if RV >= 304
+    SOMEOFF(rclass_ext_inline, struct RClass_and_rb_classext_t, classext);
+#else
+    SOME(rclass_ext_inline, sizeof(struct RClass));
+#endif
+    NONE(classext_iv_tbl);
+    SOMEOFF(classext_classpath, rb_classext_t, classpath);
+    ONE_BIT(classext_permanent_classpath, rb_classext_t, permanent_classpath);
+    SOMEOFF(classext_attached_object, rb_classext_t, as.singleton_class.attached_object);
+#else
+    SOMEOFF(rclass_ext_ptr, struct RClass, ptr);
+    NONE(rclass_ext_inline);
+    SOMEOFF(classext_iv_tbl, struct rb_classext_struct, iv_tbl);
+    NONE(classext_classpath);
+    NONE(classext_permanent_classpath);
+    NONE(classext_attached_object);
+#endif
     OFF(st_table_entries_start, st_table, entries_start);
     OFF(st_table_entries_bound, st_table, entries_bound);
     OFF(st_table_entries, st_table, entries);

@@ -19,13 +19,15 @@ pub struct Layout {
     /// A name for the layout, e.g. "3.1" (the first release that has it).
     pub name: &'static str,
 
-    // rb_vm_t
-    pub vm_main_ractor: usize,
+    // rb_vm_t. Before 3.0 there are no ractors: the GVL and the main thread hang off the VM.
+    pub vm_main_ractor: Option<usize>,
     pub vm_main_thread: usize,
+    pub vm_gvl_owner: Option<usize>,
 
-    // rb_ractor_t: the GVL lives in the ractor since 3.0.
-    pub ractor_gvl_owner: usize,
-    pub ractor_threads_main: usize,
+    // rb_ractor_t: the thread holding the GVL is `threads.gvl.owner` (3.0, 3.1) or
+    // `threads.sched.running` (3.2+).
+    pub ractor_gvl_owner: Option<usize>,
+    pub ractor_threads_main: Option<usize>,
 
     // rb_thread_t
     pub thread_self: usize,
@@ -60,8 +62,8 @@ pub struct Layout {
     pub body_insns_info_succ_index_table: usize,
     pub body_parent_iseq: usize,
     pub body_local_iseq: usize,
-    /// Builtin methods with `Primitive.mandatory_only?` run a second iseq (0: no such field).
-    pub body_mandatory_only_iseq: usize,
+    /// Builtin methods with `Primitive.mandatory_only?` run a second iseq (3.1+).
+    pub body_mandatory_only_iseq: Option<usize>,
     /// Bytes of the body the walker reads in one go (covers every `body_*` field above).
     pub body_read_size: usize,
     pub insn_info_entry_size: usize,
@@ -112,6 +114,8 @@ pub struct Layout {
     pub rstring_noembed: u64,
     pub rstring_embed_len_mask: u64,
     pub rstring_embed_len_shift: u32,
+    /// Where an embedded string keeps its length (3.2+); before, it is in the flags.
+    pub rstring_embed_len: Option<usize>,
     pub rstring_heap_len: usize,
     pub rstring_heap_ptr: usize,
     pub rstring_embed_ary: usize,
@@ -122,10 +126,18 @@ pub struct Layout {
     pub rarray_heap_ptr: usize,
     pub rarray_embed_ary: usize,
 
-    // Classes: a class's name is its `__classpath__` instance variable, its singleton's
-    // object its `__attached__` one; both live in the class's iv_tbl (an st_table).
-    pub rclass_ext_ptr: usize,
-    pub classext_iv_tbl: usize,
+    // Classes. Before 3.3 a class's name is its `__classpath__` instance variable and a
+    // singleton's object its `__attached__` one, both in the iv_tbl (an st_table) of the
+    // class extension, which `RClass.ptr` points to. From 3.3 the extension follows the
+    // RClass in the same slot and has `classpath`, `permanent_classpath` and
+    // `attached_object` fields.
+    pub rclass_ext_ptr: Option<usize>,
+    pub rclass_ext_inline: Option<usize>,
+    pub classext_iv_tbl: Option<usize>,
+    pub classext_classpath: Option<usize>,
+    /// (byte offset, bit mask) of the `permanent_classpath` bitfield.
+    pub classext_permanent_classpath: Option<(usize, u8)>,
+    pub classext_attached_object: Option<usize>,
     pub st_table_entries_start: usize,
     pub st_table_entries_bound: usize,
     pub st_table_entries: usize,

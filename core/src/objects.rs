@@ -60,7 +60,7 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
         return Err(ObjectError::Shape("String", value));
     }
     let mut head = [0u8; 48];
-    mem.read(value, &mut head[..l.rstring_embed_ary + 24])?;
+    mem.read(value, &mut head[..(l.rstring_embed_ary + 16).min(48)])?;
     let flags = word(&head, l.rbasic_flags);
     if flags & T_MASK != T_STRING {
         return Err(ObjectError::Shape("String", value));
@@ -72,11 +72,19 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
         }
         mem.read_vec(word(&head, l.rstring_heap_ptr), len)?
     } else {
-        let len = ((flags & l.rstring_embed_len_mask) >> l.rstring_embed_len_shift) as usize;
+        let len = match l.rstring_embed_len {
+            Some(offset) => word(&head, offset) as usize,
+            None => ((flags & l.rstring_embed_len_mask) >> l.rstring_embed_len_shift) as usize,
+        };
+        if len > MAX_STRING {
+            return Err(ObjectError::Shape("String", value));
+        }
         let start = l.rstring_embed_ary;
-        head.get(start..start + len)
-            .ok_or(ObjectError::Shape("String", value))?
-            .to_vec()
+        match head.get(start..start + len) {
+            Some(bytes) => bytes.to_vec(),
+            // Since 3.2 embedded strings may fill a larger heap slot.
+            None => mem.read_vec(value + start as u64, len)?,
+        }
     };
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
@@ -222,7 +230,11 @@ fn method_prefix<M: Memory>(
     let flags = class_flags(mem, l, owner)?;
     let Some(flags) = flags else { return Ok(None) };
     if flags & l.fl_singleton != 0 {
-        let Some(attached) = ivar(mem, l, symbols, owner, "__attached__")? else {
+        let attached = match l.classext_attached_object {
+            Some(offset) => Some(mem.read_u64(class_ext(mem, l, owner)? + offset as u64)?),
+            None => ivar(mem, l, symbols, owner, "__attached__")?,
+        };
+        let Some(attached) = attached else {
             return Ok(None);
         };
         if class_flags(mem, l, attached)?.is_none() {
@@ -231,6 +243,15 @@ fn method_prefix<M: Memory>(
         Ok(permanent_name(mem, l, symbols, attached)?.map(|n| format!("{n}.")))
     } else {
         Ok(permanent_name(mem, l, symbols, owner)?.map(|n| format!("{n}#")))
+    }
+}
+
+/// The address of a class's `rb_classext_t`.
+fn class_ext<M: Memory>(mem: &M, l: &Layout, class: u64) -> ObjResult<u64> {
+    match (l.rclass_ext_inline, l.rclass_ext_ptr) {
+        (Some(offset), _) => Ok(class + offset as u64),
+        (None, Some(offset)) => Ok(mem.read_u64(class + offset as u64)?),
+        (None, None) => Err(ObjectError::Shape("class (layout has no extension)", class)),
     }
 }
 
@@ -243,17 +264,30 @@ fn class_flags<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Option<u
     Ok(matches!(flags & T_MASK, T_CLASS | T_MODULE).then_some(flags))
 }
 
-/// A class's `__classpath__` (set once the class is reachable from a constant): Ruby's
-/// "permanent" name. A class with only a temporary path is treated as anonymous.
+/// A class's path once it is reachable from a constant (Ruby's "permanent" name: the
+/// `__classpath__` ivar before 3.3, the `classpath` field with `permanent_classpath` set
+/// after). A class with only a temporary path is treated as anonymous, as Ruby does.
 fn permanent_name<M: Memory>(
     mem: &M,
     l: &Layout,
     symbols: &mut SymbolTable,
     class: u64,
 ) -> ObjResult<Option<String>> {
-    match ivar(mem, l, symbols, class, "__classpath__")? {
-        Some(path) => Ok(Some(read_string(mem, l, path)?)),
-        None => Ok(None),
+    let path = match (l.classext_classpath, l.classext_permanent_classpath) {
+        (Some(offset), Some((flag_offset, mask))) => {
+            let ext = class_ext(mem, l, class)?;
+            let mut flag = [0u8; 1];
+            mem.read(ext + flag_offset as u64, &mut flag)?;
+            if flag[0] & mask == 0 {
+                return Ok(None);
+            }
+            Some(mem.read_u64(ext + offset as u64)?)
+        }
+        _ => ivar(mem, l, symbols, class, "__classpath__")?,
+    };
+    match path {
+        Some(path) if is_heap_object(path) => Ok(Some(read_string(mem, l, path)?)),
+        _ => Ok(None),
     }
 }
 
@@ -265,11 +299,14 @@ fn ivar<M: Memory>(
     class: u64,
     name: &str,
 ) -> ObjResult<Option<u64>> {
-    let ext = mem.read_u64(class + l.rclass_ext_ptr as u64)?;
+    let Some(iv_tbl) = l.classext_iv_tbl else {
+        return Ok(None);
+    };
+    let ext = class_ext(mem, l, class)?;
     if ext == 0 {
         return Ok(None);
     }
-    let table = mem.read_u64(ext + l.classext_iv_tbl as u64)?;
+    let table = mem.read_u64(ext + iv_tbl as u64)?;
     if table == 0 {
         return Ok(None);
     }

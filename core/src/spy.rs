@@ -88,7 +88,8 @@ pub struct Spy<M: Memory = ProcessMemory> {
     version: String,
     warning: Option<String>,
     vm: u64,
-    main_ractor: u64,
+    /// Address of the word naming the thread that holds the GVL (0 when none does).
+    gvl_owner: u64,
     main_thread: u64,
     symbols: Option<SymbolTable>,
     writable: Vec<(u64, u64)>,
@@ -164,7 +165,7 @@ impl Spy<ProcessMemory> {
             version: found,
             warning,
             vm,
-            main_ractor: 0,
+            gvl_owner: 0,
             main_thread: 0,
             symbols: binary.symbol("ruby_global_symbols").map(SymbolTable::new),
             writable: binary.writable.clone(),
@@ -271,24 +272,35 @@ impl<M: Memory> Spy<M> {
         if !is_heap_object(self.vm) {
             return Err(corrupt("VM pointer"));
         }
-        let mut vm = vec![0u8; l.vm_main_thread.max(l.vm_main_ractor) + 8];
+        let mut vm = vec![0u8; l.vm_main_thread.max(l.vm_main_ractor.unwrap_or(0)) + 8];
         self.mem
             .read(self.vm, &mut vm)
             .map_err(self.mem_err("reading the VM"))?;
-        let ractor = word(&vm, l.vm_main_ractor);
         let thread = word(&vm, l.vm_main_thread);
         let thread_vm = self
             .mem
             .read_u64(thread + l.thread_vm as u64)
             .map_err(|_| corrupt("VM (its main thread is unreadable)"))?;
-        let ractor_main = self
-            .mem
-            .read_u64(ractor + l.ractor_threads_main as u64)
-            .map_err(|_| corrupt("VM (its main ractor is unreadable)"))?;
-        if thread_vm != self.vm || ractor_main != thread {
+        if thread_vm != self.vm {
             return Err(corrupt("VM"));
         }
-        self.main_ractor = ractor;
+        let ractor = l.vm_main_ractor.map_or(0, |offset| word(&vm, offset));
+        if let Some(main) = l.ractor_threads_main {
+            let ractor_main = self
+                .mem
+                .read_u64(ractor + main as u64)
+                .map_err(|_| corrupt("VM (its main ractor is unreadable)"))?;
+            if ractor_main != thread {
+                return Err(corrupt("VM"));
+            }
+        }
+        // Where the thread holding the GVL is recorded: in the VM before 3.0, in the main
+        // ractor after.
+        self.gvl_owner = match (l.vm_gvl_owner, l.ractor_gvl_owner) {
+            (Some(offset), _) => self.vm + offset as u64,
+            (None, Some(offset)) => ractor + offset as u64,
+            (None, None) => return Err(corrupt("layout without a GVL owner")),
+        };
         self.main_thread = thread;
         Ok(())
     }
@@ -351,7 +363,7 @@ impl<M: Memory> Spy<M> {
         if let Some((thread, ec)) = self.last_ec {
             self.mem
                 .read_many(&mut [
-                    (self.main_ractor + l.ractor_gvl_owner as u64, &mut owner[..]),
+                    (self.gvl_owner, &mut owner[..]),
                     (thread + l.thread_ec as u64, &mut ec_field[..]),
                     (ec + l.ec_vm_stack as u64, &mut ec_head[..]),
                 ])
@@ -364,7 +376,7 @@ impl<M: Memory> Spy<M> {
             return self.read_ec_of(current);
         }
         self.mem
-            .read(self.main_ractor + l.ractor_gvl_owner as u64, &mut owner)
+            .read(self.gvl_owner, &mut owner)
             .map_err(self.moved("reading the GVL owner"))?;
         let owner = word(&owner, 0);
         self.read_ec_of(if owner == 0 { self.main_thread } else { owner })
@@ -823,14 +835,14 @@ impl<M: Memory> Spy<M> {
         let mut iseqs = [0, 0];
         if def_type == l.method_type_iseq {
             iseqs[0] = word(&d, l.me_def_iseqptr);
-            if l.body_mandatory_only_iseq != 0 {
+            if let Some(mandatory_only) = l.body_mandatory_only_iseq {
                 let body = self
                     .mem
                     .read_u64(iseqs[0] + l.iseq_body as u64)
                     .map_err(self.moved("reading a method's iseq"))?;
                 iseqs[1] = self
                     .mem
-                    .read_u64(body + l.body_mandatory_only_iseq as u64)
+                    .read_u64(body + mandatory_only as u64)
                     .map_err(self.moved("reading a method's iseq"))?;
             }
         }
