@@ -5,6 +5,7 @@
 //! - [`memory`]: `process_vm_readv` behind the [`memory::Memory`] trait (and a test image);
 //! - [`objects`]: Ruby strings, arrays, symbol names and class names;
 //! - [`lines`]: instruction → line numbers;
+//! - [`vm`]: finding and validating the VM, with or without symbols;
 //! - [`spy`]: the one stack walker and its caches.
 pub mod error;
 pub mod lines;
@@ -12,6 +13,7 @@ pub mod memory;
 pub mod objects;
 pub mod process;
 pub mod spy;
+pub mod vm;
 
 pub use error::{Error, MemoryError, Result};
 pub use spy::{Config, Frame, Spy};

@@ -19,6 +19,15 @@ pub trait Memory {
         Ok(())
     }
 
+    /// Like `read_many`, but reads what it can: the result says which requests were filled.
+    /// Used when probing many candidate pointers, some of which may be unmapped.
+    fn read_each(&self, requests: &mut [(u64, &mut [u8])]) -> Vec<bool> {
+        requests
+            .iter_mut()
+            .map(|(addr, buf)| self.read(*addr, buf).is_ok())
+            .collect()
+    }
+
     /// Reads a little-endian u64 at `addr`.
     fn read_u64(&self, addr: u64) -> Result<u64, MemoryError> {
         let mut b = [0u8; 8];
@@ -128,6 +137,28 @@ impl Memory for ProcessMemory {
             return Ok(());
         }
         self.readv(&mut [(addr, buf)])
+    }
+
+    fn read_each(&self, requests: &mut [(u64, &mut [u8])]) -> Vec<bool> {
+        let mut ok = vec![false; requests.len()];
+        let mut next = 0;
+        while next < requests.len() {
+            let end = (next + IOV_MAX).min(requests.len());
+            match self.readv(&mut requests[next..end]) {
+                Ok(()) => {
+                    ok[next..end].iter_mut().for_each(|o| *o = true);
+                    next = end;
+                }
+                Err(MemoryError::Unmapped { addr, .. }) => {
+                    // The kernel stopped at `addr`: everything before it was read.
+                    let failed = (next..end).find(|i| requests[*i].0 == addr).unwrap_or(next);
+                    ok[next..failed].iter_mut().for_each(|o| *o = true);
+                    next = failed + 1;
+                }
+                Err(_) => break,
+            }
+        }
+        ok
     }
 
     fn read_many(&self, requests: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {

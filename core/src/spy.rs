@@ -11,6 +11,7 @@ use crate::objects::{
     SymbolTable, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
 };
 use crate::process::{find_ruby_binary, read_maps};
+use crate::vm::{check_vm, find_vm};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -41,6 +42,9 @@ pub struct Frame {
 pub struct Config {
     /// Use this version's layout instead of the one the process reports.
     pub force_version: Option<String>,
+    /// Find the VM by scanning libruby's data even when `ruby_current_vm_ptr` is exported
+    /// (what stripped 3.3+ builds need; lets tests exercise the scan on any Ruby).
+    pub scan_for_vm: bool,
 }
 
 /// What never changes about one iseq.
@@ -144,29 +148,57 @@ impl Spy<ProcessMemory> {
             .clone()
             .unwrap_or_else(|| found.clone());
         let (layout, warning) = resolve_layout(pid, &wanted)?;
-        let vm_ptr = binary
+        let vm_symbol = binary
             .symbol("ruby_current_vm_ptr")
             .or_else(|| binary.symbol("ruby_current_vm"))
-            .ok_or_else(|| Error::NotRuby {
-                pid,
-                detail: format!(
-                    "{} (Ruby {found}) exports no ruby_current_vm_ptr; finding the VM \
-                     without it is not supported yet",
-                    binary.path
-                ),
-            })?;
-        let vm = mem
-            .read_u64(vm_ptr)
-            .map_err(|e| memory_error(pid, "reading ruby_current_vm_ptr", e))?;
-        let mut spy = Spy {
+            .filter(|_| !config.scan_for_vm);
+        let roots = match vm_symbol {
+            Some(vm_ptr) => {
+                let vm = mem
+                    .read_u64(vm_ptr)
+                    .map_err(|e| memory_error(pid, "reading ruby_current_vm_ptr", e))?;
+                check_vm(&mem, layout, vm).ok_or(Error::Corrupt {
+                    pid,
+                    what: "VM (ruby_current_vm_ptr does not validate)",
+                    addr: vm,
+                })?
+            }
+            None => {
+                // Stripped of the symbol (Debian's 3.3 and 3.4): scan libruby's data.
+                let heap: Vec<(u64, u64)> = maps
+                    .iter()
+                    .filter(|m| {
+                        m.perms.starts_with("rw") && (m.path.is_empty() || m.path == "[heap]")
+                    })
+                    .map(|m| (m.start, m.end))
+                    .collect();
+                let (vm, examined) = find_vm(&mem, layout, &binary.writable, &heap);
+                vm.ok_or_else(|| Error::NotRuby {
+                    pid,
+                    detail: format!(
+                        "{} (Ruby {found_version}) exports no ruby_current_vm_ptr and none of the \
+                         {examined} pointers in its writable data validates as a VM; if the \
+                         process is still starting, try again{hint}",
+                        binary.path,
+                        found_version = found.as_str(),
+                        hint = if config.force_version.is_some() {
+                            ", or check force_version"
+                        } else {
+                            ""
+                        }
+                    ),
+                })?
+            }
+        };
+        let spy = Spy {
             pid,
             mem,
             layout,
             version: found,
             warning,
-            vm,
-            gvl_owner: 0,
-            main_thread: 0,
+            vm: roots.vm,
+            gvl_owner: roots.gvl_owner,
+            main_thread: roots.main_thread,
             symbols: binary.symbol("ruby_global_symbols").map(SymbolTable::new),
             writable: binary.writable.clone(),
             classes: ClassNames::default(),
@@ -176,7 +208,6 @@ impl Spy<ProcessMemory> {
             stack_hint: 0,
             heap_envs: HashMap::new(),
         };
-        spy.validate_vm()?;
         Ok(spy)
     }
 }
@@ -256,53 +287,9 @@ impl<M: Memory> Spy<M> {
         &self.mem
     }
 
-    fn mem_err(&self, context: &'static str) -> impl Fn(MemoryError) -> Error + '_ {
-        move |e| memory_error(self.pid, context, e)
-    }
-
-    /// Checks the VM pointer through its own back-pointers: the main thread must point back
-    /// at the VM, and the main ractor must name the same main thread.
-    fn validate_vm(&mut self) -> Result<()> {
-        let l = self.layout;
-        let corrupt = |what| Error::Corrupt {
-            pid: self.pid,
-            what,
-            addr: self.vm,
-        };
-        if !is_heap_object(self.vm) {
-            return Err(corrupt("VM pointer"));
-        }
-        let mut vm = vec![0u8; l.vm_main_thread.max(l.vm_main_ractor.unwrap_or(0)) + 8];
-        self.mem
-            .read(self.vm, &mut vm)
-            .map_err(self.mem_err("reading the VM"))?;
-        let thread = word(&vm, l.vm_main_thread);
-        let thread_vm = self
-            .mem
-            .read_u64(thread + l.thread_vm as u64)
-            .map_err(|_| corrupt("VM (its main thread is unreadable)"))?;
-        if thread_vm != self.vm {
-            return Err(corrupt("VM"));
-        }
-        let ractor = l.vm_main_ractor.map_or(0, |offset| word(&vm, offset));
-        if let Some(main) = l.ractor_threads_main {
-            let ractor_main = self
-                .mem
-                .read_u64(ractor + main as u64)
-                .map_err(|_| corrupt("VM (its main ractor is unreadable)"))?;
-            if ractor_main != thread {
-                return Err(corrupt("VM"));
-            }
-        }
-        // Where the thread holding the GVL is recorded: in the VM before 3.0, in the main
-        // ractor after.
-        self.gvl_owner = match (l.vm_gvl_owner, l.ractor_gvl_owner) {
-            (Some(offset), _) => self.vm + offset as u64,
-            (None, Some(offset)) => ractor + offset as u64,
-            (None, None) => return Err(corrupt("layout without a GVL owner")),
-        };
-        self.main_thread = thread;
-        Ok(())
+    /// The address of the target's `rb_vm_t`.
+    pub fn vm_address(&self) -> u64 {
+        self.vm
     }
 
     /// The stack of the thread holding the GVL (the main thread when none does), innermost

@@ -1,5 +1,5 @@
 //! The core against real Ruby processes (needs `ruby` on PATH; .ci/run installs it).
-use rbspy_ext_core::{Error, Spy};
+use rbspy_ext_core::{Config, Error, Spy};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -226,4 +226,19 @@ fn a_libruby_whose_path_is_gone_is_read_through_map_files() {
     let frames = result.unwrap();
     assert_eq!(frames.len(), expected_len);
     assert_eq!(&*frames[0].label, "Kernel#sleep");
+}
+
+/// Debian's 3.3 and 3.4 export no `ruby_current_vm_ptr`: the scan of libruby's data must
+/// find the same VM the symbol names, and the snapshot must be the same.
+#[test]
+fn scanning_for_the_vm_finds_the_one_the_symbol_names() {
+    let target = Target::spawn("parked.rb", &["3"]);
+    let mut by_symbol = Spy::attach(target.pid()).unwrap();
+    let scan = Config {
+        scan_for_vm: true,
+        ..Config::default()
+    };
+    let mut by_scan = Spy::attach_with(target.pid(), &scan).unwrap();
+    assert_eq!(by_scan.vm_address(), by_symbol.vm_address());
+    assert_eq!(by_scan.snapshot().unwrap(), by_symbol.snapshot().unwrap());
 }

@@ -60,7 +60,10 @@ impl Handle {
     fn new(ruby: &Ruby, pid: Value, force_version: Option<String>) -> Result<Handle, Error> {
         let pid = pid_arg(ruby, pid)?;
         let own_process = pid as u32 == std::process::id();
-        let config = Config { force_version };
+        let config = Config {
+            force_version,
+            ..Config::default()
+        };
         let spy = run(ruby, own_process, "attaching", || {
             Spy::attach_with(pid, &config)
         })?;
