@@ -70,6 +70,7 @@ static size_t max_end(void) {
 
 int main(void) {
     printf("Layout {\n    name: \"%s\",\n", LAYOUT_NAME);
+    U(api_version, RV);
 #if RV >= 300
     SOMEOFF(vm_main_ractor, rb_vm_t, ractor.main_ractor);
     OFF(vm_main_thread, rb_vm_t, ractor.main_thread);

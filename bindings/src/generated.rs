@@ -5,6 +5,7 @@ use crate::Layout;
 /// One entry per distinct layout.
 pub static LAYOUTS: &[Layout] = &[Layout {
     name: "3.1",
+    api_version: 301,
     vm_main_ractor: Some(32),
     vm_main_thread: 40,
     vm_gvl_owner: None,

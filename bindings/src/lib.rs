@@ -18,6 +18,9 @@ pub use generated::{LAYOUTS, VERSIONS};
 pub struct Layout {
     /// A name for the layout, e.g. "3.1" (the first release that has it).
     pub name: &'static str,
+    /// MAJOR * 100 + MINOR. Selects behaviour that is not a matter of offsets, such as 3.4
+    /// merging rescue/ensure frames into their method's frame in backtraces.
+    pub api_version: u32,
 
     // rb_vm_t. Before 3.0 there are no ractors: the GVL and the main thread hang off the VM.
     pub vm_main_ractor: Option<usize>,

@@ -64,6 +64,8 @@ struct IseqInfo {
     local_iseq: u64,
     /// The iseq is a method body itself (its frames always have a method entry).
     is_method: bool,
+    /// `body.type` (ISEQ_TYPE_*).
+    kind: u32,
     lines: LineTable,
     /// Qualified labels by owner class.
     qualified: HashMap<u64, Arc<str>>,
@@ -607,7 +609,17 @@ impl<M: Memory> Spy<M> {
         let strings = |spy: &Self, v: u64| {
             read_string(&spy.mem, l, v).map_err(|e| spy.object_moved("reading an iseq label", e))
         };
-        let label: Arc<str> = strings(self, word(&b, l.body_location_label))?.into();
+        let kind = word32(&b, l.body_type);
+        let mut label = strings(self, word(&b, l.body_location_label))?;
+        if l.api_version >= 304 && (kind == l.iseq_type_rescue || kind == l.iseq_type_ensure) {
+            // 3.4 labels a clause like the code it belongs to: "rescue in foo" → "foo".
+            for prefix in ["rescue in ", "ensure in "] {
+                if let Some(rest) = label.strip_prefix(prefix) {
+                    label = rest.to_string();
+                }
+            }
+        }
+        let label: Arc<str> = label.into();
         let base_label: Arc<str> = strings(self, word(&b, l.body_location_base_label))?.into();
         let (path, absolute_path) = self.read_pathobj(word(&b, l.body_location_pathobj))?;
         let size = word32(&b, l.body_iseq_size);
@@ -644,7 +656,8 @@ impl<M: Memory> Spy<M> {
             base_label,
             in_method,
             local_iseq: local,
-            is_method: word32(&b, l.body_type) == l.iseq_type_method,
+            is_method: kind == l.iseq_type_method,
+            kind,
             lines,
             qualified: HashMap::new(),
         })
@@ -717,6 +730,10 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
         let mut pending_cfuncs: Vec<usize> = Vec::new();
+        // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
+        // then leaves out (vm_backtrace.c, skip_next_frame).
+        let merges_clauses = l.api_version >= 304;
+        let mut skip_next = false;
         for Wanted {
             index,
             cfunc: is_cfunc,
@@ -743,6 +760,10 @@ impl<M: Memory> Spy<M> {
                 continue;
             }
             let info = &self.iseqs[&f.iseq];
+            let is_clause = info.kind == l.iseq_type_rescue || info.kind == l.iseq_type_ensure;
+            if merges_clauses && std::mem::replace(&mut skip_next, is_clause) {
+                continue;
+            }
             // The entry must define the method this frame runs; otherwise the environment we
             // read belonged to a frame pushed or popped meanwhile.
             let owner = me

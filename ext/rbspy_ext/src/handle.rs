@@ -118,7 +118,8 @@ impl Handle {
                 id,
                 &*f.label,
                 &*f.base_label,
-                &*f.path,
+                // A C function with no Ruby caller has no path: nil, as in Ruby.
+                Some(&*f.path).filter(|p| !p.is_empty()),
                 f.absolute_path.as_deref(),
                 f.lineno,
                 f.c_function,
