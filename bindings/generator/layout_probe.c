@@ -9,6 +9,7 @@
  */
 #include "ruby/ruby.h"
 #include "ruby/version.h"
+#include "ruby/encoding.h" /* 2.7: must precede internal.h; symbol.h needs it */
 #define RV (RUBY_API_VERSION_MAJOR * 100 + RUBY_API_VERSION_MINOR)
 #include "vm_core.h"
 #include "iseq.h"

@@ -60,7 +60,8 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
         return Err(ObjectError::Shape("String", value));
     }
     let mut head = [0u8; 48];
-    mem.read(value, &mut head[..(l.rstring_embed_ary + 16).min(48)])?;
+    let head_len = (l.rstring_embed_ary + 16).min(head.len());
+    mem.read(value, &mut head[..head_len])?;
     let flags = word(&head, l.rbasic_flags);
     if flags & T_MASK != T_STRING {
         return Err(ObjectError::Shape("String", value));
@@ -80,10 +81,11 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
             return Err(ObjectError::Shape("String", value));
         }
         let start = l.rstring_embed_ary;
-        match head.get(start..start + len) {
-            Some(bytes) => bytes.to_vec(),
-            // Since 3.2 embedded strings may fill a larger heap slot.
-            None => mem.read_vec(value + start as u64, len)?,
+        if start + len <= head_len {
+            head[start..start + len].to_vec()
+        } else {
+            // Since 3.2 embedded strings may fill a larger heap slot than the header read.
+            mem.read_vec(value + start as u64, len)?
         }
     };
     Ok(String::from_utf8_lossy(&bytes).into_owned())
