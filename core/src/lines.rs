@@ -163,15 +163,22 @@ mod tests {
 
     #[test]
     fn lookup_matches_a_linear_search_over_every_position() {
-        let l = &LAYOUTS[0];
+        for l in LAYOUTS {
+            lookup_matches_a_linear_search(l);
+        }
+    }
+
+    fn lookup_matches_a_linear_search(l: &Layout) {
         for max_pos in [5usize, 53, 54, 60, 700, 1500] {
             // A new line entry every 3 instructions, with a gap, as a compiler would emit.
             let positions: Vec<usize> = (0..max_pos).filter(|p| p % 3 == 0 && p % 7 != 6).collect();
             let lines: Vec<i32> = (0..positions.len() as i32).map(|i| 10 + i * 2).collect();
             let mut entries = Vec::new();
             for line in &lines {
-                entries.extend_from_slice(&line.to_le_bytes());
-                entries.extend_from_slice(&[0u8; 8]);
+                let mut entry = vec![0u8; l.insn_info_entry_size];
+                let at = l.insn_info_entry_line_no;
+                entry[at..at + 4].copy_from_slice(&line.to_le_bytes());
+                entries.extend_from_slice(&entry);
             }
             let mut mem = MemoryImage::new();
             mem.map(0x10000, entries);
@@ -196,7 +203,10 @@ mod tests {
     fn single_entry_tables_need_no_succinct_part() {
         let l = &LAYOUTS[0];
         let mut mem = MemoryImage::new();
-        mem.map(0x10000, [7i32.to_le_bytes(), [0; 4], [0; 4]].concat());
+        let mut entry = vec![0u8; l.insn_info_entry_size];
+        entry[l.insn_info_entry_line_no..l.insn_info_entry_line_no + 4]
+            .copy_from_slice(&7i32.to_le_bytes());
+        mem.map(0x10000, entry);
         let table = LineTable::read(&mem, l, 0x10000, 1, 0, 10).unwrap();
         assert_eq!(table.line_at(4), Some(7));
     }
