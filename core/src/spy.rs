@@ -611,12 +611,28 @@ impl<M: Memory> Spy<M> {
         };
         let kind = word32(&b, l.body_type);
         let mut label = strings(self, word(&b, l.body_location_label))?;
-        if l.api_version >= 304 && (kind == l.iseq_type_rescue || kind == l.iseq_type_ensure) {
-            // 3.4 labels a clause like the code it belongs to: "rescue in foo" → "foo".
-            for prefix in ["rescue in ", "ensure in "] {
-                if let Some(rest) = label.strip_prefix(prefix) {
-                    label = rest.to_string();
+        if l.api_version >= 304 {
+            // 3.4 labels rescue, ensure and eval code like the code it belongs to
+            // (calculate_iseq_label): the label of the nearest other ancestor.
+            let mut body = b.clone();
+            for _ in 0..64 {
+                let kind = word32(&body, l.body_type);
+                if ![l.iseq_type_rescue, l.iseq_type_ensure, l.iseq_type_eval].contains(&kind) {
+                    break;
                 }
+                let parent = word(&body, l.body_parent_iseq);
+                if parent == 0 {
+                    break;
+                }
+                let parent_body = self
+                    .mem
+                    .read_u64(parent + l.iseq_body as u64)
+                    .map_err(self.moved("reading a parent iseq"))?;
+                body = self
+                    .mem
+                    .read_vec(parent_body, l.body_read_size)
+                    .map_err(self.moved("reading a parent iseq"))?;
+                label = strings(self, word(&body, l.body_location_label))?;
             }
         }
         let label: Arc<str> = label.into();

@@ -31,6 +31,76 @@ module RubySpyTest
     ["process #{pid} is gone"]
   end
 
+  # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside picks a
+  # Ruby built by script/rubies (NAME as in `script/rubies list`): `inside` runs it in its
+  # chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
+  # reader), `outside` runs the same binary on the host through the chroot's loader. Unset:
+  # the Ruby running the specs.
+  class TargetRuby
+    attr_reader :name, :mode, :root
+
+    def self.current
+      @current ||= new(ENV["RUBYSPY_TARGET_RUBY"])
+    end
+
+    def initialize(spec)
+      @name, @mode = spec.to_s.split(":", 2) if spec && !spec.empty?
+      return unless @name
+
+      raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside" unless %w[inside outside].include?(@mode)
+
+      line = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines
+               .map(&:split).find { |fields| fields[0] == @name }
+      raise ArgumentError, "#{@name} is not built (script/rubies build #{@name})" unless line
+
+      @root = line[2]
+      sync_fixtures if inside?
+    end
+
+    def host?
+      @name.nil?
+    end
+
+    def inside?
+      @mode == "inside"
+    end
+
+    def to_s
+      host? ? "host Ruby #{RUBY_VERSION}" : "#{@name} (#{@mode})"
+    end
+
+    # The command that runs `args` from the repository root.
+    def command(*args)
+      return [RbConfig.ruby, *args] if host?
+
+      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, "--", *args]
+    end
+
+    # Where a path the target uses lives for the specs (inside a chroot: under its root).
+    def host_path(path)
+      inside? ? File.join(@root, path) : path
+    end
+
+    # A fresh directory both sides can use; returns [path for the target, path for specs].
+    def mktmpdir(prefix)
+      return [Dir.mktmpdir(prefix)] * 2 unless inside?
+
+      host = Dir.mktmpdir(prefix, File.join(@root, "tmp"))
+      [host.delete_prefix(@root), host]
+    end
+
+    private
+
+    # The chroot sees the fixtures at the same absolute path as the host, so relative and
+    # absolute paths in its backtraces look as they would on a host.
+    def sync_fixtures
+      target = File.join(@root, ROOT, "spec")
+      FileUtils.rm_rf(target)
+      FileUtils.mkdir_p(File.dirname(target))
+      FileUtils.cp_r(File.join(ROOT, "spec"), target)
+    end
+  end
+
   # One frame of the ground truth a fixture recorded from Ruby's own backtrace_locations.
   ExpectedFrame = Struct.new(:label, :base_label, :path, :absolute_path, :lineno,
                              keyword_init: true) do
@@ -80,8 +150,10 @@ module RubySpyTest
     def spawn
       raise ArgumentError, "no fixture #{script}" unless File.file?(File.join(ROOT, script))
 
-      @dir = Dir.mktmpdir("rbspy-#{name}-")
+      ruby = TargetRuby.current
+      target_dir, @dir = ruby.mktmpdir("rbspy-#{name}-")
       @ready_path = File.join(@dir, "ready.json")
+      target_ready_path = File.join(target_dir, "ready.json")
       @log_path = File.join(@dir, "output.log")
       options = { chdir: ROOT, err: [@log_path, "w"] }
       if @stdio
@@ -93,7 +165,7 @@ module RubySpyTest
         options[:in] = File::NULL
         options[:out] = [:child, :err]
       end
-      @pid = Process.spawn(RbConfig.ruby, script, @ready_path, *args, options)
+      @pid = Process.spawn(*ruby.command(script, target_ready_path, *args), options)
       self
     ensure
       child_in&.close
