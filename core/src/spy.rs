@@ -11,7 +11,7 @@ use crate::objects::{
     SymbolTable, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
 };
 use crate::process::{find_ruby_binary, read_maps};
-use crate::vm::{check_vm, find_vm};
+use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -192,24 +192,16 @@ impl Spy<ProcessMemory> {
                 })?
             }
         };
-        let spy = Spy {
+        let mut spy = Spy::with_memory(
             pid,
             mem,
             layout,
-            version: found,
-            warning,
-            vm: roots.vm,
-            gvl_owner: roots.gvl_owner,
-            main_thread: roots.main_thread,
-            symbols: binary.symbol("ruby_global_symbols").map(SymbolTable::new),
-            writable: binary.writable.clone(),
-            classes: ClassNames::default(),
-            iseqs: HashMap::new(),
-            methods: HashMap::new(),
-            last_ec: None,
-            stack_hint: 0,
-            heap_envs: HashMap::new(),
-        };
+            &found,
+            roots,
+            binary.symbol("ruby_global_symbols"),
+        );
+        spy.warning = warning;
+        spy.writable = binary.writable.clone();
         Ok(spy)
     }
 }
@@ -271,6 +263,36 @@ fn resolve_layout(pid: i32, version: &str) -> Result<(&'static Layout, Option<St
 }
 
 impl<M: Memory> Spy<M> {
+    /// A spy over any memory source whose VM is already known: for tests and fuzzing
+    /// against memory images (`symbols`: the address of `rb_symbols_t`, if known).
+    pub fn with_memory(
+        pid: i32,
+        mem: M,
+        layout: &'static Layout,
+        version: &str,
+        roots: VmRoots,
+        symbols: Option<u64>,
+    ) -> Self {
+        Spy {
+            pid,
+            mem,
+            layout,
+            version: version.to_string(),
+            warning: None,
+            vm: roots.vm,
+            gvl_owner: roots.gvl_owner,
+            main_thread: roots.main_thread,
+            symbols: symbols.map(SymbolTable::new),
+            writable: Vec::new(),
+            classes: ClassNames::default(),
+            iseqs: HashMap::new(),
+            methods: HashMap::new(),
+            last_ec: None,
+            stack_hint: 0,
+            heap_envs: HashMap::new(),
+        }
+    }
+
     pub fn pid(&self) -> i32 {
         self.pid
     }

@@ -1,0 +1,405 @@
+//! The walker against hand-built memory images, one per generated layout, including layouts
+//! of Rubies that have no live process here. Each image is a small but complete Ruby VM as
+//! the layout describes it: VM, thread, execution context, VM stack with environments and
+//! control frames, iseqs with labels and line tables, method entries, classes and the
+//! symbol table. The walk must name every frame as Ruby would.
+use rbspy_ext_bindings::{Layout, LAYOUTS};
+use rbspy_ext_core::memory::MemoryImage;
+use rbspy_ext_core::objects::{T_ARRAY, T_CLASS, T_IMEMO, T_MODULE, T_STRING};
+use rbspy_ext_core::vm::VmRoots;
+use rbspy_ext_core::Spy;
+
+const HEAP: u64 = 0x10_0000;
+const HEAP_SIZE: usize = 4 << 20;
+const VM_STACK_WORDS: u64 = 2048;
+
+/// A bump allocator over one region of a fake address space.
+struct Image {
+    l: &'static Layout,
+    bytes: Vec<u8>,
+    next: u64,
+    /// name → ID, in the fake global symbol table.
+    ids: Vec<(String, u64)>,
+}
+
+impl Image {
+    fn new(l: &'static Layout) -> Self {
+        Image {
+            l,
+            bytes: vec![0; HEAP_SIZE],
+            next: HEAP + 0x100,
+            ids: Vec::new(),
+        }
+    }
+
+    fn alloc(&mut self, size: usize) -> u64 {
+        let at = self.next;
+        self.next += (size as u64 + 15) & !15;
+        assert!(self.next < HEAP + HEAP_SIZE as u64);
+        at
+    }
+
+    fn put(&mut self, addr: u64, value: u64) {
+        let o = (addr - HEAP) as usize;
+        self.bytes[o..o + 8].copy_from_slice(&value.to_le_bytes());
+    }
+
+    fn put32(&mut self, addr: u64, value: u32) {
+        let o = (addr - HEAP) as usize;
+        self.bytes[o..o + 4].copy_from_slice(&value.to_le_bytes());
+    }
+
+    fn or_byte(&mut self, addr: u64, mask: u8) {
+        self.bytes[(addr - HEAP) as usize] |= mask;
+    }
+
+    fn put_bytes(&mut self, addr: u64, b: &[u8]) {
+        let o = (addr - HEAP) as usize;
+        self.bytes[o..o + b.len()].copy_from_slice(b);
+    }
+
+    /// Short strings are embedded (length in the flags or, from 3.2, in a field), longer
+    /// ones point at a separate buffer: both representations get read.
+    fn string(&mut self, s: &str) -> u64 {
+        let l = self.l;
+        let v = self.alloc(l.rstring_embed_ary + 64);
+        if s.len() < 16 {
+            let mut flags = T_STRING;
+            match l.rstring_embed_len {
+                Some(off) => self.put(v + off as u64, s.len() as u64),
+                None => flags |= (s.len() as u64) << l.rstring_embed_len_shift,
+            }
+            self.put(v, flags);
+            self.put_bytes(v + l.rstring_embed_ary as u64, s.as_bytes());
+        } else {
+            let buf = self.alloc(s.len() + 1);
+            self.put_bytes(buf, s.as_bytes());
+            self.put(v, T_STRING | l.rstring_noembed);
+            self.put(v + l.rstring_heap_len as u64, s.len() as u64);
+            self.put(v + l.rstring_heap_ptr as u64, buf);
+        }
+        v
+    }
+
+    fn array(&mut self, elements: &[u64]) -> u64 {
+        let l = self.l;
+        let v = self.alloc(64);
+        let buf = self.alloc(elements.len() * 8);
+        for (i, e) in elements.iter().enumerate() {
+            self.put(buf + i as u64 * 8, *e);
+        }
+        self.put(v, T_ARRAY);
+        self.put(v + l.rarray_heap_len as u64, elements.len() as u64);
+        self.put(v + l.rarray_heap_ptr as u64, buf);
+        v
+    }
+
+    /// The ID of `name` (registered now; the table is written by `symbol_table`).
+    fn id(&mut self, name: &str) -> u64 {
+        if let Some((_, id)) = self.ids.iter().find(|(n, _)| n == name) {
+            return *id;
+        }
+        let serial = self.l.last_op_id + 1 + self.ids.len() as u64;
+        let id = (serial << self.l.id_scope_shift) | 0x1;
+        self.ids.push((name.to_string(), id));
+        id
+    }
+
+    /// `rb_symbols_t`: `ids` is an array of chunks of `id_entry_unit` [string, symbol] pairs.
+    fn symbol_table(&mut self) -> u64 {
+        let l = self.l;
+        let names: Vec<(String, u64)> = self.ids.clone();
+        let last_serial = names
+            .iter()
+            .map(|(_, id)| id >> l.id_scope_shift)
+            .max()
+            .unwrap();
+        let chunks = last_serial / l.id_entry_unit + 1;
+        let mut chunk_values = Vec::new();
+        for c in 0..chunks {
+            let mut entries = vec![0u64; (l.id_entry_unit * l.id_entry_size) as usize];
+            for (name, id) in &names {
+                let serial = id >> l.id_scope_shift;
+                if serial / l.id_entry_unit == c {
+                    let s = self.string(name);
+                    entries[((serial % l.id_entry_unit) * l.id_entry_size) as usize] = s;
+                }
+            }
+            chunk_values.push(self.array(&entries));
+        }
+        let ids = self.array(&chunk_values);
+        let table = self.alloc(l.symbols_size);
+        self.put32(table + l.symbols_last_id as u64, last_serial as u32);
+        self.put(table + l.symbols_ids as u64, ids);
+        table
+    }
+
+    /// A class or module named `path` (its permanent name), or an unnamed singleton class
+    /// attached to `attached`.
+    fn class(&mut self, path: Option<&str>, module: bool, attached: Option<u64>) -> u64 {
+        let l = self.l;
+        let class = self.alloc(512);
+        let mut flags = if module { T_MODULE } else { T_CLASS };
+        if attached.is_some() {
+            flags |= l.fl_singleton;
+        }
+        self.put(class, flags);
+        let ext = match (l.rclass_ext_inline, l.rclass_ext_ptr) {
+            (Some(off), _) => class + off as u64,
+            (None, Some(off)) => {
+                let ext = self.alloc(256);
+                self.put(class + off as u64, ext);
+                ext
+            }
+            _ => panic!("layout {} has no class extension", l.name),
+        };
+        let mut ivars: Vec<(u64, u64)> = Vec::new();
+        if let Some(path) = path {
+            let s = self.string(path);
+            match (l.classext_classpath, l.classext_permanent_classpath) {
+                (Some(off), Some((flag, mask))) => {
+                    self.put(ext + off as u64, s);
+                    self.or_byte(ext + flag as u64, mask);
+                }
+                _ => ivars.push((self.id("__classpath__"), s)),
+            }
+        }
+        if let Some(object) = attached {
+            match l.classext_attached_object {
+                Some(off) => self.put(ext + off as u64, object),
+                None => ivars.push((self.id("__attached__"), object)),
+            }
+        }
+        if let Some(iv_tbl) = l.classext_iv_tbl {
+            // An st_table with its entries (hash, key, record) and no bins.
+            let size = l.st_table_entry_size as u64;
+            let entries = self.alloc(ivars.len() * l.st_table_entry_size + 8);
+            for (i, (key, record)) in ivars.iter().enumerate() {
+                let e = entries + i as u64 * size;
+                self.put(e + l.st_table_entry_key as u64, *key);
+                self.put(e + l.st_table_entry_record as u64, *record);
+            }
+            let table = self.alloc(l.st_table_entries + 8);
+            self.put(table + l.st_table_entries_start as u64, 0);
+            self.put(table + l.st_table_entries_bound as u64, ivars.len() as u64);
+            self.put(table + l.st_table_entries as u64, entries);
+            self.put(ext + iv_tbl as u64, table);
+        }
+        class
+    }
+
+    /// An iseq with a one-entry line table (every instruction on `line`).
+    fn iseq(
+        &mut self,
+        kind: u32,
+        label: &str,
+        base: &str,
+        path: &str,
+        line: i32,
+        parent: u64,
+    ) -> u64 {
+        let l = self.l;
+        let iseq = self.alloc(64);
+        let body = self.alloc(
+            l.body_read_size
+                .max(l.body_mandatory_only_iseq.unwrap_or(0) + 8),
+        );
+        let encoded = self.alloc(64 * 8);
+        let insns = self.alloc(l.insn_info_entry_size);
+        self.put(iseq, T_IMEMO | (l.imemo_iseq << l.fl_ushift));
+        self.put(iseq + l.iseq_body as u64, body);
+        self.put32(body + l.body_type as u64, kind);
+        self.put32(body + l.body_iseq_size as u64, 64);
+        self.put(body + l.body_iseq_encoded as u64, encoded);
+        let (p, lb, bl) = (self.string(path), self.string(label), self.string(base));
+        self.put(body + l.body_location_pathobj as u64, p);
+        self.put(body + l.body_location_label as u64, lb);
+        self.put(body + l.body_location_base_label as u64, bl);
+        self.put32(insns + l.insn_info_entry_line_no as u64, line as u32);
+        self.put(body + l.body_insns_info_body as u64, insns);
+        self.put32(body + l.body_insns_info_size as u64, 1);
+        self.put(body + l.body_parent_iseq as u64, parent);
+        let local = if parent == 0 || kind == l.iseq_type_method {
+            iseq
+        } else {
+            self.local_of(parent)
+        };
+        self.put(body + l.body_local_iseq as u64, local);
+        iseq
+    }
+
+    fn local_of(&self, iseq: u64) -> u64 {
+        let word = |a: u64| {
+            let o = (a - HEAP) as usize;
+            u64::from_le_bytes(self.bytes[o..o + 8].try_into().unwrap())
+        };
+        word(word(iseq + self.l.iseq_body as u64) + self.l.body_local_iseq as u64)
+    }
+
+    fn encoded(&self, iseq: u64) -> u64 {
+        let o = (iseq + self.l.iseq_body as u64 - HEAP) as usize;
+        let body = u64::from_le_bytes(self.bytes[o..o + 8].try_into().unwrap());
+        let o = (body + self.l.body_iseq_encoded as u64 - HEAP) as usize;
+        u64::from_le_bytes(self.bytes[o..o + 8].try_into().unwrap())
+    }
+
+    /// A method entry: for a Ruby method `iseq` is its body, for a C function 0.
+    fn method(&mut self, owner: u64, name: &str, iseq: u64) -> u64 {
+        let l = self.l;
+        let me = self.alloc(64);
+        let def = self.alloc(l.me_def_original_id.max(l.me_def_iseqptr) + 16);
+        let kind = if iseq == 0 {
+            l.method_type_cfunc
+        } else {
+            l.method_type_iseq
+        };
+        self.put(def, kind << l.me_def_type_shift);
+        self.put(def + l.me_def_iseqptr as u64, iseq);
+        let id = self.id(name);
+        self.put(def + l.me_def_original_id as u64, id);
+        self.put(me, T_IMEMO | (l.imemo_ment << l.fl_ushift));
+        self.put(me + l.me_def as u64, def);
+        self.put(me + l.me_owner as u64, owner);
+        me
+    }
+}
+
+/// One frame to lay out on the fake VM stack, outermost first.
+enum Push {
+    /// iseq, instruction index the pc is after, method entry (or 0), local environment?
+    Ruby(u64, u64, u64, bool),
+    /// method entry of a C function
+    C(u64),
+}
+
+fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64) {
+    let mut im = Image::new(l);
+    let kernel = im.class(Some("Kernel"), true, None);
+    let array = im.class(Some("Array"), false, None);
+    let invoice = im.class(Some("Billing::Invoice"), false, None);
+    let invoice_meta = im.class(None, false, Some(invoice));
+
+    let main = im.iseq(l.iseq_type_main, "<main>", "<main>", "app.rb", 30, 0);
+    let build = im.iseq(l.iseq_type_method, "build", "build", "app.rb", 12, main);
+    let block = im.iseq(
+        l.iseq_type_block,
+        "block in build",
+        "build",
+        "app.rb",
+        13,
+        build,
+    );
+    let total = im.iseq(
+        l.iseq_type_method,
+        "total",
+        "total",
+        "/src/billing/invoice.rb",
+        20,
+        0,
+    );
+    let build_me = im.method(invoice_meta, "build", build);
+    let total_me = im.method(invoice, "total", total);
+    let each_me = im.method(array, "each", 0);
+    let sleep_me = im.method(kernel, "sleep", 0);
+    let symbols = im.symbol_table();
+
+    let stack = [
+        Push::Ruby(main, 3, 0, true),
+        Push::Ruby(build, 5, build_me, true),
+        Push::C(each_me),
+        Push::Ruby(block, 2, 0, false),
+        Push::Ruby(total, 7, total_me, true),
+        Push::C(sleep_me),
+    ];
+    // The VM stack: values grow up from the bottom, control frames down from the top; the
+    // topmost slot holds the dummy frame Ruby's backtrace skips.
+    let vm_stack = im.alloc((VM_STACK_WORDS * 8) as usize);
+    let end = vm_stack + VM_STACK_WORDS * 8;
+    let cfp_size = l.cfp_size as u64;
+    let mut sp = vm_stack + 64;
+    let mut eps: Vec<u64> = Vec::new();
+    let mut cfp = end - cfp_size; // the dummy frame
+    for push in &stack {
+        cfp -= cfp_size;
+        let ep = sp + 16;
+        sp += 24 + 32;
+        let (iseq, pc, me_cref, flags, specval) = match push {
+            Push::Ruby(iseq, at, me, local) => {
+                let specval = if *local { 0 } else { eps[eps.len() - 2] | 1 };
+                let flags = if *local { l.env_flag_local } else { 0 };
+                (*iseq, im.encoded(*iseq) + at * 8, *me, flags, specval)
+            }
+            Push::C(me) => (0, 0, *me, l.frame_magic_cfunc | l.env_flag_local, 0),
+        };
+        im.put(ep - 16, me_cref);
+        im.put(ep - 8, specval);
+        im.put(ep, flags);
+        im.put(cfp + l.cfp_pc as u64, pc);
+        im.put(cfp + l.cfp_sp as u64, sp);
+        im.put(cfp + l.cfp_iseq as u64, iseq);
+        im.put(cfp + l.cfp_ep as u64, ep);
+        eps.push(ep);
+    }
+
+    let ec = im.alloc(256);
+    im.put(ec + l.ec_vm_stack as u64, vm_stack);
+    im.put(ec + l.ec_vm_stack_size as u64, VM_STACK_WORDS);
+    im.put(ec + l.ec_cfp as u64, cfp);
+    let thread = im.alloc(1024);
+    let vm = im.alloc(l.vm_main_thread.max(l.vm_main_ractor.unwrap_or(0)) + 4096);
+    im.put(thread + l.thread_ec as u64, ec);
+    im.put(thread + l.thread_vm as u64, vm);
+    im.put(vm + l.vm_main_thread as u64, thread);
+    if let Some(off) = l.vm_main_ractor {
+        let ractor = im.alloc(4096);
+        im.put(vm + off as u64, ractor);
+        if let Some(main) = l.ractor_threads_main {
+            im.put(ractor + main as u64, thread);
+        }
+    }
+    let mut mem = MemoryImage::new();
+    mem.map(HEAP, im.bytes);
+    let roots = rbspy_ext_core::vm::check_vm(&mem, l, vm).expect("the fake VM validates");
+    (mem, roots, symbols)
+}
+
+#[test]
+fn every_layout_walks_a_synthetic_stack_like_ruby() {
+    for l in LAYOUTS {
+        let (mem, roots, symbols) = build(l);
+        let mut spy = Spy::with_memory(1, mem, l, l.name, roots, Some(symbols));
+        let frames = spy
+            .snapshot()
+            .unwrap_or_else(|e| panic!("layout {}: {e}", l.name));
+        let got: Vec<(String, String, i32, bool)> = frames
+            .iter()
+            .map(|f| {
+                (
+                    f.label.to_string(),
+                    f.path.to_string(),
+                    f.lineno,
+                    f.c_function,
+                )
+            })
+            .collect();
+        let expected = [
+            ("Kernel#sleep", "/src/billing/invoice.rb", 20, true),
+            (
+                "Billing::Invoice#total",
+                "/src/billing/invoice.rb",
+                20,
+                false,
+            ),
+            ("block in Billing::Invoice.build", "app.rb", 13, false),
+            ("Array#each", "app.rb", 12, true),
+            ("Billing::Invoice.build", "app.rb", 12, false),
+            ("<main>", "app.rb", 30, false),
+        ]
+        .map(|(a, b, c, d)| (a.to_string(), b.to_string(), c, d));
+        assert_eq!(got, expected, "layout {}", l.name);
+        assert_eq!(&*frames[0].base_label, "sleep");
+        assert_eq!(&*frames[2].base_label, "build");
+        // Warm: the same answer from the caches.
+        assert_eq!(spy.snapshot().unwrap(), frames, "layout {}", l.name);
+    }
+}
