@@ -183,7 +183,7 @@ int main(void) {
     OFF(rstring_heap_len, struct RString, as.heap.len);
 #endif
     OFF(rstring_heap_ptr, struct RString, as.heap.ptr);
-#if RV >= 300
+#if RV >= 301 /* as.embed arrived in 3.1 */
     OFF(rstring_embed_ary, struct RString, as.embed.ary);
 #else
     OFF(rstring_embed_ary, struct RString, as.ary);

@@ -151,7 +151,9 @@ impl Image {
                 self.put(class + off as u64, ext);
                 ext
             }
-            _ => panic!("layout {} has no class extension", l.name),
+            // 3.2 keeps class ivars behind object shapes, which the walker does not read:
+            // its classes stay unnamed (bare method labels).
+            _ => return class,
         };
         let mut ivars: Vec<(u64, u64)> = Vec::new();
         if let Some(path) = path {
@@ -396,6 +398,18 @@ fn every_layout_walks_a_synthetic_stack_like_ruby() {
             ("<main>", "app.rb", 30, false),
         ]
         .map(|(a, b, c, d)| (a.to_string(), b.to_string(), c, d));
+        let named = l.rclass_ext_inline.is_some() || l.rclass_ext_ptr.is_some();
+        let expected = expected.map(|(label, path, line, c)| {
+            if named {
+                (label, path, line, c)
+            } else {
+                let bare = label
+                    .replace("Billing::Invoice.", "")
+                    .replace("Billing::Invoice#", "");
+                let bare = bare.rsplit('#').next().unwrap().to_string();
+                (bare, path, line, c)
+            }
+        });
         assert_eq!(got, expected, "layout {}", l.name);
         assert_eq!(&*frames[0].base_label, "sleep");
         assert_eq!(&*frames[2].base_label, "build");
