@@ -12,6 +12,7 @@ pub mod lines;
 pub mod memory;
 pub mod objects;
 pub mod process;
+pub mod profile;
 pub mod spy;
 pub mod vm;
 

@@ -1,0 +1,236 @@
+//! A recorded profile: samples aggregated as they arrive, so memory grows with the number of
+//! distinct (thread, state, stack) combinations, not with the recording's length. Output
+//! formats live in `crate::output`.
+use crate::spy::Frame;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// Version of the raw profile format (`output::raw`); bump on incompatible changes.
+pub const RAW_FORMAT_VERSION: u32 = 1;
+
+/// What a thread was doing when sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ThreadState {
+    /// Holds the GVL and runs Ruby code.
+    Running,
+    /// Runnable, waiting to take the GVL.
+    WaitingForGvl,
+    /// Sleeping, in IO, joining, waiting on a mutex or queue: not competing for the GVL.
+    Blocked,
+    /// The GVL holder is collecting garbage.
+    Gc,
+}
+
+impl ThreadState {
+    pub const ALL: [ThreadState; 4] = [
+        ThreadState::Running,
+        ThreadState::WaitingForGvl,
+        ThreadState::Blocked,
+        ThreadState::Gc,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadState::Running => "running",
+            ThreadState::WaitingForGvl => "waiting_for_gvl",
+            ThreadState::Blocked => "blocked",
+            ThreadState::Gc => "gc",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// One sampled thread.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadInfo {
+    pub pid: i32,
+    /// Native thread id (as in /proc/PID/task), 0 when unknown.
+    pub tid: i64,
+    /// `Thread#name`, if set.
+    pub name: Option<String>,
+    /// The `rb_thread_t` address: tells threads apart while they live.
+    pub ruby_thread: u64,
+    /// True for the process's main thread.
+    pub main: bool,
+}
+
+/// One aggregated stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackCount {
+    /// Index into `Profile::threads`.
+    pub thread: u32,
+    pub state: ThreadState,
+    /// Indexes into `Profile::frames`, innermost first.
+    pub frames: Vec<u32>,
+    pub count: u64,
+}
+
+/// A whole recording.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Profile {
+    pub pid: i32,
+    pub ruby_version: String,
+    /// Requested sampling rate.
+    pub rate_hz: f64,
+    /// Wall-clock start (Unix epoch, nanoseconds) and length of the recording.
+    pub start_unix_ns: u64,
+    pub duration_ns: u64,
+    /// Sample ticks attempted, and thread stacks recorded.
+    pub ticks: u64,
+    pub samples: u64,
+    /// Samples dropped, by reason (e.g. "stack changed while read").
+    pub errors: BTreeMap<String, u64>,
+    /// Things the user should know (the target exited, a subprocess appeared...).
+    pub notes: Vec<String>,
+    pub threads: Vec<ThreadInfo>,
+    pub frames: Vec<Frame>,
+    pub stacks: Vec<StackCount>,
+}
+
+/// Builds a [`Profile`] sample by sample.
+#[derive(Debug, Default)]
+pub struct Aggregator {
+    profile: Profile,
+    frame_ids: HashMap<Frame, u32>,
+    thread_ids: HashMap<(i32, u64, i64), u32>,
+    stack_ids: HashMap<(u32, ThreadState, Vec<u32>), usize>,
+}
+
+impl Aggregator {
+    pub fn new(pid: i32, ruby_version: &str, rate_hz: f64, start_unix_ns: u64) -> Self {
+        Aggregator {
+            profile: Profile {
+                pid,
+                ruby_version: ruby_version.to_string(),
+                rate_hz,
+                start_unix_ns,
+                ..Profile::default()
+            },
+            ..Aggregator::default()
+        }
+    }
+
+    /// Records one thread's stack (innermost frame first).
+    pub fn add(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame]) {
+        self.add_count(thread, state, frames, 1);
+    }
+
+    pub fn add_count(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame], n: u64) {
+        let key = (thread.pid, thread.ruby_thread, thread.tid);
+        let threads = &mut self.profile.threads;
+        let thread_id = *self.thread_ids.entry(key).or_insert_with(|| {
+            threads.push(thread.clone());
+            (threads.len() - 1) as u32
+        });
+        // A thread may be named after it was first seen.
+        if thread.name.is_some() {
+            self.profile.threads[thread_id as usize].name = thread.name.clone();
+        }
+        let ids: Vec<u32> = frames.iter().map(|f| self.frame_id(f)).collect();
+        let stacks = &mut self.profile.stacks;
+        let index = *self
+            .stack_ids
+            .entry((thread_id, state, ids.clone()))
+            .or_insert_with(|| {
+                stacks.push(StackCount {
+                    thread: thread_id,
+                    state,
+                    frames: ids,
+                    count: 0,
+                });
+                stacks.len() - 1
+            });
+        self.profile.stacks[index].count += n;
+        self.profile.samples += n;
+    }
+
+    fn frame_id(&mut self, frame: &Frame) -> u32 {
+        if let Some(id) = self.frame_ids.get(frame) {
+            return *id;
+        }
+        let id = self.profile.frames.len() as u32;
+        self.profile.frames.push(frame.clone());
+        self.frame_ids.insert(frame.clone(), id);
+        id
+    }
+
+    /// Counts one sample tick (attempted, whatever its outcome).
+    pub fn tick(&mut self) {
+        self.profile.ticks += 1;
+    }
+
+    /// Counts a dropped sample.
+    pub fn error(&mut self, reason: &str) {
+        *self.profile.errors.entry(reason.to_string()).or_insert(0) += 1;
+    }
+
+    pub fn note(&mut self, note: String) {
+        if !self.profile.notes.contains(&note) {
+            self.profile.notes.push(note);
+        }
+    }
+
+    /// The profile so far.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    pub fn finish(mut self, duration_ns: u64) -> Profile {
+        self.profile.duration_ns = duration_ns;
+        self.profile
+    }
+}
+
+/// A frame for tests and examples.
+pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
+    let base = label.rsplit(['#', '.', ' ']).next().unwrap_or(label);
+    Frame {
+        label: Arc::from(label),
+        base_label: Arc::from(base),
+        path: Arc::from(path),
+        absolute_path: None,
+        lineno,
+        c_function,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
+        let main = ThreadInfo {
+            pid: 1,
+            tid: 1,
+            name: None,
+            ruby_thread: 0x10,
+            main: true,
+        };
+        let mut agg = Aggregator::new(1, "3.1.2", 99.0, 0);
+        let a = [
+            frame("Kernel#sleep", "a.rb", 3, true),
+            frame("<main>", "a.rb", 3, false),
+        ];
+        let b = [
+            frame("Foo#bar", "a.rb", 7, false),
+            frame("<main>", "a.rb", 9, false),
+        ];
+        for i in 0..10_000 {
+            agg.add(&main, ThreadState::Blocked, &a);
+            if i % 2 == 0 {
+                agg.add(&main, ThreadState::Running, &b);
+            }
+        }
+        let p = agg.finish(1);
+        assert_eq!(p.samples, 15_000);
+        assert_eq!(p.stacks.len(), 2);
+        assert_eq!(p.frames.len(), 4);
+        assert_eq!(p.threads.len(), 1);
+        assert_eq!(p.stacks[0].count, 10_000);
+        assert_eq!(p.stacks[1].state, ThreadState::Running);
+    }
+}
