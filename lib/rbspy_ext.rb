@@ -8,6 +8,8 @@ require_relative "rbspy_ext/frame"
 # `rake compile` and `gem install` both place it at lib/rbspy_ext/rbspy_ext.so.
 require_relative "rbspy_ext/rbspy_ext"
 require_relative "rbspy_ext/handle"
+require_relative "rbspy_ext/recorder"
+require_relative "rbspy_ext/profile"
 
 # RubySpy reads the stack of a running Ruby process from its memory, without stopping or
 # changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.

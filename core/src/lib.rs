@@ -6,13 +6,17 @@
 //! - [`objects`]: Ruby strings, arrays, symbol names and class names;
 //! - [`lines`]: instruction → line numbers;
 //! - [`vm`]: finding and validating the VM, with or without symbols;
-//! - [`spy`]: the one stack walker and its caches.
+//! - [`spy`]: the one stack walker and its caches;
+//! - [`profile`]: samples aggregated into a [`profile::Profile`];
+//! - [`output`]: every output format of a profile, and reading the raw one back.
 pub mod error;
 pub mod lines;
 pub mod memory;
 pub mod objects;
+pub mod output;
 pub mod process;
 pub mod profile;
+pub mod sampler;
 pub mod spy;
 pub mod vm;
 

@@ -9,7 +9,10 @@ use std::sync::Arc;
 pub const RAW_FORMAT_VERSION: u32 = 1;
 
 /// What a thread was doing when sampled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum ThreadState {
     /// Holds the GVL and runs Ruby code.
     Running,
@@ -44,7 +47,7 @@ impl ThreadState {
 }
 
 /// One sampled thread.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ThreadInfo {
     pub pid: i32,
     /// Native thread id (as in /proc/PID/task), 0 when unknown.
@@ -58,7 +61,7 @@ pub struct ThreadInfo {
 }
 
 /// One aggregated stack.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StackCount {
     /// Index into `Profile::threads`.
     pub thread: u32,
@@ -69,7 +72,7 @@ pub struct StackCount {
 }
 
 /// A whole recording.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Profile {
     pub pid: i32,
     pub ruby_version: String,
@@ -86,6 +89,8 @@ pub struct Profile {
     /// Things the user should know (the target exited, a subprocess appeared...).
     pub notes: Vec<String>,
     pub threads: Vec<ThreadInfo>,
+    /// `Frame` is not serde-aware; the raw format converts it through a mirror struct.
+    #[serde(with = "crate::output::raw::frames")]
     pub frames: Vec<Frame>,
     pub stacks: Vec<StackCount>,
 }

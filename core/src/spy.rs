@@ -16,6 +16,10 @@ use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+#[path = "spy_threads.rs"]
+mod threads;
+pub use threads::{SampledThread, ThreadSelection};
+
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
 const MAX_FRAMES: u64 = 65_536;
 /// Most environments followed from a block frame to its method frame.
@@ -104,10 +108,14 @@ pub struct Spy<M: Memory = ProcessMemory> {
     methods: HashMap<u64, MethodInfo>,
     /// The thread and execution context seen last, read speculatively in one call.
     last_ec: Option<(u64, u64)>,
-    /// Bytes of value stack the last sample needed (see `read_frames`).
-    stack_hint: usize,
+    /// Bytes of value stack the last sample of each stack needed, by `vm_stack` address
+    /// (see `read_frames`).
+    stack_hints: HashMap<u64, usize>,
     /// Environments that escaped to the heap, by `ep` (see `env_slots`).
     heap_envs: HashMap<u64, Slots>,
+    /// Address of the list of every Ruby thread, and its last reading (spy_threads.rs).
+    thread_list_head: u64,
+    thread_list: threads::ThreadList,
 }
 
 /// A failure inside one attempt: either the stack moved (retry) or a real error.
@@ -288,8 +296,10 @@ impl<M: Memory> Spy<M> {
             iseqs: HashMap::new(),
             methods: HashMap::new(),
             last_ec: None,
-            stack_hint: 0,
+            stack_hints: HashMap::new(),
             heap_envs: HashMap::new(),
+            thread_list_head: roots.thread_list,
+            thread_list: threads::ThreadList::default(),
         }
     }
 
@@ -418,8 +428,16 @@ impl<M: Memory> Spy<M> {
     }
 
     fn try_snapshot(&mut self) -> std::result::Result<Vec<Frame>, Attempt> {
+        let ec = self.current_ec()?;
+        self.walk(ec)
+    }
+
+    /// The frames of one execution context, given its `vm_stack`, `vm_stack_size`, `cfp`.
+    fn walk(
+        &mut self,
+        [vm_stack, vm_stack_size, cfp]: [u64; 3],
+    ) -> std::result::Result<Vec<Frame>, Attempt> {
         let l = self.layout;
-        let [vm_stack, vm_stack_size, cfp] = self.current_ec()?;
         let cfp_size = l.cfp_size as u64;
         // Control frames grow down from the end of the VM stack; the last slot is a dummy
         // frame that Ruby's own backtrace skips.
@@ -487,7 +505,8 @@ impl<M: Memory> Spy<M> {
         count: u64,
     ) -> std::result::Result<(Vec<RawFrame>, Envs), Attempt> {
         let l = self.layout;
-        let guess = (self.stack_hint as u64).min(cfp - vm_stack) as usize;
+        let hint = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
+        let guess = (hint as u64).min(cfp - vm_stack) as usize;
         let mut cfps = vec![0u8; count as usize * l.cfp_size];
         let mut values = vec![0u8; guess];
         {
@@ -522,7 +541,11 @@ impl<M: Memory> Spy<M> {
             values.extend_from_slice(&more);
         }
         // Slack so that a slightly deeper stack next time still fits in one read.
-        self.stack_hint = needed + needed / 4 + 1024;
+        if self.stack_hints.len() >= MAX_CACHED_ENVS {
+            self.stack_hints.clear();
+        }
+        self.stack_hints
+            .insert(vm_stack, needed + needed / 4 + 1024);
         Ok((
             frames,
             Envs {

@@ -17,6 +17,8 @@ pub struct VmRoots {
     /// Address of the word naming the thread that holds the GVL (0 when none does): in the
     /// VM before 3.0, in the main ractor after.
     pub gvl_owner: u64,
+    /// Address of the `list_head` of every Ruby thread.
+    pub thread_list: u64,
 }
 
 /// Most candidate pointers checked in one scan (libruby's data holds a few thousand).
@@ -48,10 +50,16 @@ pub fn check_vm<M: Memory>(mem: &M, l: &Layout, vm: u64) -> Option<VmRoots> {
         (None, Some(offset)) => ractor + offset as u64,
         (None, None) => return None,
     };
+    let thread_list = match (l.vm_living_threads, l.ractor_threads_set) {
+        (Some(offset), _) => vm + offset as u64,
+        (None, Some(offset)) => ractor + offset as u64,
+        (None, None) => return None,
+    };
     Some(VmRoots {
         vm,
         main_thread: thread,
         gvl_owner,
+        thread_list,
     })
 }
 

@@ -25,6 +25,9 @@ module RubySpy
   # not yield a consistent copy. Taking the snapshot again usually succeeds.
   class StackChanged < Error; end
 
+  # A file given as a raw profile is truncated, corrupt, or not a raw profile at all.
+  class InvalidProfile < Error; end
+
   # Memory that should hold a Ruby structure did not look like one (an internal
   # inconsistency or a layout mismatch); the message names the structure.
   class CorruptMemory < Error; end

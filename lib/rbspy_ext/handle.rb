@@ -41,6 +41,21 @@ module RubySpy
       end
     end
 
+    # Every Ruby thread of the process with its state and stack.
+    #
+    # @return [Array<Hash>] one per thread: +:tid+ (native thread id, 0 when the Ruby
+    #   version does not record it), +:name+, +:main+, +:state+ ("running",
+    #   "waiting_for_gvl", "blocked"), +:frames+ (Array of {RubySpy::Frame})
+    def thread_snapshots
+      @lock.synchronize { _thread_snapshots }.map do |tid, name, main, state, frames|
+        { tid: tid, name: name, main: main, state: state,
+          frames: frames.map do |label, base_label, path, absolute_path, lineno, c_function|
+            Frame.new(label: label, base_label: base_label, path: path,
+                      absolute_path: absolute_path, lineno: lineno, c_function: c_function)
+          end }
+      end
+    end
+
     # @!method pid
     #   @return [Integer] the process this handle reads
     # @!method ruby_version

@@ -3,7 +3,7 @@ use magnus::{exception::ExceptionClass, prelude::*, Error, RModule, Ruby};
 use rbspy_ext_core::Error as CoreError;
 
 /// The Ruby exception class named `RubySpy::<name>` (looked up lazily: lib/ defines them).
-fn class(ruby: &Ruby, name: &str) -> ExceptionClass {
+pub fn class(ruby: &Ruby, name: &str) -> ExceptionClass {
     ruby.class_object()
         .const_get::<_, RModule>("RubySpy")
         .and_then(|m| m.const_get::<_, ExceptionClass>(name))

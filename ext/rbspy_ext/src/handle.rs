@@ -2,6 +2,7 @@
 //! the raw frame arrays into `RubySpy::Frame` objects.
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, Ruby, Value};
+use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::{Config, Frame, Spy};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -128,6 +129,30 @@ impl Handle {
         Ok((ruby.ary_from_vec(ids), fresh_ary))
     }
 
+    /// Every Ruby thread: `[[tid, name, main?, state, [[label, base_label, path,
+    /// absolute_path, lineno, c_function], ...]], ...]`.
+    fn thread_snapshots(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let (threads, _dropped) = run(ruby, rb_self.own_process, "sampling threads", || {
+            rb_self.lock().sample_threads(ThreadSelection::All)
+        })?;
+        let out = ruby.ary_new_capa(threads.len());
+        for t in threads {
+            let frames = ruby.ary_new_capa(t.frames.len());
+            for f in &t.frames {
+                frames.push((
+                    &*f.label,
+                    &*f.base_label,
+                    Some(&*f.path).filter(|p| !p.is_empty()),
+                    f.absolute_path.as_deref(),
+                    f.lineno,
+                    f.c_function,
+                ))?;
+            }
+            out.push((t.info.tid, t.info.name, t.info.main, t.state.name(), frames))?;
+        }
+        Ok(out)
+    }
+
     /// `process_vm_readv` calls made so far (benchmarks count them).
     fn read_calls(&self) -> u64 {
         self.lock().memory().calls()
@@ -143,5 +168,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("warning", method!(Handle::warning, 0))?;
     class.define_method("_snapshot_ids", method!(Handle::snapshot_ids, 0))?;
     class.define_method("read_calls", method!(Handle::read_calls, 0))?;
+    class.define_method("_thread_snapshots", method!(Handle::thread_snapshots, 0))?;
     Ok(())
 }

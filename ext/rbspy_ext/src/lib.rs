@@ -5,8 +5,10 @@ use magnus::{Error, Ruby};
 mod errors;
 mod handle;
 mod nogvl;
+mod recorder;
 
 #[magnus::init]
 fn init(ruby: &Ruby) -> Result<(), Error> {
-    handle::init(ruby)
+    handle::init(ruby)?;
+    recorder::init(ruby)
 }

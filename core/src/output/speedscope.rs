@@ -1,0 +1,311 @@
+//! speedscope's JSON file format (<https://www.speedscope.app/file-format-schema.json>, shipped
+//! in the `speedscope` npm package as `dist/release/file-format-schema.json`).
+//!
+//! Frames are shared (`name` = label, `file` = path, `line`), one per distinct
+//! (label, path, line); each thread is one "sampled" profile whose samples are frame indexes
+//! root first, one sample per distinct stack, weighted by its duration: count × 1000 / rate
+//! milliseconds (unit "milliseconds"), or by its count (unit "none") when the rate is unknown.
+//! speedscope names each profile in its thread menu, so no thread root frame is added; with
+//! `group_by_thread` off, all threads share one profile. States are not shown.
+//!
+//! The samples are aggregated, not in time order: speedscope's "Time Order" view shows them
+//! in the order first seen; "Left Heavy" and "Sandwich" are the meaningful views.
+use super::{sample_period_ns, thread_label, Options, OutputError};
+use crate::profile::Profile;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::Write;
+
+pub const SCHEMA_URL: &str = "https://www.speedscope.app/file-format-schema.json";
+
+#[derive(Serialize)]
+struct File<'a> {
+    #[serde(rename = "$schema")]
+    schema: &'static str,
+    shared: Shared<'a>,
+    profiles: Vec<SampledProfile>,
+    name: String,
+    #[serde(rename = "activeProfileIndex")]
+    active_profile_index: usize,
+    exporter: String,
+}
+
+#[derive(Serialize)]
+struct Shared<'a> {
+    frames: Vec<Frame<'a>>,
+}
+
+#[derive(Serialize)]
+struct Frame<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    file: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    line: Option<i32>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SampledProfile {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    name: String,
+    unit: &'static str,
+    start_value: f64,
+    end_value: f64,
+    samples: Vec<Vec<usize>>,
+    weights: Vec<f64>,
+}
+
+pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
+    // Profile frame index → speedscope frame index (frames differing only in their absolute
+    // path or C-ness would look identical in speedscope: they share one entry).
+    let mut frames: Vec<Frame> = Vec::new();
+    let mut index_of: HashMap<(&str, &str, i32), usize> = HashMap::new();
+    let remap: Vec<usize> = profile
+        .frames
+        .iter()
+        .map(|f| {
+            *index_of
+                .entry((&f.label, &f.path, f.lineno))
+                .or_insert_with(|| {
+                    frames.push(Frame {
+                        name: &f.label,
+                        file: (!f.path.is_empty()).then_some(&*f.path),
+                        line: (f.lineno > 0).then_some(f.lineno),
+                    });
+                    frames.len() - 1
+                })
+        })
+        .collect();
+
+    let (unit, ms_per_sample) = match sample_period_ns(profile) {
+        Some(ns) => ("milliseconds", ns / 1e6),
+        None => ("none", 1.0),
+    };
+    // One profile per thread, in the order threads were first seen (or one for all).
+    let group_of = |thread: u32| {
+        if options.group_by_thread {
+            thread as usize
+        } else {
+            0
+        }
+    };
+    let groups = if options.group_by_thread {
+        profile.threads.len()
+    } else {
+        1
+    };
+    let mut profiles: Vec<SampledProfile> = (0..groups)
+        .map(|g| SampledProfile {
+            kind: "sampled",
+            name: if options.group_by_thread {
+                thread_label(profile, g as u32)
+            } else {
+                "All threads".to_string()
+            },
+            unit,
+            start_value: 0.0,
+            end_value: 0.0,
+            samples: Vec::new(),
+            weights: Vec::new(),
+        })
+        .collect();
+    let mut counts = vec![0u64; groups];
+    for stack in &profile.stacks {
+        let g = group_of(stack.thread);
+        let p = &mut profiles[g];
+        p.samples.push(
+            stack
+                .frames
+                .iter()
+                .rev()
+                .map(|&f| remap[f as usize])
+                .collect(),
+        );
+        p.weights.push(stack.count as f64 * ms_per_sample);
+        counts[g] += stack.count;
+    }
+    for (p, count) in profiles.iter_mut().zip(&counts) {
+        // Multiplied once rather than summed: endValue is exactly the weights' total unless
+        // floating point rounding says otherwise by an ulp, which speedscope ignores.
+        p.end_value = *count as f64 * ms_per_sample;
+    }
+    // Drop threads without samples (none from an Aggregator, but a hand-built profile may
+    // have them); open on the busiest thread.
+    let mut kept: Vec<(SampledProfile, u64)> = profiles
+        .into_iter()
+        .zip(counts)
+        .filter(|(_, c)| *c > 0 || !options.group_by_thread)
+        .collect();
+    if kept.is_empty() {
+        kept.push((
+            SampledProfile {
+                kind: "sampled",
+                name: "No samples".to_string(),
+                unit,
+                start_value: 0.0,
+                end_value: 0.0,
+                samples: Vec::new(),
+                weights: Vec::new(),
+            },
+            0,
+        ));
+    }
+    let active_profile_index = kept
+        .iter()
+        .enumerate()
+        .max_by_key(|(i, (_, c))| (*c, std::cmp::Reverse(*i)))
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+
+    let file = File {
+        schema: SCHEMA_URL,
+        shared: Shared { frames },
+        profiles: kept.into_iter().map(|(p, _)| p).collect(),
+        name: format!(
+            "rbspy_ext: pid {}{}",
+            profile.pid,
+            if profile.ruby_version.is_empty() {
+                String::new()
+            } else {
+                format!(" (Ruby {})", profile.ruby_version)
+            }
+        ),
+        active_profile_index,
+        exporter: format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
+    };
+    serde_json::to_writer(&mut *out, &file)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SCHEMA_URL;
+    use crate::output::{fixture, write, Format, Options};
+    use serde_json::Value;
+    use std::collections::BTreeMap;
+
+    fn speedscope(options: &Options) -> Value {
+        let mut out = Vec::new();
+        write(&fixture::profile(), Format::Speedscope, &mut out, options).unwrap();
+        serde_json::from_slice(&out).expect("valid JSON")
+    }
+
+    /// The schema's requirements, checked by hand (and against the schema itself when
+    /// $SPEEDSCOPE_SCHEMA names speedscope's file-format-schema.json).
+    fn check_structure(doc: &Value) {
+        if let Ok(path) = std::env::var("SPEEDSCOPE_SCHEMA") {
+            let schema: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let validator = jsonschema::validator_for(&schema).unwrap();
+            let errors: Vec<String> = validator.iter_errors(doc).map(|e| e.to_string()).collect();
+            assert!(errors.is_empty(), "schema {path}: {errors:#?}");
+            // And the validator does reject what the schema forbids.
+            let mut bad = doc.clone();
+            bad["profiles"][0]["unit"] = "furlongs".into();
+            assert!(!validator.is_valid(&bad));
+            eprintln!("speedscope output validated against {path}");
+        } else {
+            eprintln!("SPEEDSCOPE_SCHEMA unset: speedscope structure checked by hand only");
+        }
+        assert_eq!(doc["$schema"], SCHEMA_URL);
+        assert!(doc["name"].is_string() && doc["exporter"].is_string());
+        let frames = doc["shared"]["frames"].as_array().unwrap();
+        for f in frames {
+            assert!(f["name"].is_string());
+            assert!(f.get("file").is_none_or(Value::is_string));
+            assert!(f.get("line").is_none_or(Value::is_number));
+        }
+        let profiles = doc["profiles"].as_array().unwrap();
+        assert!(doc["activeProfileIndex"].as_u64().unwrap() < profiles.len() as u64);
+        for p in profiles {
+            assert_eq!(p["type"], "sampled");
+            assert!(p["name"].is_string());
+            assert!(["none", "milliseconds"].contains(&p["unit"].as_str().unwrap()));
+            assert_eq!(p["startValue"], 0.0);
+            let samples = p["samples"].as_array().unwrap();
+            let weights = p["weights"].as_array().unwrap();
+            assert_eq!(samples.len(), weights.len());
+            for s in samples {
+                for i in s.as_array().unwrap() {
+                    assert!(i.as_u64().unwrap() < frames.len() as u64);
+                }
+            }
+            let total: f64 = weights.iter().map(|w| w.as_f64().unwrap()).sum();
+            assert!((total - p["endValue"].as_f64().unwrap()).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn output_speedscope_matches_the_schema_and_the_profile() {
+        let p = fixture::profile();
+        let doc = speedscope(&Options::default());
+        check_structure(&doc);
+        let profiles = doc["profiles"].as_array().unwrap();
+        assert_eq!(profiles.len(), 3);
+        assert_eq!(profiles[0]["name"], "Thread 4242 (main)");
+        assert_eq!(profiles[0]["unit"], "milliseconds");
+        assert_eq!(doc["activeProfileIndex"], 0);
+        // 100 Hz: 10 ms a sample.
+        assert_eq!(profiles[0]["endValue"], 240.0);
+        let total: f64 = profiles
+            .iter()
+            .map(|p| p["endValue"].as_f64().unwrap())
+            .sum();
+        assert_eq!(total, p.samples as f64 * 10.0);
+
+        // Re-read the stacks through the shared frames: root first, as in the profile.
+        let frames = doc["shared"]["frames"].as_array().unwrap();
+        let name = |i: &Value| {
+            let f = &frames[i.as_u64().unwrap() as usize];
+            format!(
+                "{} {}:{}",
+                f["name"].as_str().unwrap(),
+                f["file"].as_str().unwrap_or(""),
+                f["line"]
+            )
+        };
+        let mut read: BTreeMap<Vec<String>, f64> = BTreeMap::new();
+        for (s, w) in profiles[0]["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(profiles[0]["weights"].as_array().unwrap())
+        {
+            *read
+                .entry(s.as_array().unwrap().iter().map(name).collect())
+                .or_default() += w.as_f64().unwrap();
+        }
+        let sleep = vec![
+            "<main> app.rb:10".to_string(),
+            "Object#work lib/work.rb:5".to_string(),
+            "Kernel#sleep lib/work.rb:6".to_string(),
+        ];
+        assert_eq!(read[&sleep], 70.0);
+        // Frames are shared between threads: "<main>" appears once.
+        assert_eq!(frames.iter().filter(|f| f["name"] == "<main>").count(), 1);
+        // An empty stack is an empty sample.
+        assert_eq!(profiles[2]["samples"], serde_json::json!([[]]));
+    }
+
+    #[test]
+    fn output_speedscope_one_profile_without_grouping_and_none_unit_without_rate() {
+        let doc = speedscope(&Options {
+            group_by_thread: false,
+            show_state: false,
+        });
+        check_structure(&doc);
+        assert_eq!(doc["profiles"].as_array().unwrap().len(), 1);
+        assert_eq!(doc["profiles"][0]["endValue"], 320.0);
+
+        let mut p = fixture::profile();
+        p.rate_hz = 0.0;
+        let mut out = Vec::new();
+        write(&p, Format::Speedscope, &mut out, &Options::default()).unwrap();
+        let doc: Value = serde_json::from_slice(&out).unwrap();
+        check_structure(&doc);
+        assert_eq!(doc["profiles"][0]["unit"], "none");
+        assert_eq!(doc["profiles"][0]["endValue"], 24.0);
+    }
+}

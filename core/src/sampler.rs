@@ -1,0 +1,266 @@
+//! The recorder: a native thread that samples a process at a jittered rate and aggregates
+//! what it sees into a [`Profile`]. It never touches Ruby (it may run inside the process it
+//! profiles, whose threads keep running) and never sends signals.
+use crate::error::{Error, Result};
+use crate::memory::Memory;
+use crate::profile::{Aggregator, Profile, ThreadState};
+use crate::spy::{Config, Spy, ThreadSelection};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Highest sampling rate accepted.
+pub const MAX_RATE_HZ: f64 = 100_000.0;
+
+/// How a recording runs; `RecordConfig::default()` is 99 Hz, every thread, until stopped.
+#[derive(Debug, Clone)]
+pub struct RecordConfig {
+    pub rate_hz: f64,
+    /// Stop by itself after this long.
+    pub duration: Option<Duration>,
+    pub threads: ThreadSelection,
+    /// Keep only samples of threads that hold the GVL.
+    pub on_cpu: bool,
+    pub spy: Config,
+}
+
+impl Default for RecordConfig {
+    fn default() -> Self {
+        RecordConfig {
+            rate_hz: 99.0,
+            duration: None,
+            threads: ThreadSelection::All,
+            on_cpu: false,
+            spy: Config::default(),
+        }
+    }
+}
+
+impl RecordConfig {
+    /// Rejects what cannot be honoured, before any work is done.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.rate_hz.is_finite() && self.rate_hz > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "rate must be a positive number of samples per second, got {}",
+                self.rate_hz
+            )));
+        }
+        if self.rate_hz > MAX_RATE_HZ {
+            return Err(Error::InvalidArgument(format!(
+                "rate {} Hz is above the maximum of {MAX_RATE_HZ} Hz",
+                self.rate_hz
+            )));
+        }
+        if self.duration == Some(Duration::ZERO) {
+            return Err(Error::InvalidArgument("duration must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Intervals of a Poisson process with the requested mean rate: exponentially distributed,
+/// so no periodic work in the target can line up with the samples (aliasing).
+pub struct Timer {
+    mean: Duration,
+    state: u64,
+}
+
+impl Timer {
+    pub fn new(rate_hz: f64, seed: u64) -> Self {
+        Timer {
+            mean: Duration::from_secs_f64(1.0 / rate_hz),
+            state: seed | 1,
+        }
+    }
+
+    /// The next interval.
+    pub fn next_interval(&mut self) -> Duration {
+        // xorshift64*: plenty for jitter, and no dependency.
+        self.state ^= self.state >> 12;
+        self.state ^= self.state << 25;
+        self.state ^= self.state >> 27;
+        let r = self.state.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let u = ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64; // (0, 1)
+                                                                // Capped at 10 means so one unlucky draw cannot leave a long gap.
+        self.mean.mul_f64((-u.ln()).min(10.0))
+    }
+}
+
+/// Live figures of a running recording (for progress displays).
+#[derive(Debug, Clone, Default)]
+pub struct Progress {
+    pub elapsed: Duration,
+    pub ticks: u64,
+    pub samples: u64,
+    pub finished: bool,
+}
+
+/// A recording in progress. Dropping it stops the sampler thread.
+pub struct Recorder {
+    stop: Arc<AtomicBool>,
+    progress: Arc<Mutex<Progress>>,
+    thread: Option<JoinHandle<Profile>>,
+}
+
+impl Recorder {
+    /// Attaches to `pid` (errors surface here, before any work is lost) and starts sampling
+    /// on a new native thread.
+    pub fn start(pid: i32, config: RecordConfig) -> Result<Recorder> {
+        config.validate()?;
+        let spy = Spy::attach_with(pid, &config.spy)?;
+        Ok(Self::start_with(spy, config))
+    }
+
+    /// Starts sampling with an already attached spy.
+    pub fn start_with<M: Memory + Send + 'static>(spy: Spy<M>, config: RecordConfig) -> Recorder {
+        let stop = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(Mutex::new(Progress::default()));
+        let (s, p) = (stop.clone(), progress.clone());
+        let thread = std::thread::Builder::new()
+            .name("rbspy_ext sampler".into())
+            .spawn(move || run(spy, config, &s, &p))
+            .expect("spawning the sampler thread");
+        Recorder {
+            stop,
+            progress,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.progress.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// True once the recording ended by itself (duration reached, target exited).
+    pub fn finished(&self) -> bool {
+        self.progress().finished
+    }
+
+    /// Stops (if still running) and returns the profile.
+    pub fn stop(mut self) -> Profile {
+        self.stop.store(true, Ordering::Relaxed);
+        let thread = self.thread.take().expect("stop is called once");
+        thread.join().unwrap_or_else(|_| Profile {
+            notes: vec!["the sampler thread failed; the profile is empty".into()],
+            ..Profile::default()
+        })
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+fn run<M: Memory>(
+    mut spy: Spy<M>,
+    config: RecordConfig,
+    stop: &AtomicBool,
+    progress: &Mutex<Progress>,
+) -> Profile {
+    let pid = spy.pid();
+    let mut agg = Aggregator::new(pid, spy.version(), config.rate_hz, unix_ns());
+    if let Some(w) = spy.warning() {
+        agg.note(w.to_string());
+    }
+    let started = Instant::now();
+    let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
+    let mut next = started;
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let now = Instant::now();
+        if let Some(d) = config.duration {
+            if now.duration_since(started) >= d {
+                break;
+            }
+        }
+        if next > now {
+            std::thread::sleep(next - now);
+        } else if now.duration_since(next) > Duration::from_millis(100) {
+            // Far behind (the machine was busy): skip ahead rather than burst.
+            next = now;
+        }
+        next += timer.next_interval();
+        agg.tick();
+        match spy.sample_threads(config.threads) {
+            Ok((threads, dropped)) => {
+                for t in threads {
+                    if config.on_cpu && t.state != ThreadState::Running {
+                        continue;
+                    }
+                    agg.add(&t.info, t.state, &t.frames);
+                }
+                for reason in dropped {
+                    agg.error(reason);
+                }
+            }
+            Err(Error::ProcessExited { .. }) | Err(Error::NoSuchProcess { .. }) => {
+                agg.note(format!(
+                    "process {pid} exited after {:.1} s; the samples taken until then are kept",
+                    started.elapsed().as_secs_f64()
+                ));
+                break;
+            }
+            Err(Error::StackChanged { .. }) => agg.error("thread list changed"),
+            Err(e) => {
+                agg.error("read failed");
+                agg.note(format!("a sample failed: {e}"));
+            }
+        }
+        if let Ok(mut p) = progress.lock() {
+            let prof = agg.profile();
+            p.elapsed = started.elapsed();
+            p.ticks = prof.ticks;
+            p.samples = prof.samples;
+        }
+    }
+    if let Ok(mut p) = progress.lock() {
+        p.finished = true;
+    }
+    agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timer_intervals_average_the_period_and_vary() {
+        let mut t = Timer::new(1000.0, 42);
+        let n = 100_000;
+        let v: Vec<f64> = (0..n).map(|_| t.next_interval().as_secs_f64()).collect();
+        let mean = v.iter().sum::<f64>() / n as f64;
+        assert!((mean - 0.001).abs() < 0.00002, "mean {mean}");
+        let distinct = v
+            .iter()
+            .map(|x| (x * 1e7) as u64)
+            .collect::<std::collections::HashSet<_>>();
+        assert!(distinct.len() > 1000);
+    }
+
+    #[test]
+    fn bad_rates_are_rejected_before_any_work() {
+        for rate in [0.0, -5.0, f64::NAN, 100_001.0] {
+            let c = RecordConfig {
+                rate_hz: rate,
+                ..RecordConfig::default()
+            };
+            assert!(c.validate().is_err(), "{rate}");
+        }
+        assert!(RecordConfig::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,203 @@
+//! `RubySpy::NativeRecorder` and `RubySpy::NativeProfile`: thin wrappers over the core's
+//! sampler and profile. The Ruby API (options, blocks, docs) is lib/rbspy_ext/recorder.rb
+//! and lib/rbspy_ext/profile.rb.
+use crate::{errors, nogvl::nogvl};
+use magnus::{function, method, prelude::*, Error, RArray, RHash, Ruby};
+use rbspy_ext_core::output::{self, Format, Options};
+use rbspy_ext_core::profile::Profile;
+use rbspy_ext_core::sampler::{RecordConfig, Recorder};
+use rbspy_ext_core::spy::ThreadSelection;
+use rbspy_ext_core::Config;
+use std::sync::Mutex;
+use std::time::Duration;
+
+#[magnus::wrap(class = "RubySpy::NativeRecorder", free_immediately, size)]
+struct NativeRecorder(Mutex<Option<Recorder>>);
+
+#[magnus::wrap(class = "RubySpy::NativeProfile", free_immediately, size)]
+struct NativeProfile(Profile);
+
+impl NativeRecorder {
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        ruby: &Ruby,
+        pid: i64,
+        rate: f64,
+        duration: Option<f64>,
+        gvl_only: bool,
+        on_cpu: bool,
+        force_version: Option<String>,
+    ) -> Result<Self, Error> {
+        let pid = i32::try_from(pid)
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| Error::new(ruby.exception_arg_error(), format!("invalid pid {pid}")))?;
+        let duration = match duration {
+            Some(d) if !(d.is_finite() && d > 0.0) => {
+                return Err(Error::new(
+                    ruby.exception_arg_error(),
+                    format!("duration must be a positive number of seconds, got {d}"),
+                ))
+            }
+            Some(d) => Some(Duration::from_secs_f64(d)),
+            None => None,
+        };
+        let config = RecordConfig {
+            rate_hz: rate,
+            duration,
+            threads: if gvl_only {
+                ThreadSelection::GvlHolder
+            } else {
+                ThreadSelection::All
+            },
+            on_cpu,
+            spy: Config {
+                force_version,
+                ..Config::default()
+            },
+        };
+        // Attaching reads the target (and, for the calling process, must not wait on the
+        // GVL it holds): done without the GVL, like snapshots of other processes.
+        let own = pid as u32 == std::process::id();
+        let started = if own {
+            std::panic::catch_unwind(|| Recorder::start(pid, config))
+        } else {
+            nogvl(|| Recorder::start(pid, config))
+        };
+        match started {
+            Ok(Ok(r)) => Ok(NativeRecorder(Mutex::new(Some(r)))),
+            Ok(Err(e)) => Err(errors::to_ruby(ruby, e)),
+            Err(_) => Err(errors::panicked(ruby, "starting a recording")),
+        }
+    }
+
+    /// Stops and returns the profile; the join happens without the GVL.
+    fn stop(ruby: &Ruby, rb_self: &Self) -> Result<NativeProfile, Error> {
+        let recorder = rb_self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                Error::new(
+                    ruby.exception_runtime_error(),
+                    "this recording was already stopped",
+                )
+            })?;
+        match nogvl(move || recorder.stop()) {
+            Ok(profile) => Ok(NativeProfile(profile)),
+            Err(_) => Err(errors::panicked(ruby, "stopping a recording")),
+        }
+    }
+
+    /// [elapsed seconds, ticks, samples, finished?]
+    fn progress(&self) -> (f64, u64, u64, bool) {
+        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(r) => {
+                let p = r.progress();
+                (p.elapsed.as_secs_f64(), p.ticks, p.samples, p.finished)
+            }
+            None => (0.0, 0, 0, true),
+        }
+    }
+}
+
+impl NativeProfile {
+    fn load(ruby: &Ruby, path: String) -> Result<Self, Error> {
+        let mut file = std::fs::File::open(&path).map_err(|e| {
+            Error::new(
+                ruby.exception_arg_error(),
+                format!("cannot read {path}: {e}"),
+            )
+        })?;
+        output::read_raw(&mut file).map(NativeProfile).map_err(|e| {
+            Error::new(
+                errors::class(ruby, "InvalidProfile"),
+                format!("{path} is not a readable rbspy_ext raw profile: {e}"),
+            )
+        })
+    }
+
+    fn render(ruby: &Ruby, rb_self: &Self, format: String) -> Result<magnus::RString, Error> {
+        let format = Format::from_name(&format)
+            .map_err(|e| Error::new(ruby.exception_arg_error(), e.to_string()))?;
+        let mut out = Vec::new();
+        output::write(&rb_self.0, format, &mut out, &Options::default())
+            .map_err(|e| Error::new(errors::class(ruby, "Error"), e.to_string()))?;
+        Ok(ruby.str_from_slice(&out))
+    }
+
+    fn samples(&self) -> u64 {
+        self.0.samples
+    }
+
+    fn ticks(&self) -> u64 {
+        self.0.ticks
+    }
+
+    fn duration(&self) -> f64 {
+        self.0.duration_ns as f64 / 1e9
+    }
+
+    fn pid(&self) -> i32 {
+        self.0.pid
+    }
+
+    fn ruby_version(&self) -> String {
+        self.0.ruby_version.clone()
+    }
+
+    fn rate(&self) -> f64 {
+        self.0.rate_hz
+    }
+
+    fn errors(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        let h = ruby.hash_new();
+        for (reason, n) in &rb_self.0.errors {
+            h.aset(reason.as_str(), *n)?;
+        }
+        Ok(h)
+    }
+
+    fn notes(&self) -> Vec<String> {
+        self.0.notes.clone()
+    }
+
+    /// [[pid, tid, name, main?, {state => samples}], ...]
+    fn threads(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let p = &rb_self.0;
+        let out = ruby.ary_new();
+        for (i, t) in p.threads.iter().enumerate() {
+            let states = ruby.hash_new();
+            for s in p.stacks.iter().filter(|s| s.thread as usize == i) {
+                let prev = states
+                    .lookup::<_, Option<u64>>(s.state.name())?
+                    .unwrap_or(0);
+                states.aset(s.state.name(), prev + s.count)?;
+            }
+            out.push((t.pid, t.tid, t.name.clone(), t.main, states))?;
+        }
+        Ok(out)
+    }
+}
+
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    let module = ruby.define_module("RubySpy")?;
+    let rec = module.define_class("NativeRecorder", ruby.class_object())?;
+    rec.define_singleton_method("start", function!(NativeRecorder::start, 6))?;
+    rec.define_method("stop", method!(NativeRecorder::stop, 0))?;
+    rec.define_method("progress", method!(NativeRecorder::progress, 0))?;
+    let prof = module.define_class("NativeProfile", ruby.class_object())?;
+    prof.define_singleton_method("load", function!(NativeProfile::load, 1))?;
+    prof.define_method("render", method!(NativeProfile::render, 1))?;
+    prof.define_method("samples", method!(NativeProfile::samples, 0))?;
+    prof.define_method("ticks", method!(NativeProfile::ticks, 0))?;
+    prof.define_method("duration", method!(NativeProfile::duration, 0))?;
+    prof.define_method("pid", method!(NativeProfile::pid, 0))?;
+    prof.define_method("ruby_version", method!(NativeProfile::ruby_version, 0))?;
+    prof.define_method("rate", method!(NativeProfile::rate, 0))?;
+    prof.define_method("errors", method!(NativeProfile::errors, 0))?;
+    prof.define_method("notes", method!(NativeProfile::notes, 0))?;
+    prof.define_method("threads", method!(NativeProfile::threads, 0))?;
+    Ok(())
+}

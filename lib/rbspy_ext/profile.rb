@@ -1,0 +1,101 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # A finished recording: samples aggregated by thread, thread state and stack.
+  class Profile
+    # Output formats for {#write} and {#render}.
+    FORMATS = %i[flamegraph speedscope pprof collapsed callgrind summary lines raw].freeze
+
+    # Loads a raw profile written by +write(path, format: :raw)+, to render it again.
+    # @param path [String]
+    # @return [RubySpy::Profile]
+    # @raise [RubySpy::InvalidProfile] for a truncated, corrupt or foreign file
+    def self.load(path)
+      new(NativeProfile.load(path.to_s))
+    end
+
+    # @api private
+    def initialize(native)
+      @native = native
+    end
+
+    # @return [Integer] thread stacks recorded
+    def samples
+      @native.samples
+    end
+
+    # @return [Integer] sampling ticks attempted
+    def ticks
+      @native.ticks
+    end
+
+    # @return [Float] seconds recorded
+    def duration
+      @native.duration
+    end
+
+    # @return [Integer] the recorded process
+    def pid
+      @native.pid
+    end
+
+    # @return [String] its Ruby version
+    def ruby_version
+      @native.ruby_version
+    end
+
+    # @return [Float] the requested rate
+    def rate
+      @native.rate
+    end
+
+    # @return [Hash{String=>Integer}] samples dropped, by reason
+    def errors
+      @native.errors
+    end
+
+    # @return [Array<String>] what happened during the recording (e.g. the target exited)
+    def notes
+      @native.notes
+    end
+
+    # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:states+
+    #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc")
+    def threads
+      @native.threads.map do |pid, tid, name, main, states|
+        { pid: pid, tid: tid, name: name, main: main, states: states }
+      end
+    end
+
+    # The profile in +format+, as a String (binary for pprof).
+    # @param format [Symbol, String] one of {FORMATS}
+    # @return [String]
+    # @raise [ArgumentError] for an unknown format
+    def render(format)
+      @native.render(format.to_s)
+    end
+
+    # Writes the profile to +path+.
+    # @param path [String]
+    # @param format [Symbol, String] one of {FORMATS}
+    # @return [String] the path
+    # @raise [ArgumentError] for an unknown format
+    # @raise [SystemCallError] when the path cannot be written
+    def write(path, format:)
+      data = render(format)
+      File.binwrite(path, data)
+      path
+    end
+
+    # A text summary: the top functions by self and total samples.
+    # @return [String]
+    def to_s
+      render(:summary)
+    end
+
+    # @return [String]
+    def inspect
+      "#<RubySpy::Profile pid=#{pid} samples=#{samples} duration=#{format("%.2f", duration)}s>"
+    end
+  end
+end

@@ -1,0 +1,123 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # How a recording runs. Every option has a default; pass only what you change.
+  #
+  # @!attribute rate [Numeric] samples per second, jittered (default 99; at most 100_000)
+  # @!attribute duration [Numeric, nil] stop after this many seconds (default: until #stop)
+  # @!attribute threads [Symbol] +:all+ (every Ruby thread, the default) or +:gvl+ (only
+  #   the thread holding the GVL)
+  # @!attribute on_cpu [Boolean] keep only samples of threads that hold the GVL
+  # @!attribute force_version [String, nil] Ruby version whose layout to use
+  RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :force_version,
+                             keyword_init: true) do
+    # @raise [ArgumentError, TypeError] for an option that cannot be honoured
+    def initialize(rate: 99, duration: nil, threads: :all, on_cpu: false, force_version: nil)
+      super
+      validate!
+      freeze
+    end
+
+    private
+
+    def validate!
+      raise TypeError, "rate must be a Numeric, got #{rate.class}" unless rate.is_a?(Numeric)
+      raise ArgumentError, "rate must be positive, got #{rate}" unless rate.positive?
+      raise ArgumentError, "rate #{rate} Hz is above the maximum of 100000 Hz" if rate > 100_000
+      unless duration.nil? || (duration.is_a?(Numeric) && duration.positive?)
+        raise ArgumentError, "duration must be a positive number of seconds or nil, got #{duration.inspect}"
+      end
+      return if %i[all gvl].include?(threads)
+
+      raise ArgumentError, "threads must be :all or :gvl, got #{threads.inspect}"
+    end
+  end
+
+  # Samples a process on a native thread (it never takes the GVL and never signals the
+  # target, so it can record the calling process too) until stopped.
+  #
+  # @example
+  #   recorder = RubySpy::Recorder.new(pid, rate: 999).start
+  #   sleep 10
+  #   profile = recorder.stop
+  #   profile.write("profile.json", format: :speedscope)
+  class Recorder
+    # @return [Integer]
+    attr_reader :pid
+    # @return [RubySpy::RecordOptions]
+    attr_reader :options
+
+    # @param pid [Integer] the process to record; +Process.pid+ for this one
+    # @param options [Hash] see {RecordOptions}
+    def initialize(pid, **options)
+      raise TypeError, "pid must be an Integer, got #{pid.class}" unless pid.is_a?(Integer)
+      raise ArgumentError, "pid must be a positive process id, got #{pid}" unless pid.positive?
+
+      @pid = pid
+      @options = RecordOptions.new(**options)
+      @native = nil
+    end
+
+    # Attaches and starts sampling. Errors (no such process, not Ruby...) are raised here.
+    # @return [self]
+    def start
+      raise Error, "already started" if @native
+
+      o = options
+      @native = NativeRecorder.start(pid, o.rate.to_f, o.duration&.to_f, o.threads == :gvl,
+                                     o.on_cpu ? true : false, o.force_version)
+      self
+    end
+
+    # @return [Boolean] true while sampling (false once stopped, the duration has passed, or
+    #   the target exited)
+    def running?
+      !@native.nil? && !@native.progress[3]
+    end
+
+    # @return [Hash] +:elapsed+ seconds, +:ticks+ attempted, +:samples+ taken so far
+    def progress
+      elapsed, ticks, samples, = @native ? @native.progress : [0.0, 0, 0, true]
+      { elapsed: elapsed, ticks: ticks, samples: samples }
+    end
+
+    # Waits until the recording ends by itself (duration or target exit).
+    # @return [self]
+    def wait
+      sleep 0.01 while running?
+      self
+    end
+
+    # Stops sampling.
+    # @return [RubySpy::Profile]
+    def stop
+      raise Error, "not started" unless @native
+
+      Profile.new(@native.stop)
+    end
+  end
+
+  class << self
+    # Records +pid+ while the block runs, or for +duration:+ seconds.
+    #
+    # @param pid [Integer]
+    # @param options [Hash] see {RecordOptions}
+    # @yield the work to record (optional when +duration:+ is given)
+    # @return [RubySpy::Profile]
+    # @raise [ArgumentError] with neither a block nor a duration
+    # @example
+    #   profile = RubySpy.record(Process.pid, rate: 999) { run_the_slow_thing }
+    #   puts profile
+    def record(pid, **options)
+      raise ArgumentError, "give a block or duration:" unless block_given? || options[:duration]
+
+      recorder = Recorder.new(pid, **options).start
+      begin
+        block_given? ? yield : recorder.wait
+      ensure
+        profile = recorder.stop
+      end
+      profile
+    end
+  end
+end
