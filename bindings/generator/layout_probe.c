@@ -47,10 +47,11 @@ struct probe_st_table_entry {
 #define SOMEOFF(name, type, field) SOME(name, offsetof(type, field))
 #define NONE(name) printf("    " #name ": None,\n")
 
-/* Finds a one-bit bitfield: sets it in a zeroed struct and reports (byte offset, mask). */
-#define ONE_BIT(name, type, field) do { \
+/* Finds a small bitfield: sets all its bits (`all`) in a zeroed struct and reports
+ * (byte offset, mask). The field must not straddle a byte. */
+#define BITS(name, type, field, all) do { \
         type probe_; unsigned char *b_ = (unsigned char *)&probe_; \
-        memset(&probe_, 0, sizeof(probe_)); probe_.field = 1; \
+        memset(&probe_, 0, sizeof(probe_)); probe_.field = all; \
         for (size_t i_ = 0; i_ < sizeof(probe_); i_++) if (b_[i_]) { \
             printf("    " #name ": Some((%zu, 0x%x)),\n", i_, b_[i_]); break; } \
     } while (0)
@@ -93,6 +94,34 @@ int main(void) {
     OFF(thread_self, rb_thread_t, self);
     OFF(thread_vm, rb_thread_t, vm);
     OFF(thread_ec, rb_thread_t, ec);
+    /* Every thread, for the recorder: a list threaded through each rb_thread_t. */
+#if RV >= 300
+    NONE(vm_living_threads);
+    SOMEOFF(ractor_threads_set, rb_ractor_t, threads.set);
+    OFF(thread_list_node, rb_thread_t, lt_node);
+#else
+    SOMEOFF(vm_living_threads, rb_vm_t, living_threads);
+    NONE(ractor_threads_set);
+    OFF(thread_list_node, rb_thread_t, vmlt_node);
+#endif
+    OFF(thread_name, rb_thread_t, name);
+    BITS(thread_status, rb_thread_t, status, (enum rb_thread_status)3);
+    U(thread_status_runnable, THREAD_RUNNABLE);
+    /* The native thread id (as in /proc/PID/task): in the thread (3.1) or in its native
+     * thread (3.2+); 2.7 and 3.0 do not record it. */
+#if RV >= 302
+    NONE(thread_tid);
+    SOMEOFF(thread_nt, rb_thread_t, nt);
+    SOMEOFF(native_thread_tid, struct rb_native_thread, tid);
+#elif RV == 301
+    SOMEOFF(thread_tid, rb_thread_t, tid);
+    NONE(thread_nt);
+    NONE(native_thread_tid);
+#else
+    NONE(thread_tid);
+    NONE(thread_nt);
+    NONE(native_thread_tid);
+#endif
     OFF(ec_vm_stack, rb_execution_context_t, vm_stack);
     OFF(ec_vm_stack_size, rb_execution_context_t, vm_stack_size);
     OFF(ec_cfp, rb_execution_context_t, cfp);
@@ -205,7 +234,7 @@ int main(void) {
 #endif
     NONE(classext_iv_tbl);
     SOMEOFF(classext_classpath, rb_classext_t, classpath);
-    ONE_BIT(classext_permanent_classpath, rb_classext_t, permanent_classpath);
+    BITS(classext_permanent_classpath, rb_classext_t, permanent_classpath, 1);
     SOMEOFF(classext_attached_object, rb_classext_t, as.singleton_class.attached_object);
 #else
     SOMEOFF(rclass_ext_ptr, struct RClass, ptr);

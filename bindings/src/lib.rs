@@ -36,6 +36,22 @@ pub struct Layout {
     pub thread_self: usize,
     pub thread_vm: usize,
     pub thread_ec: usize,
+    /// Every Ruby thread is on a list (`list_head`, whose first word points at the first
+    /// thread's list node): the VM's `living_threads` before 3.0, the main ractor's
+    /// `threads.set` after. `thread_list_node` is the node's offset in `rb_thread_t`.
+    pub vm_living_threads: Option<usize>,
+    pub ractor_threads_set: Option<usize>,
+    pub thread_list_node: usize,
+    /// `Thread#name` (a String or nil).
+    pub thread_name: usize,
+    /// (byte offset, mask) of the 2-bit `status` bitfield, and the value meaning runnable
+    /// (any other: sleeping, blocked in a blocking region, or dead).
+    pub thread_status: Option<(usize, u8)>,
+    pub thread_status_runnable: u64,
+    /// Native thread id: `th->tid` (3.1) or `th->nt->tid` (3.2+); unknown on 2.7 and 3.0.
+    pub thread_tid: Option<usize>,
+    pub thread_nt: Option<usize>,
+    pub native_thread_tid: Option<usize>,
 
     // rb_execution_context_t
     pub ec_vm_stack: usize,

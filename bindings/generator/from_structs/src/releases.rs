@@ -209,6 +209,35 @@ macro_rules! layout {
         l.dec("thread_self", offset_of!(r::rb_thread_t, self_));
         l.dec("thread_vm", offset_of!(r::rb_thread_t, vm));
         l.dec("thread_ec", offset_of!(r::rb_thread_t, ec));
+        since!($rv >= 300 {
+            l.none("vm_living_threads");
+            l.some("ractor_threads_set", offset_of!(r::rb_ractor_t, threads.set));
+            l.dec("thread_list_node", offset_of!(r::rb_thread_t, lt_node));
+        } else {
+            l.some("vm_living_threads", offset_of!(r::rb_vm_t, living_threads));
+            l.none("ractor_threads_set");
+            l.dec("thread_list_node", offset_of!(r::rb_thread_t, vmlt_node));
+        });
+        l.dec("thread_name", offset_of!(r::rb_thread_t, name));
+        l.some_bit(
+            "thread_status",
+            one_bit::<r::rb_thread_t>(|t| t.set_status(3)),
+        );
+        l.dec("thread_status_runnable", r::rb_thread_status_THREAD_RUNNABLE);
+        since!($rv >= 302 {
+            l.none("thread_tid");
+            l.some("thread_nt", offset_of!(r::rb_thread_t, nt));
+            l.some("native_thread_tid", offset_of!(r::rb_native_thread, tid));
+        } else {
+            since!($rv >= 301 {
+                // Only 3.1 has it here (3.0 has none; 3.2 moved it to the native thread).
+                l.some("thread_tid", offset_of!(r::rb_thread_t, tid));
+            } else {
+                l.none("thread_tid");
+            });
+            l.none("thread_nt");
+            l.none("native_thread_tid");
+        });
         l.dec("ec_vm_stack", offset_of!(r::rb_execution_context_t, vm_stack));
         l.dec("ec_vm_stack_size", offset_of!(r::rb_execution_context_t, vm_stack_size));
         l.dec("ec_cfp", offset_of!(r::rb_execution_context_t, cfp));
