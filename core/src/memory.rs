@@ -28,6 +28,11 @@ pub trait Memory {
             .collect()
     }
 
+    /// How many system calls this source has made (0 for sources without any).
+    fn calls(&self) -> u64 {
+        0
+    }
+
     /// Reads a little-endian u64 at `addr`.
     fn read_u64(&self, addr: u64) -> Result<u64, MemoryError> {
         let mut b = [0u8; 8];
@@ -132,6 +137,10 @@ impl ProcessMemory {
 }
 
 impl Memory for ProcessMemory {
+    fn calls(&self) -> u64 {
+        ProcessMemory::calls(self)
+    }
+
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
         if buf.is_empty() {
             return Ok(());

@@ -93,6 +93,12 @@ pub struct Profile {
     #[serde(with = "crate::output::raw::frames")]
     pub frames: Vec<Frame>,
     pub stacks: Vec<StackCount>,
+    /// What the recording cost: CPU time of the sampler thread and `process_vm_readv`
+    /// calls made (0 when unknown, e.g. in files written before these existed).
+    #[serde(default)]
+    pub sampler_cpu_ns: u64,
+    #[serde(default)]
+    pub read_calls: u64,
 }
 
 /// Builds a [`Profile`] sample by sample.
@@ -186,6 +192,12 @@ impl Aggregator {
     pub fn finish(mut self, duration_ns: u64) -> Profile {
         self.profile.duration_ns = duration_ns;
         self.profile
+    }
+
+    /// Records what the recording cost (see [`Profile::sampler_cpu_ns`]).
+    pub fn set_cost(&mut self, sampler_cpu_ns: u64, read_calls: u64) {
+        self.profile.sampler_cpu_ns = sampler_cpu_ns;
+        self.profile.read_calls = read_calls;
     }
 }
 

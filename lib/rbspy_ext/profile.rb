@@ -59,6 +59,14 @@ module RubySpy
       @native.notes
     end
 
+    # What recording cost the profiler (not the target).
+    # @return [Hash] +:sampler_cpu+ seconds of CPU used by the sampler thread,
+    #   +:read_calls+ (+process_vm_readv+ calls), +:per_tick_us+ CPU per sampling tick
+    def cost
+      cpu, calls = @native.cost
+      { sampler_cpu: cpu, read_calls: calls, per_tick_us: ticks.zero? ? 0.0 : cpu * 1e6 / ticks }
+    end
+
     # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:states+
     #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc")
     def threads

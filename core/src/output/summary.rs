@@ -112,6 +112,15 @@ fn header(profile: &Profile, total: u64, out: &mut dyn Write) -> std::io::Result
         "Samples: {total} thread stacks from {} ticks at {} Hz",
         profile.ticks, profile.rate_hz
     )?;
+    if profile.sampler_cpu_ns > 0 && profile.ticks > 0 {
+        writeln!(
+            out,
+            "Profiler cost: {:.1} ms of CPU ({:.1} us per tick), {} process_vm_readv calls",
+            profile.sampler_cpu_ns as f64 / 1e6,
+            profile.sampler_cpu_ns as f64 / 1e3 / profile.ticks as f64,
+            profile.read_calls
+        )?;
+    }
     let dropped: u64 = profile.errors.values().sum();
     if dropped == 0 {
         writeln!(out, "Dropped samples: none")?;

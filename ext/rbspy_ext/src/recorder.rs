@@ -151,6 +151,11 @@ impl NativeProfile {
         self.0.rate_hz
     }
 
+    /// [sampler CPU seconds, process_vm_readv calls]
+    fn cost(&self) -> (f64, u64) {
+        (self.0.sampler_cpu_ns as f64 / 1e9, self.0.read_calls)
+    }
+
     fn errors(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
         let h = ruby.hash_new();
         for (reason, n) in &rb_self.0.errors {
@@ -197,6 +202,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("ruby_version", method!(NativeProfile::ruby_version, 0))?;
     prof.define_method("rate", method!(NativeProfile::rate, 0))?;
     prof.define_method("errors", method!(NativeProfile::errors, 0))?;
+    prof.define_method("cost", method!(NativeProfile::cost, 0))?;
     prof.define_method("notes", method!(NativeProfile::notes, 0))?;
     prof.define_method("threads", method!(NativeProfile::threads, 0))?;
     Ok(())
