@@ -1,0 +1,78 @@
+# frozen_string_literal: true
+
+# Recorder cost, rbspy_ext against rbspy, on one CPU-bound ~20-frame target, in one run.
+#
+#   rake compile && ruby bench/record.rb [SECONDS]     # installs rbspy with cargo if missing
+#
+# Prints, for 1 kHz and 10 kHz: samples taken vs requested, sampler CPU per sample (the
+# sampler thread's own CPU clock), process_vm_readv calls per thread per sample, and the
+# target's slowdown (its own iteration rate with and without the sampler); the same for
+# `rbspy record --nonblocking` (CPU from the kernel's accounting of the rbspy process);
+# and the memory of 10^6 aggregated 50-frame samples (core/examples/aggregate_memory.rs).
+$LOAD_PATH.unshift File.expand_path("../lib", __dir__)
+require "rbspy_ext"
+require "tmpdir"
+require_relative "support"
+
+SECONDS = Float(ARGV[0] || 10)
+
+def run_target(seconds)
+  Dir.mktmpdir do |dir|
+    out = File.join(dir, "rate")
+    pid = Process.spawn(RbConfig.ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s)
+    sleep 0.01 until File.exist?("#{out}.ready")
+    result = yield pid
+    Process.wait(pid)
+    [Float(File.read(out)), result]
+  ensure
+    Process.kill(:KILL, pid) rescue nil
+    Process.wait(pid) rescue nil
+  end
+end
+
+def children_cpu
+  t = Process.times
+  t.cutime + t.cstime
+end
+
+baseline, = run_target(SECONDS) { nil }
+puts format("target alone: %.0f iterations/s", baseline)
+
+rbspy = rbspy_binary
+results = {}
+[1000, 10_000].each do |rate|
+  rate_seen, profile = run_target(SECONDS) do |pid|
+    RubySpy.record(pid, rate: rate, duration: SECONDS - 0.5)
+  end
+  cost = profile.cost
+  requested = rate * profile.duration
+  threads = [profile.threads.size, 1].max
+  results[rate] = profile
+  puts format("rbspy_ext %5d Hz: %d ticks of %.0f requested (%.1f%%), %.2f us CPU per sample, " \
+              "%.2f process_vm_readv per thread per sample, target %.2f%% slower, %d errors",
+              rate, profile.ticks, requested, 100.0 * profile.ticks / requested, cost[:per_tick_us],
+              cost[:read_calls].to_f / profile.ticks / threads, 100.0 * (1 - rate_seen / baseline),
+              profile.errors.values.sum)
+end
+
+rbspy_rate, rbspy_result = run_target(SECONDS) do |pid|
+  Dir.mktmpdir do |dir|
+    file = File.join(dir, "out.txt")
+    before = children_cpu
+    system(rbspy, "record", "--pid", pid.to_s, "--nonblocking", "--rate", "1000",
+           "--duration", (SECONDS - 0.5).to_i.to_s, "--format", "collapsed", "--file", file,
+           "--silent", out: File::NULL, err: File::NULL)
+    cpu = children_cpu - before
+    samples = File.exist?(file) ? File.readlines(file).sum { |l| l.split.last.to_i } : 0
+    [cpu, samples]
+  end
+end
+rbspy_cpu, rbspy_samples = rbspy_result
+per_sample = rbspy_samples.zero? ? Float::NAN : rbspy_cpu * 1e6 / rbspy_samples
+ours = results[1000].cost[:per_tick_us]
+puts format("rbspy      1000 Hz: %d samples, %.1f us CPU per sample, target %.2f%% slower",
+            rbspy_samples, per_sample, 100.0 * (1 - rbspy_rate / baseline))
+puts format("ratio rbspy / rbspy_ext CPU per sample at 1 kHz: %.0fx", per_sample / ours)
+
+system("cargo", "run", "--quiet", "--release", "-p", "rbspy_ext_core", "--example", "aggregate_memory",
+       chdir: File.expand_path("..", __dir__))
