@@ -19,7 +19,7 @@ fn main() {
             frame(
                 &format!("Module{}::Class{}#method_{i}", i % 37, i % 101),
                 &format!("/app/lib/file_{}.rb", i % 300),
-                (i % 500) as i32 + 1,
+                (i % 500) + 1,
                 i % 9 == 0,
             )
         })

@@ -24,6 +24,8 @@ pub use threads::{SampledThread, ThreadSelection};
 const MAX_FRAMES: u64 = 65_536;
 /// Most environments followed from a block frame to its method frame.
 const MAX_EP_DEPTH: usize = 256;
+/// How long cached iseqs and method entries are trusted without reading their headers.
+const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Most escaped environments cached between samples.
 const MAX_CACHED_ENVS: usize = 4096;
 /// How often a snapshot is retried when the stack changes under it.
@@ -113,6 +115,10 @@ pub struct Spy<M: Memory = ProcessMemory> {
     stack_hints: HashMap<u64, usize>,
     /// Environments that escaped to the heap, by `ep` (see `env_slots`).
     heap_envs: HashMap<u64, Slots>,
+    /// Candidate method-entry addresses that turned out to be crefs (not method entries).
+    not_methods: std::collections::HashSet<u64>,
+    /// When cached iseqs and method entries were last all read again.
+    validated_at: Option<std::time::Instant>,
     /// Address of the list of every Ruby thread, and its last reading (spy_threads.rs).
     thread_list_head: u64,
     thread_list: threads::ThreadList,
@@ -298,6 +304,8 @@ impl<M: Memory> Spy<M> {
             last_ec: None,
             stack_hints: HashMap::new(),
             heap_envs: HashMap::new(),
+            not_methods: Default::default(),
+            validated_at: None,
             thread_list_head: roots.thread_list,
             thread_list: threads::ThreadList::default(),
         }
@@ -339,6 +347,7 @@ impl<M: Memory> Spy<M> {
                     // heap environments.
                     self.last_ec = None;
                     self.heap_envs.clear();
+                    self.validated_at = None;
                     last = why;
                 }
             }
@@ -433,12 +442,13 @@ impl<M: Memory> Spy<M> {
     }
 
     /// The frames of one execution context, given its `vm_stack`, `vm_stack_size`, `cfp`.
-    fn walk(
-        &mut self,
-        [vm_stack, vm_stack_size, cfp]: [u64; 3],
-    ) -> std::result::Result<Vec<Frame>, Attempt> {
-        let l = self.layout;
-        let cfp_size = l.cfp_size as u64;
+    fn walk(&mut self, ec: [u64; 3]) -> std::result::Result<Vec<Frame>, Attempt> {
+        self.walk_many(&[ec]).pop().expect("one result per context")
+    }
+
+    /// Where one execution context's control frames are.
+    fn plan(&self, [vm_stack, vm_stack_size, cfp]: [u64; 3]) -> std::result::Result<Plan, Attempt> {
+        let cfp_size = self.layout.cfp_size as u64;
         // Control frames grow down from the end of the VM stack; the last slot is a dummy
         // frame that Ruby's own backtrace skips.
         let end = vm_stack.wrapping_add(vm_stack_size.wrapping_mul(8));
@@ -457,7 +467,115 @@ impl<M: Memory> Spy<M> {
         if count > MAX_FRAMES {
             return Err(Attempt::Changed(format!("{count} frames")));
         }
-        let (frames, envs) = self.read_frames(vm_stack, cfp, count)?;
+        let hint = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
+        Ok(Plan {
+            vm_stack,
+            cfp,
+            count,
+            guess: (hint as u64).min(cfp - vm_stack) as usize,
+        })
+    }
+
+    /// The frames of several execution contexts (the threads of one sample). One call reads
+    /// every context's control frames and, with them, the used part of its value stack,
+    /// where every running frame's environment (`ep[-2..=0]`) lives; the extent is guessed
+    /// from the previous sample of that stack (a deeper stack costs one more read).
+    fn walk_many(&mut self, ecs: &[[u64; 3]]) -> Vec<std::result::Result<Vec<Frame>, Attempt>> {
+        let l = self.layout;
+        let plans: Vec<_> = ecs.iter().map(|ec| self.plan(*ec)).collect();
+        let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = plans
+            .iter()
+            .map(|p| match p {
+                Ok(p) => (vec![0u8; p.count as usize * l.cfp_size], vec![0u8; p.guess]),
+                Err(_) => (Vec::new(), Vec::new()),
+            })
+            .collect();
+        let read_all = {
+            let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
+            for (plan, (cfps, values)) in plans.iter().zip(bufs.iter_mut()) {
+                if let Ok(p) = plan {
+                    requests.push((p.cfp, &mut cfps[..]));
+                    if !values.is_empty() {
+                        requests.push((p.vm_stack, &mut values[..]));
+                    }
+                }
+            }
+            self.mem.read_many(&mut requests)
+        };
+        let mut read_each: Vec<std::result::Result<(), Attempt>> =
+            plans.iter().map(|_| Ok(())).collect();
+        if let Err(e) = read_all {
+            // One stack moved or vanished: read the others one by one so they still count.
+            if plans.len() == 1 {
+                read_each[0] = Err(self.moved("reading control frames")(e));
+            } else {
+                for ((plan, (cfps, values)), result) in
+                    plans.iter().zip(bufs.iter_mut()).zip(read_each.iter_mut())
+                {
+                    if let Ok(p) = plan {
+                        let mut requests: Vec<(u64, &mut [u8])> = vec![(p.cfp, &mut cfps[..])];
+                        if !values.is_empty() {
+                            requests.push((p.vm_stack, &mut values[..]));
+                        }
+                        if let Err(e) = self.mem.read_many(&mut requests) {
+                            *result = Err(self.moved("reading control frames")(e));
+                        }
+                    }
+                }
+            }
+        }
+        plans
+            .into_iter()
+            .zip(bufs)
+            .zip(read_each)
+            .map(|((plan, (cfps, values)), read)| {
+                read?;
+                self.resolve(plan?, &cfps, values)
+            })
+            .collect()
+    }
+
+    /// Turns one context's control frames and value stack into frames.
+    fn resolve(
+        &mut self,
+        plan: Plan,
+        cfps: &[u8],
+        mut values: Vec<u8>,
+    ) -> std::result::Result<Vec<Frame>, Attempt> {
+        let l = self.layout;
+        let Plan { vm_stack, cfp, .. } = plan;
+        let frames: Vec<RawFrame> = cfps
+            .chunks_exact(l.cfp_size)
+            .map(|c| RawFrame {
+                pc: word(c, l.cfp_pc),
+                iseq: word(c, l.cfp_iseq),
+                ep: word(c, l.cfp_ep),
+            })
+            .collect();
+        let needed = frames
+            .iter()
+            .map(|f| f.ep)
+            .filter(|ep| *ep >= vm_stack + 16 && *ep + 8 <= cfp)
+            .map(|ep| (ep + 8 - vm_stack) as usize)
+            .max()
+            .unwrap_or(0);
+        if needed > values.len() {
+            let more = self
+                .mem
+                .read_vec(vm_stack + values.len() as u64, needed - values.len())
+                .map_err(self.moved("reading the value stack"))?;
+            values.extend_from_slice(&more);
+        }
+        // Slack so that a slightly deeper stack next time still fits in one read.
+        if self.stack_hints.len() >= MAX_CACHED_ENVS {
+            self.stack_hints.clear();
+        }
+        self.stack_hints
+            .insert(vm_stack, needed + needed / 4 + 1024);
+        let envs = Envs {
+            base: vm_stack,
+            values,
+        };
         // Which frames are reported, and the candidates for the method entry each needs (for
         // C functions: its name; for Ruby methods and their blocks: the owner's name).
         let mut wanted: Vec<Wanted> = Vec::new();
@@ -495,66 +613,6 @@ impl<M: Memory> Spy<M> {
         self.build_frames(&frames, wanted, &mes)
     }
 
-    /// Second read: the control frames and, in the same call, the used part of the value
-    /// stack below them, where every running frame's environment (`ep[-2..=0]`) lives. Its
-    /// extent is guessed from the previous sample; a larger stack costs one more read.
-    fn read_frames(
-        &mut self,
-        vm_stack: u64,
-        cfp: u64,
-        count: u64,
-    ) -> std::result::Result<(Vec<RawFrame>, Envs), Attempt> {
-        let l = self.layout;
-        let hint = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
-        let guess = (hint as u64).min(cfp - vm_stack) as usize;
-        let mut cfps = vec![0u8; count as usize * l.cfp_size];
-        let mut values = vec![0u8; guess];
-        {
-            let mut requests: Vec<(u64, &mut [u8])> = vec![(cfp, &mut cfps[..])];
-            if guess > 0 {
-                requests.push((vm_stack, &mut values[..]));
-            }
-            self.mem
-                .read_many(&mut requests)
-                .map_err(self.moved("reading control frames"))?;
-        }
-        let frames: Vec<RawFrame> = cfps
-            .chunks_exact(l.cfp_size)
-            .map(|c| RawFrame {
-                pc: word(c, l.cfp_pc),
-                iseq: word(c, l.cfp_iseq),
-                ep: word(c, l.cfp_ep),
-            })
-            .collect();
-        let needed = frames
-            .iter()
-            .map(|f| f.ep)
-            .filter(|ep| *ep >= vm_stack + 16 && *ep + 8 <= cfp)
-            .map(|ep| (ep + 8 - vm_stack) as usize)
-            .max()
-            .unwrap_or(0);
-        if needed > values.len() {
-            let more = self
-                .mem
-                .read_vec(vm_stack + values.len() as u64, needed - values.len())
-                .map_err(self.moved("reading the value stack"))?;
-            values.extend_from_slice(&more);
-        }
-        // Slack so that a slightly deeper stack next time still fits in one read.
-        if self.stack_hints.len() >= MAX_CACHED_ENVS {
-            self.stack_hints.clear();
-        }
-        self.stack_hints
-            .insert(vm_stack, needed + needed / 4 + 1024);
-        Ok((
-            frames,
-            Envs {
-                base: vm_stack,
-                values,
-            },
-        ))
-    }
-
     /// `ep[-2..=0]` of an environment: from the value stack copy, or from an environment
     /// that escaped to the heap (a method whose block became a Proc, a block called after
     /// its method returned). Escaped environments do not change, so they are cached; a
@@ -578,33 +636,51 @@ impl<M: Memory> Spy<M> {
         Ok(s)
     }
 
-    /// Third read, batched: the header of every iseq and of its cached body (validating the
-    /// iseq cache: same body, same instructions, same size), and the header of every
-    /// candidate method entry. New iseqs and method entries are loaded on the cold path.
+    /// Iseqs and method entries the frames need. What is cached is trusted between full
+    /// validations (every [`REVALIDATE`]): an iseq while the frame's pc lies inside its
+    /// instructions, a method entry while it defines the frame's method (checked in
+    /// `build_frames`). A full validation, and anything not cached, costs one batched read:
+    /// the header of every iseq and of its cached body (same body, instructions, size) and
+    /// the header of every candidate method entry. New ones are loaded on the cold path.
     fn read_iseqs_and_method_entries(
         &mut self,
         frames: &[RawFrame],
         wanted: &[Wanted],
     ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
         let l = self.layout;
+        let full = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
         let mut iseq_addrs: Vec<u64> = frames
             .iter()
             .filter(|f| f.iseq != 0 && f.pc != 0)
+            .filter(|f| {
+                full || self
+                    .iseqs
+                    .get(&f.iseq)
+                    .is_none_or(|i| f.pc < i.encoded || f.pc > i.encoded + u64::from(i.size) * 8)
+            })
             .map(|f| f.iseq)
             .collect();
         iseq_addrs.sort_unstable();
         iseq_addrs.dedup();
-        let mut me_addrs: Vec<u64> = wanted
+        let candidates: Vec<u64> = wanted
             .iter()
             .flat_map(|w| w.chain.iter().copied())
             .collect();
+        let mut me_addrs: Vec<u64> = candidates
+            .iter()
+            .copied()
+            .filter(|a| full || !(self.methods.contains_key(a) || self.not_methods.contains(a)))
+            .collect();
         me_addrs.sort_unstable();
         me_addrs.dedup();
+        if full {
+            self.not_methods.clear();
+        }
         let head_len = l.me_owner.max(l.me_def).max(l.svar_cref_or_me) + 8;
         let mut iseq_bufs = vec![[0u8; 24]; iseq_addrs.len()];
         let mut body_bufs = vec![[0u8; 16]; iseq_addrs.len()];
         let mut me_bufs = vec![vec![0u8; head_len]; me_addrs.len()];
-        {
+        if !iseq_addrs.is_empty() || !me_addrs.is_empty() {
             let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
             for ((addr, ibuf), bbuf) in iseq_addrs
                 .iter()
@@ -641,7 +717,21 @@ impl<M: Memory> Spy<M> {
                 self.iseqs.insert(*addr, info);
             }
         }
-        self.method_entries(&me_addrs, &me_bufs)
+        let mut mes = self.method_entries(&me_addrs, &me_bufs)?;
+        for addr in &me_addrs {
+            if !mes.contains_key(addr) {
+                self.not_methods.insert(*addr);
+            }
+        }
+        for addr in candidates {
+            if let Some(info) = self.methods.get(&addr) {
+                mes.entry(addr).or_insert_with(|| info.clone());
+            }
+        }
+        if full {
+            self.validated_at = Some(std::time::Instant::now());
+        }
+        Ok(mes)
     }
 
     /// Reads and decodes everything an iseq's frames need (cold path, once per iseq).
@@ -1082,6 +1172,16 @@ impl Envs {
         let bytes: &[u8; 24] = self.values.get(start..start + 24)?.try_into().ok()?;
         Some(slots(bytes))
     }
+}
+
+/// Where one execution context's frames are (see `Spy::plan`).
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    vm_stack: u64,
+    cfp: u64,
+    count: u64,
+    /// Bytes of value stack to read along with the frames.
+    guess: usize,
 }
 
 /// A frame to report and the candidates for its method entry.

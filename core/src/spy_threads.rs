@@ -37,6 +37,8 @@ pub struct SampledThread {
 pub(super) struct ThreadList {
     threads: Vec<(u64, ThreadInfo)>,
     read_at: Option<Instant>,
+    /// The execution context each thread had when last sampled.
+    ecs: std::collections::HashMap<u64, u64>,
 }
 
 impl<M: Memory> Spy<M> {
@@ -61,9 +63,11 @@ impl<M: Memory> Spy<M> {
                 .read_u64(node)
                 .map_err(self.moved("reading the thread list"))?;
         }
+        let ecs = std::mem::take(&mut self.thread_list.ecs);
         self.thread_list = ThreadList {
             threads,
             read_at: Some(Instant::now()),
+            ecs,
         };
         Ok(())
     }
@@ -149,24 +153,39 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
         let count = self.thread_list.threads.len();
-        // One call: the GVL owner, and every thread's execution context and status.
+        // One call: the GVL owner, and every thread's execution context, status, and the stack
+        // fields of the context it had last time (a thread's context changes only when it
+        // switches fibers, so this is usually all that is needed).
         let mut owner = [0u8; 8];
         let mut ecs = vec![[0u8; 8]; count];
         let mut statuses = vec![[0u8; 1]; count];
+        let mut heads = vec![[0u8; 24]; count];
+        let guessed: Vec<u64> = self
+            .thread_list
+            .threads
+            .iter()
+            .map(|(t, _)| self.thread_list.ecs.get(t).copied().unwrap_or(0))
+            .collect();
         {
             let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
-            for (((thread, _), ec), status) in self
+            for ((((thread, _), ec), status), (head, guess)) in self
                 .thread_list
                 .threads
                 .iter()
                 .zip(ecs.iter_mut())
                 .zip(statuses.iter_mut())
+                .zip(heads.iter_mut().zip(&guessed))
             {
                 requests.push((thread + l.thread_ec as u64, &mut ec[..]));
                 requests.push((thread + status_byte as u64, &mut status[..]));
+                if *guess != 0 {
+                    requests.push((guess + l.ec_vm_stack as u64, &mut head[..]));
+                }
             }
             if let Err(e) = self.mem.read_many(&mut requests) {
-                self.thread_list.read_at = None; // a thread went away: re-read the list
+                // A thread went away (or its context did): read the list again.
+                self.thread_list.read_at = None;
+                self.thread_list.ecs.clear();
                 return match self.moved("reading threads")(e) {
                     Attempt::Fatal(e) => Err(e),
                     Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
@@ -175,7 +194,7 @@ impl<M: Memory> Spy<M> {
         }
         let owner = word(&owner, 0);
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
-        let mut chosen: Vec<(usize, ThreadState, u64)> = Vec::new();
+        let mut chosen: Vec<(usize, ThreadState)> = Vec::new();
         for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
             let status = statuses[i][0] & status_mask;
             let state = if *thread == owner {
@@ -188,37 +207,64 @@ impl<M: Memory> Spy<M> {
             if which == ThreadSelection::GvlHolder && state != ThreadState::Running {
                 continue;
             }
-            chosen.push((i, state, word(&ecs[i], 0)));
+            if !is_heap_object(word(&ecs[i], 0)) {
+                continue; // a thread not started yet, or already gone
+            }
+            chosen.push((i, state));
         }
-        // One more call for the chosen threads' stack fields.
-        let mut heads = vec![[0u8; 24]; chosen.len()];
-        {
-            let mut requests: Vec<(u64, &mut [u8])> = chosen
-                .iter()
-                .zip(heads.iter_mut())
-                .map(|((_, _, ec), h)| (ec + l.ec_vm_stack as u64, &mut h[..]))
-                .collect();
-            if let Err(e) = self.mem.read_many(&mut requests) {
-                self.thread_list.read_at = None;
-                return match self.moved("reading execution contexts")(e) {
-                    Attempt::Fatal(e) => Err(e),
-                    Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
-                };
+        // Contexts that changed since last time: one more call for their stack fields.
+        let stale: Vec<usize> = chosen
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|i| word(&ecs[*i], 0) != guessed[*i])
+            .collect();
+        if !stale.is_empty() {
+            let mut fresh = vec![[0u8; 24]; stale.len()];
+            {
+                let mut requests: Vec<(u64, &mut [u8])> = stale
+                    .iter()
+                    .zip(fresh.iter_mut())
+                    .map(|(i, h)| (word(&ecs[*i], 0) + l.ec_vm_stack as u64, &mut h[..]))
+                    .collect();
+                if let Err(e) = self.mem.read_many(&mut requests) {
+                    self.thread_list.read_at = None;
+                    self.thread_list.ecs.clear();
+                    return match self.moved("reading execution contexts")(e) {
+                        Attempt::Fatal(e) => Err(e),
+                        Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
+                    };
+                }
+            }
+            for (i, h) in stale.into_iter().zip(fresh) {
+                heads[i] = h;
+                let thread = self.thread_list.threads[i].0;
+                self.thread_list.ecs.insert(thread, word(&ecs[i], 0));
             }
         }
+        // One call for every chosen thread's frames; a thread whose stack moved is retried
+        // alone, then counted as dropped.
+        let contexts: Vec<[u64; 3]> = chosen
+            .iter()
+            .map(|(i, _)| self.ec_fields(&heads[*i]))
+            .collect();
+        let results = self.walk_many(&contexts);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut dropped = Vec::new();
-        for ((i, state, _), head) in chosen.into_iter().zip(heads) {
-            let ec = self.ec_fields(&head);
-            let mut result = None;
-            for _ in 0..THREAD_ATTEMPTS {
+        for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
+            let mut result = match first {
+                Ok(frames) => Some(frames),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Changed(_)) => None,
+            };
+            for _ in 1..THREAD_ATTEMPTS {
+                if result.is_some() {
+                    break;
+                }
+                self.heap_envs.clear();
                 match self.walk(ec) {
-                    Ok(frames) => {
-                        result = Some(frames);
-                        break;
-                    }
+                    Ok(frames) => result = Some(frames),
                     Err(Attempt::Fatal(e)) => return Err(e),
-                    Err(Attempt::Changed(_)) => self.heap_envs.clear(),
+                    Err(Attempt::Changed(_)) => {}
                 }
             }
             match result {
