@@ -4,7 +4,7 @@
 use crate::error::MemoryError;
 use crate::memory::Memory;
 use rbspy_ext_bindings::Layout;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 pub const T_MASK: u64 = 0x1f;
@@ -140,14 +140,14 @@ pub fn read_array_len<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<u
 pub struct SymbolTable {
     /// Address of the target's `rb_symbols_t`.
     pub addr: u64,
-    names: HashMap<u64, Arc<str>>,
+    names: FxHashMap<u64, Arc<str>>,
 }
 
 impl SymbolTable {
     pub fn new(addr: u64) -> Self {
         SymbolTable {
             addr,
-            names: HashMap::new(),
+            names: FxHashMap::default(),
         }
     }
 
@@ -194,7 +194,7 @@ impl SymbolTable {
 #[derive(Debug, Default)]
 pub struct ClassNames {
     /// owner VALUE → prefix ("Foo#" / "Foo.") or None for "no qualification".
-    prefixes: HashMap<u64, Option<Arc<str>>>,
+    prefixes: FxHashMap<u64, Option<Arc<str>>>,
 }
 
 impl ClassNames {

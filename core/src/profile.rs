@@ -2,7 +2,8 @@
 //! distinct (thread, state, stack) combinations, not with the recording's length. Output
 //! formats live in `crate::output`.
 use crate::spy::Frame;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Version of the raw profile format (`output::raw`); bump on incompatible changes.
@@ -105,9 +106,9 @@ pub struct Profile {
 #[derive(Debug, Default)]
 pub struct Aggregator {
     profile: Profile,
-    frame_ids: HashMap<Frame, u32>,
-    thread_ids: HashMap<(i32, u64, i64), u32>,
-    stack_ids: HashMap<(u32, ThreadState, Vec<u32>), usize>,
+    frame_ids: FxHashMap<Frame, u32>,
+    thread_ids: FxHashMap<(i32, u64, i64), u32>,
+    stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>), usize>,
 }
 
 impl Aggregator {
@@ -141,19 +142,21 @@ impl Aggregator {
             self.profile.threads[thread_id as usize].name = thread.name.clone();
         }
         let ids: Vec<u32> = frames.iter().map(|f| self.frame_id(f)).collect();
-        let stacks = &mut self.profile.stacks;
-        let index = *self
-            .stack_ids
-            .entry((thread_id, state, ids.clone()))
-            .or_insert_with(|| {
-                stacks.push(StackCount {
+        let key = (thread_id, state, ids);
+        let index = match self.stack_ids.get(&key) {
+            Some(index) => *index,
+            None => {
+                self.profile.stacks.push(StackCount {
                     thread: thread_id,
                     state,
-                    frames: ids,
+                    frames: key.2.clone(),
                     count: 0,
                 });
-                stacks.len() - 1
-            });
+                let index = self.profile.stacks.len() - 1;
+                self.stack_ids.insert(key, index);
+                index
+            }
+        };
         self.profile.stacks[index].count += n;
         self.profile.samples += n;
     }

@@ -13,7 +13,7 @@ use crate::objects::{
 use crate::process::{find_ruby_binary, read_maps};
 use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 #[path = "spy_threads.rs"]
@@ -74,7 +74,7 @@ struct IseqInfo {
     kind: u32,
     lines: LineTable,
     /// Qualified labels by owner class.
-    qualified: HashMap<u64, Arc<str>>,
+    qualified: FxHashMap<u64, Arc<str>>,
 }
 
 /// What is cached about one method entry, checked against its header on every sample.
@@ -106,17 +106,17 @@ pub struct Spy<M: Memory = ProcessMemory> {
     symbols: Option<SymbolTable>,
     writable: Vec<(u64, u64)>,
     classes: ClassNames,
-    iseqs: HashMap<u64, IseqInfo>,
-    methods: HashMap<u64, MethodInfo>,
+    iseqs: FxHashMap<u64, IseqInfo>,
+    methods: FxHashMap<u64, MethodInfo>,
     /// The thread and execution context seen last, read speculatively in one call.
     last_ec: Option<(u64, u64)>,
     /// Bytes of value stack the last sample of each stack needed, by `vm_stack` address
     /// (see `read_frames`).
-    stack_hints: HashMap<u64, usize>,
+    stack_hints: FxHashMap<u64, usize>,
     /// Environments that escaped to the heap, by `ep` (see `env_slots`).
-    heap_envs: HashMap<u64, Slots>,
+    heap_envs: FxHashMap<u64, Slots>,
     /// Candidate method-entry addresses that turned out to be crefs (not method entries).
-    not_methods: std::collections::HashSet<u64>,
+    not_methods: rustc_hash::FxHashSet<u64>,
     /// When cached iseqs and method entries were last all read again.
     validated_at: Option<std::time::Instant>,
     /// Address of the list of every Ruby thread, and its last reading (spy_threads.rs).
@@ -299,11 +299,11 @@ impl<M: Memory> Spy<M> {
             symbols: symbols.map(SymbolTable::new),
             writable: Vec::new(),
             classes: ClassNames::default(),
-            iseqs: HashMap::new(),
-            methods: HashMap::new(),
+            iseqs: FxHashMap::default(),
+            methods: FxHashMap::default(),
             last_ec: None,
-            stack_hints: HashMap::new(),
-            heap_envs: HashMap::new(),
+            stack_hints: FxHashMap::default(),
+            heap_envs: FxHashMap::default(),
             not_methods: Default::default(),
             validated_at: None,
             thread_list_head: roots.thread_list,
@@ -646,7 +646,7 @@ impl<M: Memory> Spy<M> {
         &mut self,
         frames: &[RawFrame],
         wanted: &[Wanted],
-    ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
+    ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
         let l = self.layout;
         let full = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
         let mut iseq_addrs: Vec<u64> = frames
@@ -810,7 +810,7 @@ impl<M: Memory> Spy<M> {
             is_method: kind == l.iseq_type_method,
             kind,
             lines,
-            qualified: HashMap::new(),
+            qualified: FxHashMap::default(),
         })
     }
 
@@ -876,7 +876,7 @@ impl<M: Memory> Spy<M> {
         &mut self,
         frames: &[RawFrame],
         wanted: Vec<Wanted>,
-        mes: &HashMap<u64, MethodInfo>,
+        mes: &FxHashMap<u64, MethodInfo>,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
         let l = self.layout;
         let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
@@ -946,9 +946,9 @@ impl<M: Memory> Spy<M> {
         &mut self,
         addrs: &[u64],
         bufs: &[Vec<u8>],
-    ) -> std::result::Result<HashMap<u64, MethodInfo>, Attempt> {
+    ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
         let l = self.layout;
-        let mut out = HashMap::new();
+        let mut out = FxHashMap::default();
         for (addr, buf) in addrs.iter().zip(bufs) {
             let mut head = buf.clone();
             let mut imemo = imemo_type(l, word(&head, l.rbasic_flags));

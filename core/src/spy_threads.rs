@@ -6,6 +6,7 @@ use super::{word, Attempt, Frame, Memory, Spy};
 use crate::error::{Error, Result};
 use crate::objects::{is_heap_object, read_string};
 use crate::profile::{ThreadInfo, ThreadState};
+use rustc_hash::FxHashMap;
 use std::time::{Duration, Instant};
 
 /// Most threads followed along the thread list.
@@ -38,7 +39,7 @@ pub(super) struct ThreadList {
     threads: Vec<(u64, ThreadInfo)>,
     read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
-    ecs: std::collections::HashMap<u64, u64>,
+    ecs: FxHashMap<u64, u64>,
 }
 
 impl<M: Memory> Spy<M> {
