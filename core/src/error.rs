@@ -51,7 +51,7 @@ pub enum Error {
         attempts: u32,
         last: String,
     },
-    #[error("process {pid}: {what} at {addr:#x} does not look like a Ruby {what}")]
+    #[error("process {pid}: the {what} at {addr:#x} is not valid Ruby VM data")]
     Corrupt {
         pid: i32,
         what: &'static str,

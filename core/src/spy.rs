@@ -156,7 +156,7 @@ impl Spy<ProcessMemory> {
             .expect("checked by find_ruby_binary");
         let raw = mem
             .read_vec(version_addr, 16)
-            .map_err(|e| memory_error(pid, "reading ruby_version", e))?;
+            .map_err(|e| starting(pid, "ruby_version", e))?;
         let found =
             String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
         let wanted = config
@@ -172,11 +172,15 @@ impl Spy<ProcessMemory> {
             Some(vm_ptr) => {
                 let vm = mem
                     .read_u64(vm_ptr)
-                    .map_err(|e| memory_error(pid, "reading ruby_current_vm_ptr", e))?;
-                check_vm(&mem, layout, vm).ok_or(Error::Corrupt {
+                    .map_err(|e| starting(pid, "ruby_current_vm_ptr", e))?;
+                // A VM that does not validate yet is usually a Ruby still starting up (the
+                // pointer is set before the VM is complete): say so, so callers can retry.
+                check_vm(&mem, layout, vm).ok_or_else(|| Error::NotRuby {
                     pid,
-                    what: "VM (ruby_current_vm_ptr does not validate)",
-                    addr: vm,
+                    detail: format!(
+                        "ruby_current_vm_ptr points at {vm:#x}, which does not validate as a VM \
+                         (Ruby {found} may still be starting: try again; or check force_version)"
+                    ),
                 })?
             }
             None => {
@@ -217,6 +221,21 @@ impl Spy<ProcessMemory> {
         spy.warning = warning;
         spy.writable = binary.writable.clone();
         Ok(spy)
+    }
+}
+
+/// A symbol of libruby that cannot be read while attaching: the mappings are changing,
+/// which happens while a process execs into Ruby or Ruby loads. Reported as "not Ruby (yet)",
+/// the error that says to try again.
+fn starting(pid: i32, symbol: &str, e: MemoryError) -> Error {
+    match e {
+        MemoryError::Unmapped { .. } | MemoryError::Other(_) => Error::NotRuby {
+            pid,
+            detail: format!(
+                "{symbol} is not readable yet ({e}); if the process is still starting, try again"
+            ),
+        },
+        e => memory_error(pid, "reading libruby", e),
     }
 }
 

@@ -10,6 +10,7 @@ module RubySpy
     # @param path [String]
     # @return [RubySpy::Profile]
     # @raise [RubySpy::InvalidProfile] for a truncated, corrupt or foreign file
+    # @raise [ArgumentError] when the file cannot be read at all
     def self.load(path)
       new(NativeProfile.load(path.to_s))
     end

@@ -24,7 +24,7 @@ module RubySpy
       raise TypeError, "rate must be a Numeric, got #{rate.class}" unless rate.is_a?(Numeric)
       raise ArgumentError, "rate must be positive, got #{rate}" unless rate.positive?
       raise ArgumentError, "rate #{rate} Hz is above the maximum of 100000 Hz" if rate > 100_000
-      unless duration.nil? || (duration.is_a?(Numeric) && duration.positive?)
+      unless duration.nil? || (duration.is_a?(Numeric) && duration.positive? && duration.finite?)
         raise ArgumentError, "duration must be a positive number of seconds or nil, got #{duration.inspect}"
       end
       return if %i[all gvl].include?(threads)

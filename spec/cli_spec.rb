@@ -1,0 +1,334 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "json"
+require "open3"
+require "tmpdir"
+
+RSpec.describe "exe/rubyspy" do
+  include RubySpyTest::Recording
+
+  let(:exe) { File.join(RubySpyTest::ROOT, "exe", "rubyspy") }
+
+  # Runs the CLI with the host Ruby; returns [stdout, stderr, Process::Status].
+  def rubyspy(*args, chdir: RubySpyTest::ROOT)
+    Open3.capture3(RbConfig.ruby, exe, *args.map(&:to_s), chdir: chdir)
+  end
+
+  # A pid no process has: a child that has exited and been reaped.
+  def gone_pid
+    pid = Process.spawn("true")
+    Process.wait(pid)
+    pid
+  end
+
+  def monotonic
+    Process.clock_gettime(Process::CLOCK_MONOTONIC)
+  end
+
+  # One line on stderr, no Ruby backtrace.
+  def expect_one_line_error(err)
+    expect(err.lines.size).to eq(1), "stderr:\n#{err}"
+    expect(err).to start_with("rubyspy: ")
+    expect(err).not_to match(/\.rb:\d+:in /)
+  end
+
+  around do |example|
+    Dir.mktmpdir("rbspy-cli-") do |dir|
+      @dir = dir
+      example.run
+    end
+  end
+
+  describe "snapshot" do
+    it "--pid prints the frames RubySpy.snapshot returns, one per line" do
+      target = start_target("nested_methods")
+      out, err, status = rubyspy("snapshot", "--pid", target.pid)
+
+      expect(status.exitstatus).to eq(0), err
+      expect(err).to eq("")
+      expect(out.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
+      expect(out.lines.size).to eq(target.frames.size)
+    end
+
+    it "--threads all prints a Thread header per thread, each followed by its frames" do
+      target = start_target("named_worker")
+      out, err, status = rubyspy("snapshot", "--pid", target.pid, "--threads", "all")
+
+      expect(status.exitstatus).to eq(0), err
+      headers = out.lines.map(&:chomp).grep(/\AThread /)
+      expect(headers.size).to eq(2), out
+      expect(headers).to all(match(/\AThread \d+( \([^)]*\))?( main)?: (running|waiting_for_gvl|blocked)\z/))
+      main_tid = version_at_least?(target.ruby_version, 3, 1) ? target.pid : 0
+      expect(headers).to include("Thread #{main_tid} main: blocked")
+      expect(headers).to include(a_string_matching(/\AThread \d+ \(worker\): running\z/))
+      frames = out.lines.map(&:chomp).reject { |l| l.start_with?("Thread ") }
+      expect(frames).to all(start_with("  "))
+      expect(frames).to include(a_string_matching(method_label_pattern("Crunch", "digest", target.ruby_version)))
+      expect(frames).to include(a_string_including("in 'Kernel#sleep'"))
+    end
+
+    it "--pid of a process that does not exist: exit 1, one line naming the pid" do
+      pid = gone_pid
+      out, err, status = rubyspy("snapshot", "--pid", pid)
+      expect(status.exitstatus).to eq(1)
+      expect(out).to eq("")
+      expect_one_line_error(err)
+      expect(err).to include(pid.to_s)
+    end
+
+    it "without --pid is a usage error" do
+      _, err, status = rubyspy("snapshot")
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+    end
+  end
+
+  describe "record" do
+    it "--pid with --duration, --format collapsed and --output writes parseable folded stacks" do
+      target = start_target("named_worker")
+      output = File.join(@dir, "out.txt")
+      started = monotonic
+      _, err, status = rubyspy("record", "--pid", target.pid, "--rate", 200, "--duration", 1,
+                               "--format", "collapsed", "--output", output)
+      elapsed = monotonic - started
+
+      expect(status.exitstatus).to eq(0), err
+      expect(elapsed).to be_between(1.0, 5.0)
+      expect(File.exist?(output)).to be(true)
+      lines = parse_collapsed(File.read(output))
+      written = err[/wrote (\d+) samples to #{Regexp.escape(output)}/, 1]
+      expect(written).not_to be_nil, err
+      expect(lines.map(&:last).sum).to eq(Integer(written))
+      expect(Integer(written)).to be > 100 # two threads, ~200 ticks
+      expect(lines.map(&:first)).to include(a_string_matching(method_label_pattern("Crunch", "digest", target.ruby_version)))
+      expect(target.health_problems).to eq([])
+    end
+
+    it "--threads gvl --on-cpu --format raw writes a raw profile of the GVL holder only" do
+      target = start_target("named_worker")
+      output = File.join(@dir, "out.raw")
+      _, err, status = rubyspy("record", "--pid", target.pid, "--rate", 300, "--duration", 0.5,
+                               "--threads", "gvl", "--on-cpu", "--format", "raw", "--output", output)
+      expect(status.exitstatus).to eq(0), err
+      profile = RubySpy::Profile.load(output)
+      expect(profile.pid).to eq(target.pid)
+      expect(profile.rate).to eq(300.0)
+      expect(profile.threads.map { |t| t[:name] }).to eq(["worker"])
+      expect(profile.threads.first[:states].keys).to eq(["running"])
+    end
+
+    # Fails about one run in ten while the start-up attach bug below stands (exit 1 with
+    # "VM (ruby_current_vm_ptr does not validate) ..." on stderr).
+    it "-- COMMAND records the command until it exits and writes the profile" do
+      output = File.join(@dir, "command.txt")
+      script = <<~RUBY
+        def rubyspy_cli_hot(seconds)
+          deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + seconds
+          x = 0
+          x += 1 while Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
+          x
+        end
+        rubyspy_cli_hot(1.0)
+      RUBY
+      _, err, status = rubyspy("record", "--rate", 200, "--format", "collapsed", "--output", output,
+                               "--", RbConfig.ruby, "-e", script)
+
+      expect(status.exitstatus).to eq(0), err
+      expect(File.exist?(output)).to be(true), err
+      lines = parse_collapsed(File.read(output))
+      expect(lines.map(&:first)).to include(a_string_including("rubyspy_cli_hot"))
+      expect(lines.map(&:last).sum).to be > 100
+      expect(err).to match(/exited/) # the note about the command's exit
+    end
+
+    # Attaching to a Ruby that is still initialising its VM fails with NotRubyProcess (the
+    # error that says "try again"), never with a corrupt-memory error.
+    it "attaching to a Ruby that is still starting fails only with NotRubyProcess (what -- COMMAND retries)" do
+      other = Hash.new(0)
+      10.times do
+        pid = Process.spawn(RbConfig.ruby, "-e", "sleep 0.3", in: File::NULL)
+        begin
+          loop do
+            RubySpy.attach(pid)
+            break
+          rescue RubySpy::NotRubyProcess
+            next
+          rescue RubySpy::Error => e
+            other[e.class] += 1
+            break
+          end
+        ensure
+          Process.kill(:KILL, pid)
+          Process.wait(pid)
+        end
+      end
+      expect(other).to eq({})
+    end
+
+    it "--subprocesses: exit 2, not implemented" do
+      target = start_target("named_worker")
+      _, err, status = rubyspy("record", "--pid", target.pid, "--subprocesses", "--output", File.join(@dir, "x"))
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+      expect(err).to include("not implemented")
+      expect(File.exist?(File.join(@dir, "x"))).to be(false)
+    end
+
+    it "an unknown --format: exit 2 with one line" do
+      target = start_target("named_worker")
+      _, err, status = rubyspy("record", "--pid", target.pid, "--format", "nope", "--output", File.join(@dir, "x"))
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+      expect(err).to include("nope")
+    end
+
+    it "--pid of a process that does not exist: exit 1, one line naming the pid, no backtrace" do
+      pid = gone_pid
+      output = File.join(@dir, "x.txt")
+      out, err, status = rubyspy("record", "--pid", pid, "--duration", 0.2, "--output", output)
+      expect(status.exitstatus).to eq(1)
+      expect(out).to eq("")
+      expect_one_line_error(err)
+      expect(err).to include(pid.to_s)
+      expect(File.exist?(output)).to be(false)
+    end
+
+    it "--verbose adds the backtrace to an error" do
+      _, err, status = rubyspy("record", "--verbose", "--pid", gone_pid, "--duration", 0.2,
+                               "--output", File.join(@dir, "x.txt"))
+      expect(status.exitstatus).to eq(1)
+      expect(err.lines.size).to be > 1
+      expect(err).to match(/\.rb:\d+:in /)
+    end
+
+    it "an unwritable --output: exit 2 before recording" do
+      target = start_target("named_worker")
+      started = monotonic
+      _, err, status = rubyspy("record", "--pid", target.pid, "--duration", 5, "--output", "/proc/nope/out.txt")
+      expect(status.exitstatus).to eq(2)
+      expect(monotonic - started).to be < 4 # did not record for 5 s first
+      expect_one_line_error(err)
+      expect(err).to include("/proc/nope/out.txt")
+    end
+
+    it "an unwritable --output with -- COMMAND: exit 2 without running the command" do
+      marker = File.join(@dir, "command-ran")
+      started = monotonic
+      _, err, status = rubyspy("record", "--output", "/proc/nope/out.txt", "--",
+                               RbConfig.ruby, "-e", "File.write(ARGV[0], 'ran'); sleep 1", marker)
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+      expect(File.exist?(marker)).to be(false)
+      expect(monotonic - started).to be < 1.5
+    end
+
+    it "neither --pid nor a command, or both: usage errors" do
+      _, err, status = rubyspy("record", "--output", File.join(@dir, "x"))
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+
+      _, err, status = rubyspy("record", "--pid", 1, "--output", File.join(@dir, "x"), "--", "true")
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+    end
+  end
+
+  describe "report" do
+    before(:context) do
+      with_target("named_worker") do |target|
+        @version = target.ruby_version
+        @profile = RubySpy::Recorder.new(target.pid, rate: 300, duration: 0.3).start.wait.stop
+      end
+    end
+
+    def raw_file
+      path = File.join(@dir, "profile.raw")
+      @profile.write(path, format: :raw)
+    end
+
+    it "--input RAW --format speedscope prints valid speedscope JSON" do
+      out, err, status = rubyspy("report", "--input", raw_file, "--format", "speedscope")
+      expect(status.exitstatus).to eq(0), err
+      doc = JSON.parse(out)
+      expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")
+      expect(doc["profiles"].size).to eq(@profile.threads.size)
+      expect(out).to eq(@profile.render(:speedscope))
+    end
+
+    it "--output writes the file; the default format is summary" do
+      output = File.join(@dir, "flame.svg")
+      out, err, status = rubyspy("report", "--input", raw_file, "--format", "flamegraph", "--output", output)
+      expect(status.exitstatus).to eq(0), err
+      expect(out).to eq("")
+      expect(File.read(output)).to include("<svg")
+
+      out, err, status = rubyspy("report", "--input", raw_file)
+      expect(status.exitstatus).to eq(0), err
+      expect(out).to eq(@profile.to_s)
+    end
+
+    it "pprof to stdout is written byte for byte" do
+      out, err, status = Open3.capture3(RbConfig.ruby, exe, "report", "--input", raw_file, "--format", "pprof",
+                                        binmode: true)
+      expect(status.exitstatus).to eq(0), err
+      expect(out.b).to eq(@profile.render(:pprof).b)
+    end
+
+    it "an unknown --format: exit 2 with one line" do
+      _, err, status = rubyspy("report", "--input", raw_file, "--format", "nope")
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+    end
+
+    it "an input that is not a raw profile, or is missing: exit 1 with one line" do
+      collapsed = File.join(@dir, "profile.txt")
+      @profile.write(collapsed, format: :collapsed)
+      [collapsed, File.join(@dir, "missing.raw")].each do |input|
+        out, err, status = rubyspy("report", "--input", input, "--format", "summary")
+        expect(status.exitstatus).to eq(1), "#{input}: #{err}"
+        expect(out).to eq("")
+        expect_one_line_error(err)
+        expect(err).to include(input)
+      end
+    end
+
+    it "an unwritable --output: exit 2" do
+      _, err, status = rubyspy("report", "--input", raw_file, "--output", "/proc/nope/x.txt")
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+    end
+  end
+
+  describe "--help" do
+    it "prints the usage of each command and exits 0" do
+      { "snapshot" => "Usage: rubyspy snapshot", "record" => "Usage: rubyspy record",
+        "report" => "Usage: rubyspy report" }.each do |command, usage|
+        %w[--help -h].each do |flag|
+          out, err, status = rubyspy(command, flag)
+          expect(status.exitstatus).to eq(0), "#{command} #{flag}: #{err}"
+          expect(err).to eq("")
+          expect(out).to start_with(usage)
+        end
+      end
+      out, err, status = rubyspy("record", "--help")
+      expect(out).to include("--rate", "--duration", "--format", "--output", "--threads", "--on-cpu", "--subprocesses")
+      expect([err, status.exitstatus]).to eq(["", 0])
+    end
+
+    it "with no command or --help prints the command list" do
+      [[], ["--help"], ["help"]].each do |args|
+        out, err, status = rubyspy(*args)
+        expect(status.exitstatus).to eq(0), err
+        expect(out).to include("snapshot", "record", "report")
+      end
+    end
+
+    it "an unknown command: exit 2 with one line" do
+      _, err, status = rubyspy("frobnicate")
+      expect(status.exitstatus).to eq(2)
+      expect_one_line_error(err)
+    end
+  end
+end

@@ -1,0 +1,435 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "json"
+require "tmpdir"
+require "zlib"
+
+# Spun by the self-profiling example: a name found nowhere else, so its label in the profile
+# can only come from this process's own stack.
+module RecorderSpecSelfProfile
+  def self.spin_for_rubyspy_self_profile(seconds)
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + seconds
+    iterations = 0
+    iterations += 1 while Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
+    iterations
+  end
+end
+
+RSpec.describe RubySpy::Recorder do
+  include RubySpyTest::Recording
+
+  def states_of(profile, &select)
+    profile.threads.select(&select).map { |t| t[:states] }
+  end
+
+  def total(states)
+    states.values.sum
+  end
+
+  # The sampler's native thread is named "rbspy_ext sampler" (comm keeps 15 bytes).
+  let(:sampler_comm) { "rbspy_ext sampl" }
+
+  describe "recording all threads of a process with a busy named thread and a sleeping main" do
+    it "sees both threads with their names, main flags, states and tids, at the requested rate" do
+      target = start_target("named_worker")
+      profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 1, threads: :all).start.wait.stop
+
+      expect(profile.pid).to eq(target.pid)
+      expect(profile.ruby_version).to eq(target.ruby_version)
+      expect(profile.rate).to eq(400.0)
+      expect(profile.duration).to be_between(0.95, 1.3)
+      expect(profile.threads.size).to eq(2), "threads: #{profile.threads.inspect}"
+
+      main = profile.threads.find { |t| t[:main] }
+      worker = profile.threads.find { |t| t[:name] == "worker" }
+      expect(main).not_to be_nil, "no main thread in #{profile.threads.inspect}"
+      expect(worker).not_to be_nil, "no thread named worker in #{profile.threads.inspect}"
+      expect(main[:name]).to be_nil
+      expect(worker[:main]).to be(false)
+      expect(profile.threads.map { |t| t[:pid] }).to all(eq(target.pid))
+
+      # The main thread sleeps for the whole recording; the worker holds the GVL throughout.
+      expect(main[:states].keys).to eq(["blocked"]), "main: #{main[:states].inspect}"
+      expect(main[:states]["blocked"]).to be > 0
+      expect(worker[:states]["running"].to_i).to be >= 0.9 * total(worker[:states]),
+                                                  "worker: #{worker[:states].inspect}"
+
+      if version_at_least?(target.ruby_version, 3, 1)
+        expect(main[:tid]).to eq(target.pid)
+        expect(worker[:tid]).to be > 0
+        expect(worker[:tid]).not_to eq(target.pid)
+        # Written by the worker itself when the target can see /proc (not in a chroot).
+        expect(worker[:tid]).to eq(target.info["worker_tid"]) if target.info["worker_tid"]
+      else
+        expect([main[:tid], worker[:tid]]).to eq([0, 0]) # Ruby < 3.1 does not record it
+      end
+
+      summary = profile.to_s
+      expect(summary).to eq(profile.render(:summary))
+      expect(summary).to match(method_label_pattern("Crunch", "digest", target.ruby_version))
+
+      expected_ticks = profile.rate * profile.duration
+      expect(profile.ticks).to be_between(0.7 * expected_ticks, 1.3 * expected_ticks),
+                               "#{profile.ticks} ticks in #{profile.duration} s at #{profile.rate} Hz"
+      # Every tick samples both threads (less the dropped ones).
+      expect(profile.samples).to eq(profile.threads.sum { |t| total(t[:states]) })
+      expect(profile.samples).to be <= 2 * profile.ticks
+      expect(profile.errors.values.sum).to be < 0.05 * profile.ticks, "errors: #{profile.errors.inspect}"
+      expect(target.health_problems).to eq([])
+    end
+
+    it "with threads: :gvl keeps only the thread holding the GVL" do
+      target = start_target("named_worker")
+      profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 0.5, threads: :gvl).start.wait.stop
+
+      expect(profile.samples).to be > 0
+      expect(profile.threads.map { |t| t[:name] }).to eq(["worker"])
+      expect(profile.threads.map { |t| t[:main] }).to eq([false])
+      expect(profile.threads.first[:states].keys).to eq(["running"])
+      expect(profile.samples).to be <= profile.ticks # at most one GVL holder per tick
+      expect(profile.render(:collapsed)).not_to include("Kernel#sleep")
+    end
+
+    it "with on_cpu: true keeps only running samples (no waiting_for_gvl, no blocked)" do
+      target = start_target("gvl_contention")
+      profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 0.5, on_cpu: true).start.wait.stop
+
+      expect(profile.samples).to be > 0
+      expect(profile.threads.map { |t| t[:main] }).to all(be(false))
+      expect(profile.threads.flat_map { |t| t[:states].keys }.uniq).to eq(["running"]),
+                                                                       profile.threads.inspect
+      expect(profile.samples).to be <= profile.ticks
+      expect(profile.threads.map { |t| t[:name] } - %w[spinner-a spinner-b]).to eq([])
+    end
+  end
+
+  describe "two CPU-bound threads competing for the GVL" do
+    it "records each of them both running and waiting for the GVL" do
+      target = start_target("gvl_contention")
+      profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 1).start.wait.stop
+
+      spinners = profile.threads.reject { |t| t[:main] }
+      expect(spinners.map { |t| t[:name] }.sort).to eq(%w[spinner-a spinner-b])
+      main = profile.threads.find { |t| t[:main] }
+      expect(main[:states].keys).to eq(["blocked"])
+
+      spinner_samples = spinners.sum { |t| total(t[:states]) }
+      waiting = spinners.sum { |t| t[:states]["waiting_for_gvl"].to_i }
+      running = spinners.sum { |t| t[:states]["running"].to_i }
+      expect(waiting).to be >= 0.1 * spinner_samples, spinners.inspect
+      spinners.each do |t|
+        expect(t[:states]["running"].to_i).to be > 0, t.inspect
+      end
+      expect(running).to be <= profile.ticks # one GVL, one holder per tick
+      expect(profile.errors.values.sum).to be < 0.05 * profile.ticks, "errors: #{profile.errors.inspect}"
+    end
+  end
+
+  describe "RubySpy.record on the calling process" do
+    it "profiles the block's own work without stopping this process" do
+      iterations = nil
+      started = Process.clock_gettime(Process::CLOCK_MONOTONIC)
+      profile = RubySpy.record(Process.pid, rate: 500) do
+        iterations = RecorderSpecSelfProfile.spin_for_rubyspy_self_profile(0.5)
+      end
+      elapsed = Process.clock_gettime(Process::CLOCK_MONOTONIC) - started
+
+      expect(iterations).to be > 1000 # the block ran to its end
+      expect(elapsed).to be_between(0.5, 2.0)
+      expect(profile.pid).to eq(Process.pid)
+      expect(profile.samples).to be > 0.5 * 500 * 0.5
+      collapsed = profile.render(:collapsed)
+      expect(collapsed).to include("RecorderSpecSelfProfile.spin_for_rubyspy_self_profile")
+      main = profile.threads.find { |t| t[:main] }
+      expect(main[:tid]).to eq(Process.pid)
+      expect(main[:states]["running"].to_i).to be > 0.8 * total(main[:states])
+      # The sampler thread is gone once the profile is returned.
+      expect(own_thread_names).not_to include(sampler_comm)
+    end
+
+    it "stops the recording and re-raises when the block raises" do
+      expect do
+        RubySpy.record(Process.pid, rate: 200) { raise IOError, "from the block" }
+      end.to raise_error(IOError, "from the block")
+      expect(own_thread_names).not_to include(sampler_comm)
+    end
+
+    it "records for duration: without a block" do
+      target = start_target("named_worker")
+      profile = RubySpy.record(target.pid, rate: 300, duration: 0.3)
+      expect(profile.duration).to be_between(0.28, 0.8)
+      expect(profile.samples).to be > 0
+    end
+  end
+
+  describe "a target that exits while it is recorded" do
+    it "ends the recording by itself and keeps the samples taken" do
+      target = start_target("exits_soon", "0.3")
+      recorder = RubySpy::Recorder.new(target.pid, rate: 400).start # no duration
+      expect(recorder.running?).to be(true)
+
+      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
+      sleep 0.01 while recorder.running? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
+      expect(recorder.running?).to be(false)
+      progress = recorder.progress
+
+      profile = recorder.stop
+      expect(profile.samples).to be > 0
+      expect(profile.samples).to be >= progress[:samples]
+      expect(profile.duration).to be_between(0.1, 2.0)
+      expect(profile.notes.join("\n")).to match(/process #{target.pid} exited/)
+      expect(profile.render(:collapsed)).to match(method_label_pattern("Burner", "burn", target.ruby_version))
+      expect(profile.threads.map { |t| t[:main] }).to eq([true])
+      expect(target.alive?).to be(false)
+    end
+  end
+
+  describe "output formats" do
+    before(:context) do
+      with_target("named_worker") do |target|
+        @version = target.ruby_version
+        @pid = target.pid
+        @profile = RubySpy::Recorder.new(target.pid, rate: 300, duration: 0.5).start.wait.stop
+      end
+    end
+
+    around do |example|
+      Dir.mktmpdir("rbspy-formats-") do |dir|
+        @dir = dir
+        example.run
+      end
+    end
+
+    let(:profile) { @profile }
+    let(:digest) { method_label_pattern("Crunch", "digest", @version) }
+
+    def write(format)
+      path = File.join(@dir, "profile.#{format}")
+      expect(profile.write(path, format: format)).to eq(path)
+      expect(File.binread(path)).to eq(profile.render(format).b)
+      path
+    end
+
+    it "lists the eight formats" do
+      expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines raw])
+    end
+
+    it "speedscope: JSON with the schema, one profile per thread, frames naming the worker method" do
+      doc = JSON.parse(File.read(write(:speedscope)))
+      expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")
+      expect(doc["profiles"].size).to eq(profile.threads.size)
+      expect(doc["profiles"].map { |p| p["type"] }).to all(eq("sampled"))
+      expect(doc["profiles"].map { |p| p["name"] }).to include(a_string_including("worker"))
+      frame_names = doc["shared"]["frames"].map { |f| f["name"] }
+      expect(frame_names).to include(a_string_matching(digest))
+      doc["profiles"].each do |p|
+        expect(p["samples"].size).to eq(p["weights"].size)
+        expect(p["samples"].flatten).to all(be_between(0, frame_names.size - 1))
+      end
+    end
+
+    it "collapsed: folded stacks whose counts add up to the samples" do
+      lines = parse_collapsed(File.read(write(:collapsed)))
+      expect(lines.map(&:last).sum).to eq(profile.samples)
+      expect(lines.map(&:first)).to include(a_string_matching(digest))
+      expect(lines.map(&:first)).to include(a_string_including("Kernel#sleep"))
+    end
+
+    it "raw: Profile.load gives back the same profile" do
+      loaded = RubySpy::Profile.load(write(:raw))
+      expect(loaded.samples).to eq(profile.samples)
+      expect(loaded.ticks).to eq(profile.ticks)
+      expect(loaded.duration).to eq(profile.duration)
+      expect(loaded.pid).to eq(profile.pid)
+      expect(loaded.ruby_version).to eq(profile.ruby_version)
+      expect(loaded.rate).to eq(profile.rate)
+      expect(loaded.errors).to eq(profile.errors)
+      expect(loaded.notes).to eq(profile.notes)
+      expect(loaded.threads).to eq(profile.threads)
+      expect(loaded.render(:collapsed)).to eq(profile.render(:collapsed))
+      expect(loaded.render(:summary)).to eq(profile.render(:summary))
+    end
+
+    it "raw: also loads gzipped" do
+      raw = File.binread(write(:raw))
+      gz = File.join(@dir, "profile.raw.gz")
+      File.binwrite(gz, Zlib.gzip(raw))
+      expect(RubySpy::Profile.load(gz).render(:collapsed)).to eq(profile.render(:collapsed))
+    end
+
+    it "summary: a header with the pid and threads, then the top functions" do
+      text = File.read(write(:summary))
+      expect(text).to start_with("rbspy_ext profile of pid #{@pid} (Ruby #{@version})")
+      expect(text).to include("Threads: 2")
+      expect(text).to match(/Thread (\d+|0x\h+) \(worker\)/) # tid, or the thread address when unknown
+      expect(text).to include("functions by self samples", "functions by total samples")
+      expect(text).to match(digest)
+      expect(text).to eq(profile.to_s)
+    end
+
+    it "lines: the summary followed by the top source lines" do
+      text = File.read(write(:lines))
+      expect(text).to start_with(profile.to_s)
+      expect(text).to include("source lines by self samples")
+      worker_lines = (fixture_line("named_worker", "spin-start")..fixture_line("named_worker", "spin-end"))
+      listed = text.scan(%r{spec/fixtures/named_worker\.rb:(\d+) }).flatten.map(&:to_i)
+      expect(listed & worker_lines.to_a).not_to be_empty, text
+    end
+
+    it "pprof: a gzipped, well-formed protobuf naming the worker method" do
+      data = File.binread(write(:pprof))
+      expect(data.byteslice(0, 2).bytes).to eq([0x1f, 0x8b])
+      proto = Zlib.gunzip(data)
+      expect(proto.bytesize).to be > 0
+      fields = RubySpyTest::Recording::ProtobufWire.fields(proto)
+      strings = fields.select { |n, t, _| n == 6 && t == 2 }.map { |_, _, v| v.force_encoding("UTF-8") }
+      expect(strings.first).to eq("") # string_table[0] is always ""
+      expect(strings).to include("samples", "count")
+      expect(strings).to include(a_string_matching(digest))
+      expect(fields.count { |n, _, _| n == 2 }).to be > 0 # samples
+      expect(fields.count { |n, _, _| n == 5 }).to be > 0 # functions
+    end
+
+    it "flamegraph: an SVG naming the worker method" do
+      svg = File.read(write(:flamegraph))
+      expect(svg).to include("<svg")
+      expect(svg.rstrip).to end_with("</svg>")
+      expect(svg).to match(digest)
+    end
+
+    it "callgrind: a callgrind.out file that callgrind_annotate reads" do
+      path = write(:callgrind)
+      text = File.read(path)
+      expect(text).to match(/^events: Samples$/)
+      expect(text).to match(/^fn=\(\d+\) .*digest/)
+      annotate = ENV.fetch("PATH", "").split(File::PATH_SEPARATOR)
+                    .map { |d| File.join(d, "callgrind_annotate") }.find { |f| File.executable?(f) }
+      next unless annotate
+
+      out = IO.popen([annotate, path], chdir: RubySpyTest::ROOT, err: %i[child out], &:read)
+      expect($?.exitstatus).to eq(0), out
+      expect(out).to match(digest)
+    end
+  end
+
+  describe "bad input" do
+    it "rejects bad options with ArgumentError or TypeError before any work" do
+      [
+        [{ rate: 0 }, ArgumentError, /rate/],
+        [{ rate: -1 }, ArgumentError, /rate/],
+        [{ rate: 100_001 }, ArgumentError, /100000/],
+        [{ rate: Float::NAN }, ArgumentError, /rate/],
+        [{ rate: "fast" }, TypeError, /rate/],
+        [{ duration: -1 }, ArgumentError, /duration/],
+        [{ duration: 0 }, ArgumentError, /duration/],
+        [{ threads: :some }, ArgumentError, /threads/],
+      ].each do |options, error, message|
+        expect { RubySpy::Recorder.new(Process.pid, **options) }.to raise_error(error, message), options.inspect
+        ran = false
+        expect { RubySpy.record(Process.pid, **options) { ran = true } }.to raise_error(error, message)
+        expect(ran).to be(false), "the block ran with #{options.inspect}"
+      end
+      expect(own_thread_names).not_to include(sampler_comm)
+    end
+
+    it "rejects a bad pid" do
+      expect { RubySpy::Recorder.new("1") }.to raise_error(TypeError)
+      expect { RubySpy::Recorder.new(0) }.to raise_error(ArgumentError)
+      expect { RubySpy::Recorder.new(-5) }.to raise_error(ArgumentError)
+    end
+
+    it "needs a block or a duration" do
+      expect { RubySpy.record(Process.pid) }.to raise_error(ArgumentError, /block or duration/)
+      expect { RubySpy.record(Process.pid, rate: 200) }.to raise_error(ArgumentError)
+    end
+
+    it "refuses to start twice, to stop before starting, and to stop twice" do
+      target = start_target("named_worker")
+      expect { RubySpy::Recorder.new(target.pid).stop }.to raise_error(RubySpy::Error, /not started/)
+
+      recorder = RubySpy::Recorder.new(target.pid, rate: 200).start
+      expect { recorder.start }.to raise_error(RubySpy::Error, /already started/)
+      expect(recorder.stop).to be_a(RubySpy::Profile)
+      expect(recorder.running?).to be(false)
+      expect { recorder.stop }.to raise_error(StandardError, /already stopped/)
+    end
+
+    it "raises NotRubyProcess at #start for a process that is not Ruby" do
+      pid = Process.spawn("sleep", "100")
+      begin
+        # Until exec, the child is a copy of this (Ruby) process.
+        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
+        until (File.readlink("/proc/#{pid}/exe") rescue "").end_with?("/sleep")
+          raise "sleep did not start" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+
+          sleep 0.01
+        end
+        recorder = RubySpy::Recorder.new(pid, rate: 200) # nothing is read yet
+        expect { recorder.start }.to raise_error(RubySpy::NotRubyProcess, /#{pid}/)
+        expect(recorder.running?).to be(false)
+      ensure
+        Process.kill(:KILL, pid)
+        Process.wait(pid)
+      end
+    end
+
+    it "raises NoSuchProcess at #start for a pid that is gone" do
+      pid = Process.spawn("true")
+      Process.wait(pid)
+      expect { RubySpy::Recorder.new(pid).start }.to raise_error(RubySpy::NoSuchProcess, /#{pid}/)
+    end
+
+    context "with a recorded profile" do
+      before(:context) do
+        with_target("named_worker") do |target|
+          @profile = RubySpy.record(target.pid, rate: 300, duration: 0.3)
+        end
+      end
+
+      around do |example|
+        Dir.mktmpdir("rbspy-bad-") do |dir|
+          @dir = dir
+          example.run
+        end
+      end
+
+      it "render of an unknown format raises ArgumentError listing the valid ones" do
+        expect { @profile.render(:nope) }.to raise_error(ArgumentError) do |e|
+          expect(e.message).to include("nope")
+          RubySpy::Profile::FORMATS.each { |f| expect(e.message).to include(f.to_s) }
+        end
+        expect { @profile.write(File.join(@dir, "x"), format: "nope") }.to raise_error(ArgumentError)
+        expect(File.exist?(File.join(@dir, "x"))).to be(false)
+      end
+
+      it "write to an unwritable path raises SystemCallError" do
+        expect { @profile.write("/proc/nope/x", format: :collapsed) }.to raise_error(SystemCallError)
+        expect { @profile.write(@dir, format: :collapsed) }.to raise_error(SystemCallError) # a directory
+      end
+
+      it "Profile.load rejects a truncated raw file, another format, and garbage" do
+        raw = @profile.render(:raw)
+        cases = {
+          "truncated.raw" => raw.byteslice(0, raw.bytesize / 2),
+          "header-only.raw" => raw.lines.first,
+          "empty.raw" => "",
+          "collapsed.txt" => @profile.render(:collapsed),
+          "speedscope.json" => @profile.render(:speedscope),
+          "truncated.raw.gz" => Zlib.gzip(raw).byteslice(0, 40),
+        }
+        cases.each do |name, content|
+          path = File.join(@dir, name)
+          File.binwrite(path, content)
+          expect { RubySpy::Profile.load(path) }.to raise_error(RubySpy::InvalidProfile, /#{Regexp.escape(path)}/), name
+        end
+      end
+
+      it "Profile.load of a missing file raises ArgumentError naming it" do
+        path = File.join(@dir, "missing.raw")
+        expect { RubySpy::Profile.load(path) }.to raise_error(ArgumentError, /#{Regexp.escape(path)}/)
+      end
+    end
+  end
+end

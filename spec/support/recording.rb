@@ -1,0 +1,102 @@
+# frozen_string_literal: true
+
+module RubySpyTest
+  # Helpers for the recorder and CLI specs.
+  module Recording
+    module_function
+
+    # Compares "MAJOR.MINOR[.PATCH]" versions: version_at_least?("3.1.2", 3, 1) => true.
+    def version_at_least?(version, major, minor)
+      (version.to_s.split(".").first(2).map(&:to_i) <=> [major, minor]) >= 0
+    end
+
+    # The label RubySpy gives an instance method +name+ of class +klass+ in a profile of a
+    # process running Ruby +version+. RubySpy qualifies labels itself on Ruby < 3.4 and
+    # Ruby >= 3.4 does it natively, so "Klass#name" on every version except 3.2.
+    def method_label_pattern(klass, name, version)
+      if version.to_s.start_with?("3.2.")
+        /(?:\b#{Regexp.escape(klass)}#)?#{Regexp.escape(name)}\b/
+      else
+        /\b#{Regexp.escape("#{klass}##{name}")}\b/
+      end
+    end
+
+    # Folded stacks text -> [[stack, count], ...]; raises on a line that does not parse.
+    def parse_collapsed(text)
+      text.each_line.map do |line|
+        m = /\A(.+) (\d+)\n?\z/.match(line) or raise ArgumentError, "not a collapsed line: #{line.inspect}"
+        [m[1], Integer(m[2])]
+      end
+    end
+
+    # Names of the native threads of the calling process (/proc/self/task/*/comm).
+    def own_thread_names
+      Dir.glob("/proc/self/task/*/comm").map do |path|
+        File.read(path).chomp
+      rescue SystemCallError
+        nil
+      end.compact
+    end
+
+    # A minimal protocol buffers wire-format reader: enough to check that bytes are a
+    # well-formed message and to pull out its fields without a .proto compiler.
+    module ProtobufWire
+      module_function
+
+      # [[field_number, wire_type, value], ...] for the top level of +bytes+. Value is an
+      # Integer for varint/fixed fields and a binary String for length-delimited ones.
+      # Raises ArgumentError when the bytes are not a well-formed message.
+      def fields(bytes)
+        bytes = bytes.b
+        pos = 0
+        out = []
+        while pos < bytes.bytesize
+          key, pos = varint(bytes, pos)
+          number = key >> 3
+          type = key & 7
+          raise ArgumentError, "field number 0 at byte #{pos}" if number.zero?
+
+          case type
+          when 0
+            value, pos = varint(bytes, pos)
+          when 1
+            raise ArgumentError, "fixed64 cut short" if pos + 8 > bytes.bytesize
+
+            value = bytes.byteslice(pos, 8).unpack1("Q<")
+            pos += 8
+          when 2
+            len, pos = varint(bytes, pos)
+            raise ArgumentError, "length #{len} runs past the end" if pos + len > bytes.bytesize
+
+            value = bytes.byteslice(pos, len)
+            pos += len
+          when 5
+            raise ArgumentError, "fixed32 cut short" if pos + 4 > bytes.bytesize
+
+            value = bytes.byteslice(pos, 4).unpack1("L<")
+            pos += 4
+          else
+            raise ArgumentError, "wire type #{type} at byte #{pos}"
+          end
+          out << [number, type, value]
+        end
+        out
+      end
+
+      def varint(bytes, pos)
+        value = 0
+        shift = 0
+        loop do
+          raise ArgumentError, "varint cut short" if pos >= bytes.bytesize
+          raise ArgumentError, "varint too long" if shift > 63
+
+          byte = bytes.getbyte(pos)
+          pos += 1
+          value |= (byte & 0x7f) << shift
+          shift += 7
+          return [value, pos] if byte < 0x80
+        end
+      end
+    end
+  end
+end
