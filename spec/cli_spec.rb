@@ -167,13 +167,13 @@ RSpec.describe "exe/rubyspy" do
       expect(other).to eq({})
     end
 
-    it "--subprocesses: exit 2, not implemented" do
-      target = start_target("named_worker")
-      _, err, status = rubyspy("record", "--pid", target.pid, "--subprocesses", "--output", File.join(@dir, "x"))
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
-      expect(err).to include("not implemented")
-      expect(File.exist?(File.join(@dir, "x"))).to be(false)
+    it "--subprocesses records the target's Ruby children too" do
+      target = start_target("preforking", "0.2")
+      output = File.join(@dir, "tree.txt")
+      _, err, status = rubyspy("record", "--pid", target.pid, "--subprocesses", "--rate", 200,
+                               "--duration", 1.2, "--format", "collapsed", "--output", output)
+      expect(status.exitstatus).to eq(0), err
+      expect(File.read(output)).to include("first_child_work").and include("second_child_work")
     end
 
     it "an unknown --format: exit 2 with one line" do

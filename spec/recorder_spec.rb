@@ -432,4 +432,24 @@ RSpec.describe RubySpy::Recorder do
       end
     end
   end
+
+  describe "subprocesses" do
+    it "records the target's Ruby children too, including one forked during the recording" do
+      target = start_target("preforking", "0.8")
+      profile = RubySpy.record(target.pid, rate: 200, duration: 2.2, subprocesses: true)
+      pids = profile.threads.map { |t| t[:pid] }.uniq
+      expect(pids.size).to eq(3), "threads: #{profile.threads.inspect}\nnotes: #{profile.notes}"
+      expect(pids).to include(target.pid, target.info["first_child"])
+      collapsed = profile.render(:collapsed)
+      expect(collapsed).to include("first_child_work").and include("second_child_work")
+      expect(profile.notes.grep(/child process \d+ \(Ruby/).size).to eq(2)
+    end
+
+    it "records only the target without subprocesses: true" do
+      target = start_target("preforking", "0.1")
+      profile = RubySpy.record(target.pid, rate: 200, duration: 0.6)
+      expect(profile.threads.map { |t| t[:pid] }.uniq).to eq([target.pid])
+      expect(profile.render(:collapsed)).not_to include("child_work")
+    end
+  end
 end

@@ -22,6 +22,9 @@ pub struct RecordConfig {
     pub threads: ThreadSelection,
     /// Keep only samples of threads that hold the GVL.
     pub on_cpu: bool,
+    /// Also record Ruby processes descending from the target (preforking servers); new
+    /// ones are picked up within `SCAN_EVERY`.
+    pub subprocesses: bool,
     pub spy: Config,
 }
 
@@ -32,6 +35,7 @@ impl Default for RecordConfig {
             duration: None,
             threads: ThreadSelection::All,
             on_cpu: false,
+            subprocesses: false,
             spy: Config::default(),
         }
     }
@@ -94,6 +98,9 @@ pub struct Progress {
     pub ticks: u64,
     pub samples: u64,
     pub finished: bool,
+    /// The functions most often on top of a stack so far (label, samples), refreshed
+    /// every half second.
+    pub top: Vec<(String, u64)>,
 }
 
 /// A recording in progress. Dropping it stops the sampler thread.
@@ -164,6 +171,109 @@ fn unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
+/// How often the process tree is scanned for new Ruby children, and the live top list of
+/// `Progress` refreshed.
+const SCAN_EVERY: Duration = Duration::from_millis(500);
+/// A child that is not (yet) Ruby is tried this many times (it may still be exec'ing).
+const CHILD_ATTEMPTS: u32 = 6;
+
+/// Samples one process into the aggregator. Err only when the process is gone.
+fn sample_into<M: Memory>(
+    spy: &mut Spy<M>,
+    config: &RecordConfig,
+    agg: &mut Aggregator,
+) -> Result<()> {
+    match spy.sample_threads(config.threads) {
+        Ok((threads, dropped)) => {
+            for t in threads {
+                if config.on_cpu && t.state != ThreadState::Running {
+                    continue;
+                }
+                agg.add(&t.info, t.state, &t.frames);
+            }
+            for reason in dropped {
+                agg.error(reason);
+            }
+            Ok(())
+        }
+        Err(e @ (Error::ProcessExited { .. } | Error::NoSuchProcess { .. })) => Err(e),
+        Err(Error::StackChanged { .. }) => {
+            agg.error("thread list changed");
+            Ok(())
+        }
+        Err(e) => {
+            agg.error("read failed");
+            agg.note(format!("a sample of process {} failed: {e}", spy.pid()));
+            Ok(())
+        }
+    }
+}
+
+/// Every descendant of `root`, from the parent pids in /proc/*/stat.
+pub fn descendants(root: i32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut parents: Vec<(i32, i32)> = Vec::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The command name may contain spaces and parentheses: fields follow the last ')'.
+        let ppid = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
+            .and_then(|p| p.parse().ok());
+        if let Some(ppid) = ppid {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// The 10 functions seen most often at the top of a stack so far.
+fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
+    let mut by_frame: rustc_hash::FxHashMap<u32, u64> = Default::default();
+    for s in &profile.stacks {
+        if let Some(leaf) = s.frames.first() {
+            *by_frame.entry(*leaf).or_insert(0) += s.count;
+        }
+    }
+    let mut by_label: rustc_hash::FxHashMap<&str, u64> = Default::default();
+    for (frame, n) in by_frame {
+        *by_label
+            .entry(&profile.frames[frame as usize].label)
+            .or_insert(0) += n;
+    }
+    let mut top: Vec<(String, u64)> = by_label
+        .into_iter()
+        .map(|(l, n)| (l.to_string(), n))
+        .collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    top.truncate(10);
+    top
+}
+
 fn run<M: Memory>(
     mut spy: Spy<M>,
     config: RecordConfig,
@@ -178,6 +288,11 @@ fn run<M: Memory>(
     let started = Instant::now();
     let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
     let mut next = started;
+    // Ruby child processes (subprocesses: true), and children found not to be Ruby.
+    let mut children: Vec<Spy> = Vec::new();
+    let mut not_ruby: rustc_hash::FxHashMap<i32, u32> = Default::default();
+    let mut last_scan: Option<Instant> = None;
+    let mut child_calls = 0u64;
     loop {
         if stop.load(Ordering::Relaxed) {
             break;
@@ -188,6 +303,33 @@ fn run<M: Memory>(
                 break;
             }
         }
+        if last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
+            last_scan = Some(Instant::now());
+            if config.subprocesses {
+                for child in descendants(pid) {
+                    let tries = not_ruby.get(&child).copied().unwrap_or(0);
+                    if tries >= CHILD_ATTEMPTS || children.iter().any(|c| c.pid() == child) {
+                        continue;
+                    }
+                    match Spy::attach_with(child, &config.spy) {
+                        Ok(c) => {
+                            agg.note(format!(
+                                "child process {child} (Ruby {}) recorded from {:.1} s",
+                                c.version(),
+                                started.elapsed().as_secs_f64()
+                            ));
+                            children.push(c);
+                        }
+                        Err(_) => {
+                            not_ruby.insert(child, tries + 1);
+                        }
+                    }
+                }
+            }
+            if let Ok(mut p) = progress.lock() {
+                p.top = top_functions(agg.profile());
+            }
+        }
         if next > now {
             std::thread::sleep(next - now);
         } else if now.duration_since(next) > Duration::from_millis(100) {
@@ -196,31 +338,25 @@ fn run<M: Memory>(
         }
         next += timer.next_interval();
         agg.tick();
-        match spy.sample_threads(config.threads) {
-            Ok((threads, dropped)) => {
-                for t in threads {
-                    if config.on_cpu && t.state != ThreadState::Running {
-                        continue;
-                    }
-                    agg.add(&t.info, t.state, &t.frames);
-                }
-                for reason in dropped {
-                    agg.error(reason);
-                }
-            }
-            Err(Error::ProcessExited { .. }) | Err(Error::NoSuchProcess { .. }) => {
-                agg.note(format!(
-                    "process {pid} exited after {:.1} s; the samples taken until then are kept",
-                    started.elapsed().as_secs_f64()
-                ));
-                break;
-            }
-            Err(Error::StackChanged { .. }) => agg.error("thread list changed"),
-            Err(e) => {
-                agg.error("read failed");
-                agg.note(format!("a sample failed: {e}"));
-            }
+        if sample_into(&mut spy, &config, &mut agg).is_err() {
+            agg.note(format!(
+                "process {pid} exited after {:.1} s; the samples taken until then are kept",
+                started.elapsed().as_secs_f64()
+            ));
+            break;
         }
+        children.retain_mut(|child| {
+            if sample_into(child, &config, &mut agg).is_ok() {
+                return true;
+            }
+            child_calls += child.memory().calls();
+            agg.note(format!(
+                "child process {} exited after {:.1} s",
+                child.pid(),
+                started.elapsed().as_secs_f64()
+            ));
+            false
+        });
         if let Ok(mut p) = progress.lock() {
             let prof = agg.profile();
             p.elapsed = started.elapsed();
@@ -231,7 +367,8 @@ fn run<M: Memory>(
     if let Ok(mut p) = progress.lock() {
         p.finished = true;
     }
-    agg.set_cost(thread_cpu_ns(), spy.memory().calls());
+    child_calls += children.iter().map(|c| c.memory().calls()).sum::<u64>();
+    agg.set_cost(thread_cpu_ns(), spy.memory().calls() + child_calls);
     agg.finish(started.elapsed().as_nanos() as u64)
 }
 

@@ -8,11 +8,14 @@ module RubySpy
   # @!attribute threads [Symbol] +:all+ (every Ruby thread, the default) or +:gvl+ (only
   #   the thread holding the GVL)
   # @!attribute on_cpu [Boolean] keep only samples of threads that hold the GVL
+  # @!attribute subprocesses [Boolean] also record Ruby processes descending from the
+  #   target (preforking servers); new ones are picked up within half a second
   # @!attribute force_version [String, nil] Ruby version whose layout to use
-  RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :force_version,
+  RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :subprocesses, :force_version,
                              keyword_init: true) do
     # @raise [ArgumentError, TypeError] for an option that cannot be honoured
-    def initialize(rate: 99, duration: nil, threads: :all, on_cpu: false, force_version: nil)
+    def initialize(rate: 99, duration: nil, threads: :all, on_cpu: false, subprocesses: false,
+                   force_version: nil)
       super
       validate!
       freeze
@@ -65,7 +68,8 @@ module RubySpy
 
       o = options
       @native = NativeRecorder.start(pid, o.rate.to_f, o.duration&.to_f, o.threads == :gvl,
-                                     o.on_cpu ? true : false, o.force_version)
+                                     o.on_cpu ? true : false, o.subprocesses ? true : false,
+                                     o.force_version)
       self
     end
 
@@ -75,10 +79,12 @@ module RubySpy
       !@native.nil? && !@native.progress[3]
     end
 
-    # @return [Hash] +:elapsed+ seconds, +:ticks+ attempted, +:samples+ taken so far
+    # @return [Hash] +:elapsed+ seconds, +:ticks+ attempted, +:samples+ taken so far, and
+    #   +:top+, the 10 functions most often on top of a stack (+[label, samples]+ pairs,
+    #   refreshed every half second)
     def progress
-      elapsed, ticks, samples, = @native ? @native.progress : [0.0, 0, 0, true]
-      { elapsed: elapsed, ticks: ticks, samples: samples }
+      elapsed, ticks, samples, _finished, top = @native ? @native.progress : [0.0, 0, 0, true, []]
+      { elapsed: elapsed, ticks: ticks, samples: samples, top: top }
     end
 
     # Waits until the recording ends by itself (duration or target exit).

@@ -26,6 +26,7 @@ impl NativeRecorder {
         duration: Option<f64>,
         gvl_only: bool,
         on_cpu: bool,
+        subprocesses: bool,
         force_version: Option<String>,
     ) -> Result<Self, Error> {
         let pid = i32::try_from(pid)
@@ -51,6 +52,7 @@ impl NativeRecorder {
                 ThreadSelection::All
             },
             on_cpu,
+            subprocesses,
             spy: Config {
                 force_version,
                 ..Config::default()
@@ -90,14 +92,21 @@ impl NativeRecorder {
         }
     }
 
-    /// [elapsed seconds, ticks, samples, finished?]
-    fn progress(&self) -> (f64, u64, u64, bool) {
+    /// [elapsed seconds, ticks, samples, finished?, [[label, samples], ...] (top 10)]
+    #[allow(clippy::type_complexity)]
+    fn progress(&self) -> (f64, u64, u64, bool, Vec<(String, u64)>) {
         match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(r) => {
                 let p = r.progress();
-                (p.elapsed.as_secs_f64(), p.ticks, p.samples, p.finished)
+                (
+                    p.elapsed.as_secs_f64(),
+                    p.ticks,
+                    p.samples,
+                    p.finished,
+                    p.top,
+                )
             }
-            None => (0.0, 0, 0, true),
+            None => (0.0, 0, 0, true, Vec::new()),
         }
     }
 }
@@ -189,7 +198,7 @@ impl NativeProfile {
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
     let rec = module.define_class("NativeRecorder", ruby.class_object())?;
-    rec.define_singleton_method("start", function!(NativeRecorder::start, 6))?;
+    rec.define_singleton_method("start", function!(NativeRecorder::start, 7))?;
     rec.define_method("stop", method!(NativeRecorder::stop, 0))?;
     rec.define_method("progress", method!(NativeRecorder::progress, 0))?;
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
