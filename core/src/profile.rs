@@ -107,6 +107,8 @@ pub struct Profile {
 pub struct Aggregator {
     profile: Profile,
     frame_ids: FxHashMap<Frame, u32>,
+    frame_ids_by_address: FxHashMap<(usize, usize, i32, bool), u32>,
+    keep_alive: Vec<Frame>,
     thread_ids: FxHashMap<(i32, u64, i64), u32>,
     stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>), usize>,
 }
@@ -162,12 +164,30 @@ impl Aggregator {
     }
 
     fn frame_id(&mut self, frame: &Frame) -> u32 {
-        if let Some(id) = self.frame_ids.get(frame) {
+        // The walker hands out the same shared strings for the same frame, so the string
+        // addresses identify a frame without hashing its text. They cannot be reused for
+        // other text while the profile holds a clone of the frame.
+        let key = (
+            Arc::as_ptr(&frame.label) as *const u8 as usize,
+            Arc::as_ptr(&frame.path) as *const u8 as usize,
+            frame.lineno,
+            frame.c_function,
+        );
+        if let Some(id) = self.frame_ids_by_address.get(&key) {
             return *id;
         }
-        let id = self.profile.frames.len() as u32;
-        self.profile.frames.push(frame.clone());
-        self.frame_ids.insert(frame.clone(), id);
+        let id = match self.frame_ids.get(frame) {
+            Some(id) => *id,
+            None => {
+                let id = self.profile.frames.len() as u32;
+                self.profile.frames.push(frame.clone());
+                self.frame_ids.insert(frame.clone(), id);
+                id
+            }
+        };
+        // Keep the strings this key points at alive (the frame above may be an equal copy).
+        self.keep_alive.push(frame.clone());
+        self.frame_ids_by_address.insert(key, id);
         id
     }
 
