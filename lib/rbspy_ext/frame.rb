@@ -8,8 +8,8 @@ module RubySpy
     attr_reader :label
     # @return [String] the bare method (or block owner) name, e.g. "total", "each"
     attr_reader :base_label
-    # @return [String] the path as Ruby's Location#path gives it (for a C function, the
-    #   path of the Ruby frame that called it)
+    # @return [String, nil] the path as Ruby's Location#path gives it (for a C function, the
+    #   path of the Ruby frame that called it; nil for a C function no Ruby code called)
     attr_reader :path
     # @return [String, nil] the absolute path as Ruby's Location#absolute_path gives it
     attr_reader :absolute_path
@@ -18,7 +18,7 @@ module RubySpy
 
     # @param label [String]
     # @param base_label [String]
-    # @param path [String]
+    # @param path [String, nil]
     # @param absolute_path [String, nil]
     # @param lineno [Integer]
     # @param c_function [Boolean] whether the frame is a method written in C
