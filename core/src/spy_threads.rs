@@ -143,6 +143,22 @@ impl<M: Memory> Spy<M> {
         })
     }
 
+    /// A thread (or its context) went away while read: forget the list so the next sample
+    /// reads it again, and report this sample as dropped (or the process as gone).
+    #[allow(clippy::type_complexity)]
+    fn thread_list_changed(
+        &mut self,
+        what: &str,
+        e: crate::error::MemoryError,
+    ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
+        self.thread_list.read_at = None;
+        self.thread_list.ecs.clear();
+        match self.moved(what)(e) {
+            Attempt::Fatal(e) => Err(e),
+            Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
+        }
+    }
+
     /// One sample of the selected threads: each thread's state and stack. Threads whose
     /// stack moved while read are left out and reported in the second list (by reason);
     /// nothing is ever invented.
@@ -184,13 +200,7 @@ impl<M: Memory> Spy<M> {
                 }
             }
             if let Err(e) = self.mem.read_many(&mut requests) {
-                // A thread went away (or its context did): read the list again.
-                self.thread_list.read_at = None;
-                self.thread_list.ecs.clear();
-                return match self.moved("reading threads")(e) {
-                    Attempt::Fatal(e) => Err(e),
-                    Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
-                };
+                return self.thread_list_changed("reading threads", e);
             }
         }
         let owner = word(&owner, 0);
@@ -228,12 +238,7 @@ impl<M: Memory> Spy<M> {
                     .map(|(i, h)| (word(&ecs[*i], 0) + l.ec_vm_stack as u64, &mut h[..]))
                     .collect();
                 if let Err(e) = self.mem.read_many(&mut requests) {
-                    self.thread_list.read_at = None;
-                    self.thread_list.ecs.clear();
-                    return match self.moved("reading execution contexts")(e) {
-                        Attempt::Fatal(e) => Err(e),
-                        Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
-                    };
+                    return self.thread_list_changed("reading execution contexts", e);
                 }
             }
             for (i, h) in stale.into_iter().zip(fresh) {

@@ -16,6 +16,16 @@ module RubySpy
     # @return [Integer] the line executing in this frame (for a C function, the caller's line)
     attr_reader :lineno
 
+    # @api private
+    # Builds a frame from the native layer's row
+    # +[label, base_label, path, absolute_path, lineno, c_function]+.
+    # @return [RubySpy::Frame]
+    def self.from_row(row)
+      label, base_label, path, absolute_path, lineno, c_function = row
+      new(label: label, base_label: base_label, path: path, absolute_path: absolute_path,
+          lineno: lineno, c_function: c_function)
+    end
+
     # @param label [String]
     # @param base_label [String]
     # @param path [String, nil]

@@ -32,11 +32,7 @@ module RubySpy
       # ext/rbspy_ext/src/handle.rs); the lock keeps ids and their definitions together.
       @lock.synchronize do
         ids, fresh = _snapshot_ids
-        fresh.each do |id, label, base_label, path, absolute_path, lineno, c_function|
-          @frames[id] = Frame.new(label: label, base_label: base_label, path: path,
-                                  absolute_path: absolute_path, lineno: lineno,
-                                  c_function: c_function)
-        end
+        fresh.each { |id, row| @frames[id] = Frame.from_row(row) }
         ids.map { |id| @frames[id] }
       end
     end
@@ -49,10 +45,7 @@ module RubySpy
     def thread_snapshots
       @lock.synchronize { _thread_snapshots }.map do |tid, name, main, state, frames|
         { tid: tid, name: name, main: main, state: state,
-          frames: frames.map do |label, base_label, path, absolute_path, lineno, c_function|
-            Frame.new(label: label, base_label: base_label, path: path,
-                      absolute_path: absolute_path, lineno: lineno, c_function: c_function)
-          end }
+          frames: frames.map { |row| Frame.from_row(row) } }
       end
     end
 

@@ -20,6 +20,21 @@ struct Handle {
     own_process: bool,
 }
 
+/// `[label, base_label, path, absolute_path, lineno, c_function]`, what
+/// `RubySpy::Frame.from_row` (lib/rbspy_ext/frame.rb) takes.
+#[allow(clippy::type_complexity)]
+fn frame_row(f: &Frame) -> (&str, &str, Option<&str>, Option<&str>, i32, bool) {
+    (
+        &f.label,
+        &f.base_label,
+        // A C function with no Ruby caller has no path: nil, as in Ruby.
+        Some(&*f.path).filter(|p| !p.is_empty()),
+        f.absolute_path.as_deref(),
+        f.lineno,
+        f.c_function,
+    )
+}
+
 fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
     if !pid.is_kind_of(ruby.class_integer()) {
         return Err(Error::new(
@@ -93,7 +108,7 @@ impl Handle {
     }
 
     /// `[ids, fresh]`: the frame ids of the current stack, innermost first, and
-    /// `[id, label, base_label, path, absolute_path, lineno, c_function]` for each id not
+    /// `[id, frame_row]` for each id not
     /// returned before. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so
     /// every fresh id reaches the cache before another snapshot can refer to it.
     fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<(RArray, RArray), Error> {
@@ -115,16 +130,7 @@ impl Handle {
         })?;
         let fresh_ary = ruby.ary_new_capa(fresh.len());
         for (id, f) in fresh {
-            fresh_ary.push((
-                id,
-                &*f.label,
-                &*f.base_label,
-                // A C function with no Ruby caller has no path: nil, as in Ruby.
-                Some(&*f.path).filter(|p| !p.is_empty()),
-                f.absolute_path.as_deref(),
-                f.lineno,
-                f.c_function,
-            ))?;
+            fresh_ary.push((id, frame_row(&f)))?;
         }
         Ok((ruby.ary_from_vec(ids), fresh_ary))
     }
@@ -139,14 +145,7 @@ impl Handle {
         for t in threads {
             let frames = ruby.ary_new_capa(t.frames.len());
             for f in &t.frames {
-                frames.push((
-                    &*f.label,
-                    &*f.base_label,
-                    Some(&*f.path).filter(|p| !p.is_empty()),
-                    f.absolute_path.as_deref(),
-                    f.lineno,
-                    f.c_function,
-                ))?;
+                frames.push(frame_row(f))?;
             }
             out.push((t.info.tid, t.info.name, t.info.main, t.state.name(), frames))?;
         }
