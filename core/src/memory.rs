@@ -76,20 +76,40 @@ impl ProcessMemory {
     }
 
     fn readv(&self, requests: &mut [(u64, &mut [u8])]) -> Result<(), MemoryError> {
-        let locals: Vec<libc::iovec> = requests
+        // The iovec arrays live on the stack for the usual handful of requests: a sample
+        // then makes no allocation for its reads.
+        const ON_STACK: usize = 32;
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let (mut local_arr, mut remote_arr) = ([empty; ON_STACK], [empty; ON_STACK]);
+        let (mut local_vec, mut remote_vec) = (Vec::new(), Vec::new());
+        let (locals, remotes): (&mut [libc::iovec], &mut [libc::iovec]) =
+            if requests.len() <= ON_STACK {
+                (
+                    &mut local_arr[..requests.len()],
+                    &mut remote_arr[..requests.len()],
+                )
+            } else {
+                local_vec.resize(requests.len(), empty);
+                remote_vec.resize(requests.len(), empty);
+                (&mut local_vec[..], &mut remote_vec[..])
+            };
+        for ((local, remote), (addr, buf)) in locals
             .iter_mut()
-            .map(|(_, buf)| libc::iovec {
+            .zip(remotes.iter_mut())
+            .zip(requests.iter_mut())
+        {
+            *local = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
                 iov_len: buf.len(),
-            })
-            .collect();
-        let remotes: Vec<libc::iovec> = requests
-            .iter()
-            .map(|(addr, buf)| libc::iovec {
+            };
+            *remote = libc::iovec {
                 iov_base: *addr as usize as *mut libc::c_void,
                 iov_len: buf.len(),
-            })
-            .collect();
+            };
+        }
         let want: usize = requests.iter().map(|(_, b)| b.len()).sum();
         self.calls.fetch_add(1, Ordering::Relaxed);
         // SAFETY: every local iovec points into a live, exclusively borrowed buffer of the

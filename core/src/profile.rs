@@ -98,6 +98,10 @@ pub struct Profile {
     /// calls made (0 when unknown, e.g. in files written before these existed).
     #[serde(default)]
     pub sampler_cpu_ns: u64,
+    /// The part of `sampler_cpu_ns` spent sampling, from each wake-up to the end of its
+    /// sample (measured on every 16th tick and scaled); the rest is waking up and sleeping.
+    #[serde(default)]
+    pub sampler_work_ns: u64,
     #[serde(default)]
     pub read_calls: u64,
 }
@@ -111,7 +115,12 @@ pub struct Aggregator {
     keep_alive: Vec<Frame>,
     thread_ids: FxHashMap<(i32, u64, i64), u32>,
     stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>), usize>,
+    /// Stack index by (pid, walker token, Ruby thread, tid, state); see `add_stack`.
+    stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState), usize>,
 }
+
+/// Most walker tokens remembered by the aggregator.
+const MAX_TOKENS: usize = 65_536;
 
 impl Aggregator {
     pub fn new(pid: i32, ruby_version: &str, rate_hz: f64, start_unix_ns: u64) -> Self {
@@ -133,19 +142,56 @@ impl Aggregator {
     }
 
     pub fn add_count(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame], n: u64) {
+        let index = self.stack_index(thread, state, frames);
+        self.count(index, thread, n);
+    }
+
+    /// Records one thread's stack as the walker handed it out: a stack whose token was seen
+    /// before for this thread and state is counted without looking at its frames.
+    pub fn add_stack(
+        &mut self,
+        thread: &ThreadInfo,
+        state: ThreadState,
+        token: u64,
+        frames: &[Frame],
+    ) {
+        let key = (thread.pid, token, thread.ruby_thread, thread.tid, state);
+        let index = match self.stack_by_token.get(&key) {
+            Some(index) => *index,
+            None => {
+                let index = self.stack_index(thread, state, frames);
+                // Only a shortcut: forgetting it costs one lookup by frames.
+                if self.stack_by_token.len() >= MAX_TOKENS {
+                    self.stack_by_token.clear();
+                }
+                self.stack_by_token.insert(key, index);
+                index
+            }
+        };
+        self.count(index, thread, 1);
+    }
+
+    fn count(&mut self, index: usize, thread: &ThreadInfo, n: u64) {
+        self.profile.stacks[index].count += n;
+        self.profile.samples += n;
+        // A thread may be named after it was first seen.
+        let recorded = &mut self.profile.threads[self.profile.stacks[index].thread as usize];
+        if thread.name.is_some() && recorded.name != thread.name {
+            recorded.name = thread.name.clone();
+        }
+    }
+
+    /// The index of this thread's stack in the profile, added if new.
+    fn stack_index(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame]) -> usize {
         let key = (thread.pid, thread.ruby_thread, thread.tid);
         let threads = &mut self.profile.threads;
         let thread_id = *self.thread_ids.entry(key).or_insert_with(|| {
             threads.push(thread.clone());
             (threads.len() - 1) as u32
         });
-        // A thread may be named after it was first seen.
-        if thread.name.is_some() {
-            self.profile.threads[thread_id as usize].name = thread.name.clone();
-        }
         let ids: Vec<u32> = frames.iter().map(|f| self.frame_id(f)).collect();
         let key = (thread_id, state, ids);
-        let index = match self.stack_ids.get(&key) {
+        match self.stack_ids.get(&key) {
             Some(index) => *index,
             None => {
                 self.profile.stacks.push(StackCount {
@@ -158,9 +204,7 @@ impl Aggregator {
                 self.stack_ids.insert(key, index);
                 index
             }
-        };
-        self.profile.stacks[index].count += n;
-        self.profile.samples += n;
+        }
     }
 
     fn frame_id(&mut self, frame: &Frame) -> u32 {
@@ -218,8 +262,9 @@ impl Aggregator {
     }
 
     /// Records what the recording cost (see [`Profile::sampler_cpu_ns`]).
-    pub fn set_cost(&mut self, sampler_cpu_ns: u64, read_calls: u64) {
+    pub fn set_cost(&mut self, sampler_cpu_ns: u64, sampler_work_ns: u64, read_calls: u64) {
         self.profile.sampler_cpu_ns = sampler_cpu_ns;
+        self.profile.sampler_work_ns = sampler_work_ns;
         self.profile.read_calls = read_calls;
     }
 }

@@ -174,6 +174,8 @@ fn unix_ns() -> u64 {
 /// How often the process tree is scanned for new Ruby children, and the live top list of
 /// `Progress` refreshed.
 const SCAN_EVERY: Duration = Duration::from_millis(500);
+/// One tick in this many measures its own CPU time (`Profile::sampler_work_ns`).
+const WORK_EVERY: u64 = 16;
 /// A child that is not (yet) Ruby is tried this many times (it may still be exec'ing).
 const CHILD_ATTEMPTS: u32 = 6;
 
@@ -189,7 +191,7 @@ fn sample_into<M: Memory>(
                 if config.on_cpu && t.state != ThreadState::Running {
                     continue;
                 }
-                agg.add(&t.info, t.state, &t.frames);
+                agg.add_stack(&t.info, t.state, t.stack_token, &t.frames);
             }
             for reason in dropped {
                 agg.error(reason);
@@ -293,6 +295,7 @@ fn run<M: Memory>(
     let mut not_ruby: rustc_hash::FxHashMap<i32, u32> = Default::default();
     let mut last_scan: Option<Instant> = None;
     let mut child_calls = 0u64;
+    let (mut work_ns, mut work_ticks) = (0u64, 0u64);
     loop {
         if stop.load(Ordering::Relaxed) {
             break;
@@ -337,6 +340,11 @@ fn run<M: Memory>(
             next = now;
         }
         next += timer.next_interval();
+        // Every 16th tick, the CPU time from waking up to the end of the sample: the cost of
+        // sampling itself, apart from the wake-up, which the kernel charges to the sampler too
+        // (and which on some virtual machines costs more than the sample).
+        let measured = agg.profile().ticks.is_multiple_of(WORK_EVERY);
+        let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick();
         if sample_into(&mut spy, &config, &mut agg).is_err() {
             agg.note(format!(
@@ -363,12 +371,18 @@ fn run<M: Memory>(
             p.ticks = prof.ticks;
             p.samples = prof.samples;
         }
+        if measured {
+            work_ns += thread_cpu_ns().saturating_sub(woke);
+            work_ticks += 1;
+        }
     }
     if let Ok(mut p) = progress.lock() {
         p.finished = true;
     }
     child_calls += children.iter().map(|c| c.memory().calls()).sum::<u64>();
-    agg.set_cost(thread_cpu_ns(), spy.memory().calls() + child_calls);
+    let ticks = agg.profile().ticks;
+    let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
+    agg.set_cost(thread_cpu_ns(), work, spy.memory().calls() + child_calls);
     agg.finish(started.elapsed().as_nanos() as u64)
 }
 

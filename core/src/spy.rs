@@ -28,6 +28,8 @@ const MAX_EP_DEPTH: usize = 256;
 const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Most escaped environments cached between samples.
 const MAX_CACHED_ENVS: usize = 4096;
+/// Most distinct raw stacks remembered with their frames (see `Spy::memo`).
+const MAX_MEMO: usize = 16_384;
 /// How often a snapshot is retried when the stack changes under it.
 pub const SNAPSHOT_ATTEMPTS: u32 = 8;
 
@@ -122,6 +124,34 @@ pub struct Spy<M: Memory = ProcessMemory> {
     /// Address of the list of every Ruby thread, and its last reading (spy_threads.rs).
     thread_list_head: u64,
     thread_list: threads::ThreadList,
+    /// Frames already resolved, by raw stack (see `Signature`): a stack seen before in the
+    /// current validation epoch is answered without resolving anything. The walker is a
+    /// function of the raw words and of its caches, which are trusted for exactly as long.
+    memo: FxHashMap<Box<[u64]>, Memo>,
+    /// Bumped whenever the caches behind `memo` are validated or dropped.
+    epoch: u64,
+    /// Last token handed out (`Stack::token`).
+    tokens: u64,
+    /// Reused buffer for the signature of the stack being walked.
+    signature: Vec<u64>,
+    /// Buffers for control frames and value stacks, reused from sample to sample.
+    spare: Vec<Vec<u8>>,
+}
+
+/// One walked stack, innermost frame first.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    pub frames: Arc<[Frame]>,
+    /// Names these exact frames for as long as this spy lives: two stacks with the same token
+    /// have equal frames (equal frames may still come with different tokens). Lets the
+    /// aggregator count a repeated stack without looking at its frames.
+    pub token: u64,
+}
+
+#[derive(Debug)]
+struct Memo {
+    stack: Stack,
+    epoch: u64,
 }
 
 /// A failure inside one attempt: either the stack moved (retry) or a real error.
@@ -327,6 +357,11 @@ impl<M: Memory> Spy<M> {
             validated_at: None,
             thread_list_head: roots.thread_list,
             thread_list: threads::ThreadList::default(),
+            memo: FxHashMap::default(),
+            epoch: 0,
+            tokens: 0,
+            signature: Vec::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -359,13 +394,13 @@ impl<M: Memory> Spy<M> {
         let mut last = String::new();
         for _ in 0..SNAPSHOT_ATTEMPTS {
             match self.try_snapshot() {
-                Ok(frames) => return Ok(frames),
+                Ok(stack) => return Ok(stack.frames.to_vec()),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Changed(why)) => {
                     // Forget what may be what changed: the speculative thread and cached
                     // heap environments.
                     self.last_ec = None;
-                    self.heap_envs.clear();
+                    self.forget_envs();
                     self.validated_at = None;
                     last = why;
                 }
@@ -455,14 +490,23 @@ impl<M: Memory> Spy<M> {
         Ok(self.ec_fields(&head))
     }
 
-    fn try_snapshot(&mut self) -> std::result::Result<Vec<Frame>, Attempt> {
+    fn try_snapshot(&mut self) -> std::result::Result<Stack, Attempt> {
         let ec = self.current_ec()?;
         self.walk(ec)
     }
 
+    /// Drops the cached heap environments (one may have been freed and its address reused),
+    /// and with them every memoized stack that relied on them.
+    fn forget_envs(&mut self) {
+        self.heap_envs.clear();
+        self.epoch += 1;
+    }
+
     /// The frames of one execution context, given its `vm_stack`, `vm_stack_size`, `cfp`.
-    fn walk(&mut self, ec: [u64; 3]) -> std::result::Result<Vec<Frame>, Attempt> {
-        self.walk_many(&[ec]).pop().expect("one result per context")
+    fn walk(&mut self, ec: [u64; 3]) -> std::result::Result<Stack, Attempt> {
+        self.walk_many(&[ec], Vec::new())
+            .pop()
+            .expect("one result per context")
     }
 
     /// Where one execution context's control frames are.
@@ -498,28 +542,67 @@ impl<M: Memory> Spy<M> {
     /// The frames of several execution contexts (the threads of one sample). One call reads
     /// every context's control frames and, with them, the used part of its value stack,
     /// where every running frame's environment (`ep[-2..=0]`) lives; the extent is guessed
-    /// from the previous sample of that stack (a deeper stack costs one more read).
-    fn walk_many(&mut self, ecs: &[[u64; 3]]) -> Vec<std::result::Result<Vec<Frame>, Attempt>> {
+    /// from the previous sample of that stack (a deeper stack costs one more read). A
+    /// context whose frames were already read along with its thread (`prefetched`, see
+    /// spy_threads.rs) costs no call at all.
+    fn walk_many(
+        &mut self,
+        ecs: &[[u64; 3]],
+        prefetched: Vec<Option<Prefetched>>,
+    ) -> Vec<std::result::Result<Stack, Attempt>> {
         let l = self.layout;
         let plans: Vec<_> = ecs.iter().map(|ec| self.plan(*ec)).collect();
-        let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = plans
-            .iter()
-            .map(|p| match p {
-                Ok(p) => (vec![0u8; p.count as usize * l.cfp_size], vec![0u8; p.guess]),
-                Err(_) => (Vec::new(), Vec::new()),
-            })
-            .collect();
+        let mut prefetched = prefetched;
+        prefetched.resize_with(plans.len(), || None);
+        let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(plans.len());
+        let mut done: Vec<bool> = Vec::with_capacity(plans.len());
+        for (p, pre) in plans.iter().zip(prefetched) {
+            let Ok(p) = p else {
+                bufs.push((Vec::new(), Vec::new()));
+                done.push(true);
+                if let Some(pre) = pre {
+                    self.recycle(pre.frames);
+                    self.recycle(pre.values);
+                }
+                continue;
+            };
+            let want = p.count as usize * l.cfp_size;
+            match pre {
+                Some(mut pre)
+                    if pre.vm_stack == p.vm_stack
+                        && p.cfp >= pre.from
+                        && (p.cfp - pre.from) as usize + want <= pre.frames.len() =>
+                {
+                    pre.frames.drain(..(p.cfp - pre.from) as usize);
+                    pre.frames.truncate(want);
+                    bufs.push((pre.frames, pre.values));
+                    done.push(true);
+                }
+                other => {
+                    if let Some(pre) = other {
+                        self.recycle(pre.frames);
+                        self.recycle(pre.values);
+                    }
+                    bufs.push((self.buffer(want), self.buffer(p.guess)));
+                    done.push(false);
+                }
+            }
+        }
         let read_all = {
             let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
-            for (plan, (cfps, values)) in plans.iter().zip(bufs.iter_mut()) {
-                if let Ok(p) = plan {
+            for ((plan, (cfps, values)), done) in plans.iter().zip(bufs.iter_mut()).zip(&done) {
+                if let (Ok(p), false) = (plan, done) {
                     requests.push((p.cfp, &mut cfps[..]));
                     if !values.is_empty() {
                         requests.push((p.vm_stack, &mut values[..]));
                     }
                 }
             }
-            self.mem.read_many(&mut requests)
+            if requests.is_empty() {
+                Ok(())
+            } else {
+                self.mem.read_many(&mut requests)
+            }
         };
         let mut read_each: Vec<std::result::Result<(), Attempt>> =
             plans.iter().map(|_| Ok(())).collect();
@@ -528,10 +611,13 @@ impl<M: Memory> Spy<M> {
             if plans.len() == 1 {
                 read_each[0] = Err(self.moved("reading control frames")(e));
             } else {
-                for ((plan, (cfps, values)), result) in
-                    plans.iter().zip(bufs.iter_mut()).zip(read_each.iter_mut())
+                for (((plan, (cfps, values)), result), done) in plans
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .zip(read_each.iter_mut())
+                    .zip(&done)
                 {
-                    if let Ok(p) = plan {
+                    if let (Ok(p), false) = (plan, done) {
                         let mut requests: Vec<(u64, &mut [u8])> = vec![(p.cfp, &mut cfps[..])];
                         if !values.is_empty() {
                             requests.push((p.vm_stack, &mut values[..]));
@@ -548,19 +634,118 @@ impl<M: Memory> Spy<M> {
             .zip(bufs)
             .zip(read_each)
             .map(|((plan, (cfps, values)), read)| {
-                read?;
-                self.resolve(plan?, &cfps, values)
+                let result = match (read, plan) {
+                    (Ok(()), Ok(plan)) => self.resolve(plan, &cfps, values),
+                    (Err(e), _) | (_, Err(e)) => {
+                        self.recycle(values);
+                        Err(e)
+                    }
+                };
+                self.recycle(cfps);
+                result
             })
             .collect()
     }
 
-    /// Turns one context's control frames and value stack into frames.
+    /// A zeroed buffer of `len` bytes, reusing one from an earlier sample when there is one
+    /// (a sample then allocates nothing for its reads).
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let mut b = self.spare.pop().unwrap_or_default();
+        b.clear();
+        b.resize(len, 0);
+        b
+    }
+
+    fn recycle(&mut self, b: Vec<u8>) {
+        if self.spare.len() < 16 && b.capacity() <= 1 << 20 {
+            self.spare.push(b);
+        }
+    }
+
+    /// Turns one context's control frames and value stack into frames: from the memo when
+    /// this raw stack was resolved before in the current epoch, otherwise by resolving it.
     fn resolve(
         &mut self,
         plan: Plan,
         cfps: &[u8],
+        values: Vec<u8>,
+    ) -> std::result::Result<Stack, Attempt> {
+        let (frames, envs) = match self.raw_frames(plan, cfps, values) {
+            Ok(x) => x,
+            Err((e, values)) => {
+                self.recycle(values);
+                return Err(e);
+            }
+        };
+        let result = self.resolve_raw(&frames, &envs);
+        self.recycle(envs.values);
+        result
+    }
+
+    fn resolve_raw(
+        &mut self,
+        frames: &[RawFrame],
+        envs: &Envs,
+    ) -> std::result::Result<Stack, Attempt> {
+        let due = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
+        self.sign(frames, envs);
+        if !due {
+            if let Some(m) = self.memo.get(&self.signature[..]) {
+                if m.epoch == self.epoch {
+                    return Ok(m.stack.clone());
+                }
+            }
+        }
+        let resolved: Arc<[Frame]> = self.resolve_frames(frames, envs)?.into();
+        // `resolve_frames` may have started a new epoch (a full validation).
+        let epoch = self.epoch;
+        if self.memo.len() >= MAX_MEMO {
+            self.memo.clear();
+        }
+        // Keep the token while the frames stay the same, so a stack keeps one name.
+        let token = match self.memo.get(&self.signature[..]) {
+            Some(m) if m.stack.frames == resolved => m.stack.token,
+            _ => {
+                self.tokens += 1;
+                self.tokens
+            }
+        };
+        let stack = Stack {
+            frames: resolved,
+            token,
+        };
+        self.memo.insert(
+            self.signature.as_slice().into(),
+            Memo {
+                stack: stack.clone(),
+                epoch,
+            },
+        );
+        Ok(stack)
+    }
+
+    /// What the frames of a raw stack depend on besides the walker's caches: each frame's
+    /// iseq, pc and environment address, and the environment's slots when it lives on the
+    /// value stack (method entry or cref, block handler or parent, flags).
+    fn sign(&mut self, frames: &[RawFrame], envs: &Envs) {
+        let sig = &mut self.signature;
+        sig.clear();
+        for f in frames {
+            sig.extend_from_slice(&[f.iseq, f.pc, f.ep]);
+            if let Some(s) = envs.on_stack(f.ep) {
+                sig.extend_from_slice(&[s.me_cref, s.specval, s.flags]);
+            }
+        }
+    }
+
+    /// The raw control frames of one context, and the value stack under them (read further
+    /// when the frames' environments reach past what was read along with them).
+    fn raw_frames(
+        &mut self,
+        plan: Plan,
+        cfps: &[u8],
         mut values: Vec<u8>,
-    ) -> std::result::Result<Vec<Frame>, Attempt> {
+    ) -> std::result::Result<(Vec<RawFrame>, Envs), (Attempt, Vec<u8>)> {
         let l = self.layout;
         let Plan { vm_stack, cfp, .. } = plan;
         let frames: Vec<RawFrame> = cfps
@@ -579,11 +764,11 @@ impl<M: Memory> Spy<M> {
             .max()
             .unwrap_or(0);
         if needed > values.len() {
-            let more = self
-                .mem
-                .read_vec(vm_stack + values.len() as u64, needed - values.len())
-                .map_err(self.moved("reading the value stack"))?;
-            values.extend_from_slice(&more);
+            let have = values.len();
+            values.resize(needed, 0);
+            if let Err(e) = self.mem.read(vm_stack + have as u64, &mut values[have..]) {
+                return Err((self.moved("reading the value stack")(e), values));
+            }
         }
         // Slack so that a slightly deeper stack next time still fits in one read.
         if self.stack_hints.len() >= MAX_CACHED_ENVS {
@@ -595,6 +780,16 @@ impl<M: Memory> Spy<M> {
             base: vm_stack,
             values,
         };
+        Ok((frames, envs))
+    }
+
+    /// Resolves raw frames into frames (labels, paths, lines), through the caches.
+    fn resolve_frames(
+        &mut self,
+        frames: &[RawFrame],
+        envs: &Envs,
+    ) -> std::result::Result<Vec<Frame>, Attempt> {
+        let l = self.layout;
         // Which frames are reported, and the candidates for the method entry each needs (for
         // C functions: its name; for Ruby methods and their blocks: the owner's name).
         let mut wanted: Vec<Wanted> = Vec::new();
@@ -606,7 +801,7 @@ impl<M: Memory> Spy<M> {
                 // An iseq not seen before may belong to a method: collect its chain too.
                 let needs_owner = self.iseqs.get(&f.iseq).is_none_or(|x| x.in_method);
                 let chain = if needs_owner {
-                    self.method_entry_chain(f.ep, &envs)?
+                    self.method_entry_chain(f.ep, envs)?
                 } else {
                     Vec::new()
                 };
@@ -616,11 +811,11 @@ impl<M: Memory> Spy<M> {
                     chain,
                 });
             } else {
-                let s = self.env_slots(f.ep, &envs)?;
+                let s = self.env_slots(f.ep, envs)?;
                 if s.flags & l.frame_magic_mask != l.frame_magic_cfunc {
                     continue;
                 }
-                let chain = self.method_entry_chain(f.ep, &envs)?;
+                let chain = self.method_entry_chain(f.ep, envs)?;
                 wanted.push(Wanted {
                     index: i,
                     cfunc: true,
@@ -628,8 +823,8 @@ impl<M: Memory> Spy<M> {
                 });
             }
         }
-        let mes = self.read_iseqs_and_method_entries(&frames, &wanted)?;
-        self.build_frames(&frames, wanted, &mes)
+        let mes = self.read_iseqs_and_method_entries(frames, &wanted)?;
+        self.build_frames(frames, wanted, &mes)
     }
 
     /// `ep[-2..=0]` of an environment: from the value stack copy, or from an environment
@@ -649,7 +844,7 @@ impl<M: Memory> Spy<M> {
             .map_err(self.moved("reading an environment"))?;
         let s = slots(&buf);
         if self.heap_envs.len() >= MAX_CACHED_ENVS {
-            self.heap_envs.clear();
+            self.forget_envs();
         }
         self.heap_envs.insert(ep, s);
         Ok(s)
@@ -749,6 +944,7 @@ impl<M: Memory> Spy<M> {
         }
         if full {
             self.validated_at = Some(std::time::Instant::now());
+            self.epoch += 1;
         }
         Ok(mes)
     }
@@ -1201,6 +1397,18 @@ struct Plan {
     count: u64,
     /// Bytes of value stack to read along with the frames.
     guess: usize,
+}
+
+/// A thread's control frames and value stack, read along with the thread on the guess that
+/// its stack is where it was last time (see spy_threads.rs).
+#[derive(Debug)]
+struct Prefetched {
+    vm_stack: u64,
+    /// Address of `frames[0]`: somewhat below the last sample's `cfp`, so a stack a few
+    /// frames deeper still fits.
+    from: u64,
+    frames: Vec<u8>,
+    values: Vec<u8>,
 }
 
 /// A frame to report and the candidates for its method entry.

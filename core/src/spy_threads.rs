@@ -2,11 +2,12 @@
 //! identity (native tid, `Thread#name`), its state, and its stack.
 //!
 //! A child module of `spy` so that it shares the walker's private machinery.
-use super::{word, Attempt, Frame, Memory, Spy};
+use super::{word, Attempt, Frame, Memory, Prefetched, Spy};
 use crate::error::{Error, Result};
 use crate::objects::{is_heap_object, read_string};
 use crate::profile::{ThreadInfo, ThreadState};
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most threads followed along the thread list.
@@ -29,18 +30,35 @@ pub enum ThreadSelection {
 /// One thread's part of a sample.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SampledThread {
-    pub info: ThreadInfo,
+    pub info: Arc<ThreadInfo>,
     pub state: ThreadState,
-    pub frames: Vec<Frame>,
+    pub frames: Arc<[Frame]>,
+    /// See [`super::Stack::token`].
+    pub stack_token: u64,
 }
 
 #[derive(Debug, Default)]
 pub(super) struct ThreadList {
-    threads: Vec<(u64, ThreadInfo)>,
+    threads: Vec<(u64, Arc<ThreadInfo>)>,
     read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
     ecs: FxHashMap<u64, u64>,
+    /// Where each thread's stack was when last sampled (see `guess_stack`).
+    stacks: FxHashMap<u64, StackGuess>,
+    /// The thread that held the GVL at the last sample.
+    last_owner: u64,
 }
+
+#[derive(Debug, Clone, Copy)]
+struct StackGuess {
+    vm_stack: u64,
+    from: u64,
+    end: u64,
+    values: usize,
+}
+
+/// How many frames deeper than last time a stack may be and still be read with its thread.
+const PREFETCH_FRAMES: u64 = 16;
 
 impl<M: Memory> Spy<M> {
     /// Follows the thread list (`vm->living_threads` or `ractor->threads.set`).
@@ -58,18 +76,14 @@ impl<M: Memory> Spy<M> {
                 return Err(Attempt::Changed("thread list does not close".into()));
             }
             let thread = node - node_offset;
-            threads.push((thread, self.thread_info(thread)?));
+            threads.push((thread, Arc::new(self.thread_info(thread)?)));
             node = self
                 .mem
                 .read_u64(node)
                 .map_err(self.moved("reading the thread list"))?;
         }
-        let ecs = std::mem::take(&mut self.thread_list.ecs);
-        self.thread_list = ThreadList {
-            threads,
-            read_at: Some(Instant::now()),
-            ecs,
-        };
+        self.thread_list.threads = threads;
+        self.thread_list.read_at = Some(Instant::now());
         Ok(())
     }
 
@@ -117,7 +131,7 @@ impl<M: Memory> Spy<M> {
             .thread_list
             .threads
             .iter()
-            .map(|(_, i)| i.clone())
+            .map(|(_, i)| ThreadInfo::clone(i))
             .collect())
     }
 
@@ -141,6 +155,29 @@ impl<M: Memory> Spy<M> {
             attempts: super::SNAPSHOT_ATTEMPTS,
             last: "the thread list kept changing".into(),
         })
+    }
+
+    /// Where to read a thread's stack next time, along with the thread: from a little below
+    /// where its frames are now to the end of its stack, and as much of the value stack as
+    /// its frames used.
+    fn guess_stack(&mut self, thread: u64, [vm_stack, vm_stack_size, cfp]: [u64; 3]) {
+        let cfp_size = self.layout.cfp_size as u64;
+        let end = vm_stack + vm_stack_size * 8 - cfp_size;
+        let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
+        let values = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
+        let values = values.min((from - vm_stack) as usize);
+        if self.thread_list.stacks.len() >= MAX_THREADS {
+            self.thread_list.stacks.clear();
+        }
+        self.thread_list.stacks.insert(
+            thread,
+            StackGuess {
+                vm_stack,
+                from,
+                end,
+                values,
+            },
+        );
     }
 
     /// A thread (or its context) went away while read: forget the list so the next sample
@@ -170,12 +207,15 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
         let count = self.thread_list.threads.len();
-        // One call: the GVL owner, and every thread's execution context, status, and the stack
-        // fields of the context it had last time (a thread's context changes only when it
-        // switches fibers, so this is usually all that is needed).
+        // One call: the GVL owner, and for every thread its execution context and status (one
+        // range of the thread struct), the stack fields of the context it had last time (a
+        // thread's context changes only when it switches fibers), and, on the guess that its
+        // stack is about where it was, its control frames and value stack. In the steady state
+        // this one call is the whole sample.
+        let span_from = l.thread_ec.min(status_byte);
+        let span = l.thread_ec.max(status_byte) + 8 - span_from;
         let mut owner = [0u8; 8];
-        let mut ecs = vec![[0u8; 8]; count];
-        let mut statuses = vec![[0u8; 1]; count];
+        let mut spans = vec![0u8; count * span];
         let mut heads = vec![[0u8; 24]; count];
         let guessed: Vec<u64> = self
             .thread_list
@@ -183,31 +223,61 @@ impl<M: Memory> Spy<M> {
             .iter()
             .map(|(t, _)| self.thread_list.ecs.get(t).copied().unwrap_or(0))
             .collect();
+        let mut prefetched: Vec<Option<Prefetched>> = Vec::with_capacity(count);
+        for i in 0..count {
+            let thread = self.thread_list.threads[i].0;
+            let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
+            let pre = match self.thread_list.stacks.get(&thread).copied() {
+                Some(g) if wanted => Some(Prefetched {
+                    vm_stack: g.vm_stack,
+                    from: g.from,
+                    frames: self.buffer((g.end - g.from) as usize),
+                    values: self.buffer(g.values),
+                }),
+                _ => None,
+            };
+            prefetched.push(pre);
+        }
         {
             let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
-            for ((((thread, _), ec), status), (head, guess)) in self
+            for ((((thread, _), span_buf), (head, guess)), pre) in self
                 .thread_list
                 .threads
                 .iter()
-                .zip(ecs.iter_mut())
-                .zip(statuses.iter_mut())
+                .zip(spans.chunks_exact_mut(span))
                 .zip(heads.iter_mut().zip(&guessed))
+                .zip(prefetched.iter_mut())
             {
-                requests.push((thread + l.thread_ec as u64, &mut ec[..]));
-                requests.push((thread + status_byte as u64, &mut status[..]));
+                requests.push((thread + span_from as u64, span_buf));
                 if *guess != 0 {
                     requests.push((guess + l.ec_vm_stack as u64, &mut head[..]));
                 }
+                if let Some(pre) = pre {
+                    requests.push((pre.from, &mut pre.frames[..]));
+                    if !pre.values.is_empty() {
+                        requests.push((pre.vm_stack, &mut pre.values[..]));
+                    }
+                }
             }
             if let Err(e) = self.mem.read_many(&mut requests) {
+                for pre in prefetched.into_iter().flatten() {
+                    self.recycle(pre.frames);
+                    self.recycle(pre.values);
+                }
+                // A stack may have moved away from where it was: guess afresh next time.
+                self.thread_list.stacks.clear();
                 return self.thread_list_changed("reading threads", e);
             }
         }
+        let field = |i: usize, offset: usize| &spans[i * span + offset - span_from..];
+        let ecs: Vec<u64> = (0..count).map(|i| word(field(i, l.thread_ec), 0)).collect();
+        let statuses: Vec<u8> = (0..count).map(|i| field(i, status_byte)[0]).collect();
         let owner = word(&owner, 0);
+        self.thread_list.last_owner = owner;
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
         let mut chosen: Vec<(usize, ThreadState)> = Vec::new();
         for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
-            let status = statuses[i][0] & status_mask;
+            let status = statuses[i] & status_mask;
             let state = if *thread == owner {
                 ThreadState::Running
             } else if status_mask == 0 || u64::from(status) == runnable {
@@ -218,7 +288,7 @@ impl<M: Memory> Spy<M> {
             if which == ThreadSelection::GvlHolder && state != ThreadState::Running {
                 continue;
             }
-            if !is_heap_object(word(&ecs[i], 0)) {
+            if !is_heap_object(ecs[i]) {
                 continue; // a thread not started yet, or already gone
             }
             chosen.push((i, state));
@@ -227,7 +297,7 @@ impl<M: Memory> Spy<M> {
         let stale: Vec<usize> = chosen
             .iter()
             .map(|(i, _)| *i)
-            .filter(|i| word(&ecs[*i], 0) != guessed[*i])
+            .filter(|i| ecs[*i] != guessed[*i])
             .collect();
         if !stale.is_empty() {
             let mut fresh = vec![[0u8; 24]; stale.len()];
@@ -235,7 +305,7 @@ impl<M: Memory> Spy<M> {
                 let mut requests: Vec<(u64, &mut [u8])> = stale
                     .iter()
                     .zip(fresh.iter_mut())
-                    .map(|(i, h)| (word(&ecs[*i], 0) + l.ec_vm_stack as u64, &mut h[..]))
+                    .map(|(i, h)| (ecs[*i] + l.ec_vm_stack as u64, &mut h[..]))
                     .collect();
                 if let Err(e) = self.mem.read_many(&mut requests) {
                     return self.thread_list_changed("reading execution contexts", e);
@@ -244,7 +314,7 @@ impl<M: Memory> Spy<M> {
             for (i, h) in stale.into_iter().zip(fresh) {
                 heads[i] = h;
                 let thread = self.thread_list.threads[i].0;
-                self.thread_list.ecs.insert(thread, word(&ecs[i], 0));
+                self.thread_list.ecs.insert(thread, ecs[i]);
             }
         }
         // One call for every chosen thread's frames; a thread whose stack moved is retried
@@ -253,12 +323,18 @@ impl<M: Memory> Spy<M> {
             .iter()
             .map(|(i, _)| self.ec_fields(&heads[*i]))
             .collect();
-        let results = self.walk_many(&contexts);
+        let pre: Vec<Option<Prefetched>> =
+            chosen.iter().map(|(i, _)| prefetched[*i].take()).collect();
+        for unused in prefetched.into_iter().flatten() {
+            self.recycle(unused.frames);
+            self.recycle(unused.values);
+        }
+        let results = self.walk_many(&contexts, pre);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut dropped = Vec::new();
         for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
             let mut result = match first {
-                Ok(frames) => Some(frames),
+                Ok(stack) => Some(stack),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Changed(_)) => None,
             };
@@ -266,18 +342,26 @@ impl<M: Memory> Spy<M> {
                 if result.is_some() {
                     break;
                 }
-                self.heap_envs.clear();
+                self.forget_envs();
                 match self.walk(ec) {
-                    Ok(frames) => result = Some(frames),
+                    Ok(stack) => result = Some(stack),
                     Err(Attempt::Fatal(e)) => return Err(e),
                     Err(Attempt::Changed(_)) => {}
                 }
             }
+            let thread = self.thread_list.threads[i].0;
+            match &result {
+                Some(_) => self.guess_stack(thread, ec),
+                None => {
+                    self.thread_list.stacks.remove(&thread);
+                }
+            }
             match result {
-                Some(frames) => sampled.push(SampledThread {
+                Some(stack) => sampled.push(SampledThread {
                     info: self.thread_list.threads[i].1.clone(),
                     state,
-                    frames,
+                    frames: stack.frames,
+                    stack_token: stack.token,
                 }),
                 None => dropped.push("stack changed while read"),
             }

@@ -62,10 +62,14 @@ module RubySpy
 
     # What recording cost the profiler (not the target).
     # @return [Hash] +:sampler_cpu+ seconds of CPU used by the sampler thread,
-    #   +:read_calls+ (+process_vm_readv+ calls), +:per_tick_us+ CPU per sampling tick
+    #   +:sampling_cpu+ the part of it spent taking samples (the rest is the kernel waking the
+    #   thread up), +:read_calls+ (+process_vm_readv+ calls), +:per_tick_us+ and
+    #   +:sampling_per_tick_us+ the same per sampling tick
     def cost
-      cpu, calls = @native.cost
-      { sampler_cpu: cpu, read_calls: calls, per_tick_us: ticks.zero? ? 0.0 : cpu * 1e6 / ticks }
+      cpu, work, calls = @native.cost
+      per_tick = ->(seconds) { ticks.zero? ? 0.0 : seconds * 1e6 / ticks }
+      { sampler_cpu: cpu, sampling_cpu: work, read_calls: calls,
+        per_tick_us: per_tick.(cpu), sampling_per_tick_us: per_tick.(work) }
     end
 
     # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:states+

@@ -115,9 +115,11 @@ fn header(profile: &Profile, total: u64, out: &mut dyn Write) -> std::io::Result
     if profile.sampler_cpu_ns > 0 && profile.ticks > 0 {
         writeln!(
             out,
-            "Profiler cost: {:.1} ms of CPU ({:.1} us per tick), {} process_vm_readv calls",
+            "Profiler cost: {:.1} ms of CPU ({:.1} us per tick, {:.1} us of it sampling, \
+             the rest waking up), {} process_vm_readv calls",
             profile.sampler_cpu_ns as f64 / 1e6,
             profile.sampler_cpu_ns as f64 / 1e3 / profile.ticks as f64,
+            profile.sampler_work_ns as f64 / 1e3 / profile.ticks as f64,
             profile.read_calls
         )?;
     }

@@ -144,10 +144,16 @@ impl Handle {
         let out = ruby.ary_new_capa(threads.len());
         for t in threads {
             let frames = ruby.ary_new_capa(t.frames.len());
-            for f in &t.frames {
+            for f in t.frames.iter() {
                 frames.push(frame_row(f))?;
             }
-            out.push((t.info.tid, t.info.name, t.info.main, t.state.name(), frames))?;
+            out.push((
+                t.info.tid,
+                t.info.name.clone(),
+                t.info.main,
+                t.state.name(),
+                frames,
+            ))?;
         }
         Ok(out)
     }

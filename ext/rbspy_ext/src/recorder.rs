@@ -160,9 +160,13 @@ impl NativeProfile {
         self.0.rate_hz
     }
 
-    /// [sampler CPU seconds, process_vm_readv calls]
-    fn cost(&self) -> (f64, u64) {
-        (self.0.sampler_cpu_ns as f64 / 1e9, self.0.read_calls)
+    /// [sampler CPU seconds, of which sampling (not waking up), process_vm_readv calls]
+    fn cost(&self) -> (f64, f64, u64) {
+        (
+            self.0.sampler_cpu_ns as f64 / 1e9,
+            self.0.sampler_work_ns as f64 / 1e9,
+            self.0.read_calls,
+        )
     }
 
     fn errors(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {

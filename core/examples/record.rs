@@ -1,0 +1,79 @@
+//! `cargo run --release --example record -- PID [RATE] [SECONDS]`: records a process with the
+//! sampler alone (no Ruby involved) and prints what it cost: ticks, sampler CPU per tick,
+//! `process_vm_readv` calls per tick. Handy under `perf record` to see where a tick goes.
+//!
+//! `... --example record -- idle [RATE] [SECONDS]`: the same timer loop without sampling, to
+//! show what merely waking up at that rate costs on this machine.
+use rbspy_ext_core::sampler::{RecordConfig, Recorder, Timer};
+use std::time::{Duration, Instant};
+
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wakes up at `rate` for `seconds` (the same jittered timer as the sampler), doing nothing.
+fn idle(rate: f64, seconds: f64) {
+    let mut timer = Timer::new(rate, 0x9e37_79b9);
+    let started = Instant::now();
+    let cpu = thread_cpu_ns();
+    let mut next = started;
+    let mut wakes = 0u64;
+    while started.elapsed().as_secs_f64() < seconds {
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        }
+        next += timer.next_interval();
+        wakes += 1;
+    }
+    println!(
+        "{wakes} wake-ups, {:.2} us CPU per wake-up",
+        (thread_cpu_ns() - cpu) as f64 / 1e3 / wakes as f64
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("idle") {
+        let rate: f64 = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(1000.0);
+        let seconds: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5.0);
+        return idle(rate, seconds);
+    }
+    let pid: i32 = args
+        .get(1)
+        .and_then(|p| p.parse().ok())
+        .expect("usage: record PID [RATE] [SECONDS]");
+    let rate: f64 = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(1000.0);
+    let seconds: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5.0);
+    let config = RecordConfig {
+        rate_hz: rate,
+        duration: Some(Duration::from_secs_f64(seconds)),
+        ..RecordConfig::default()
+    };
+    let recorder = Recorder::start(pid, config).unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(1)
+    });
+    while !recorder.finished() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let p = recorder.stop();
+    let ticks = p.ticks.max(1);
+    println!(
+        "{} ticks ({} samples, {} distinct stacks), {:.2} us CPU per tick ({:.2} us sampling), \
+         {:.2} reads per tick, errors {:?}",
+        p.ticks,
+        p.samples,
+        p.stacks.len(),
+        p.sampler_cpu_ns as f64 / 1e3 / ticks as f64,
+        p.sampler_work_ns as f64 / 1e3 / ticks as f64,
+        p.read_calls as f64 / ticks as f64,
+        p.errors
+    );
+}
