@@ -92,14 +92,15 @@ RSpec.describe RubySpy::Recorder do
       expect(profile.render(:collapsed)).not_to include("Kernel#sleep")
     end
 
-    it "with on_cpu: true keeps only running samples (no waiting_for_gvl, no blocked)" do
+    it "with on_cpu: true keeps only samples holding the GVL (no waiting_for_gvl, no blocked)" do
       target = start_target("gvl_contention")
       profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 0.5, on_cpu: true).start.wait.stop
 
       expect(profile.samples).to be > 0
       expect(profile.threads.map { |t| t[:main] }).to all(be(false))
-      expect(profile.threads.flat_map { |t| t[:states].keys }.uniq).to eq(["running"]),
-                                                                       profile.threads.inspect
+      states = profile.threads.flat_map { |t| t[:states].keys }.uniq
+      expect(states).to include("running")
+      expect(states - %w[running gc gc_marking gc_sweeping gc_compacting]).to eq([]), profile.threads.inspect
       expect(profile.samples).to be <= profile.ticks
       expect(profile.threads.map { |t| t[:name] } - %w[spinner-a spinner-b]).to eq([])
     end
@@ -124,6 +125,35 @@ RSpec.describe RubySpy::Recorder do
       end
       expect(running).to be <= profile.ticks # one GVL, one holder per tick
       expect(profile.errors.values.sum).to be < 0.05 * profile.ticks, "errors: #{profile.errors.inspect}"
+    end
+  end
+
+  describe "states the thread status alone does not tell" do
+    it "records a thread that woke from sleep and queues for the GVL as waiting, not blocked" do
+      target = start_target("napper")
+      profile = RubySpy::Recorder.new(target.pid, rate: 400, duration: 1).start.wait.stop
+
+      napper = profile.threads.find { |t| t[:name] == "napper" } or raise profile.threads.inspect
+      spinner = profile.threads.find { |t| t[:name] == "spinner" } or raise profile.threads.inspect
+      # Ruby hands the GVL over every 100 ms; the napper sleeps 1 ms of each cycle.
+      expect(napper[:states]["waiting_for_gvl"].to_i).to be >= 0.8 * total(napper[:states]),
+                                                         napper.inspect
+      expect(spinner[:states]["running"].to_i).to be >= 0.8 * total(spinner[:states]), spinner.inspect
+    end
+
+    it "records the thread collecting garbage in GC, by phase, about as often as Ruby counts GC time" do
+      target = start_target("gc_churn", "3")
+      profile = RubySpy::Recorder.new(target.pid, rate: 500, duration: 2).start.wait.stop
+
+      states = profile.threads.find { |t| t[:main] }[:states]
+      in_gc = states.select { |state, _| state.start_with?("gc") }
+      expect(in_gc.keys - %w[gc gc_marking gc_sweeping gc_compacting]).to eq([]), states.inspect
+      expect(in_gc["gc_marking"].to_i).to be > 0, states.inspect
+      expect(in_gc["gc_sweeping"].to_i).to be > 0, states.inspect
+      share = in_gc.values.sum.to_f / total(states)
+      expect(share).to be > 0.02
+      reported = target.result(".gc")["share"] # Ruby's own GC.stat(:time), 3.1+
+      expect(share).to be_within(0.5 * reported + 0.03).of(reported) if reported
     end
   end
 

@@ -122,6 +122,30 @@ int main(void) {
     NONE(thread_nt);
     NONE(native_thread_tid);
 #endif
+    /* Waiting for the GVL: linked into the GVL's (3.2+: the scheduler's) queue. Before 3.3
+     * the node is a union with the ubf-list node, told apart by unblock.func. */
+#if RV >= 303
+    OFF(thread_gvl_wait_node, rb_thread_t, sched.node.readyq);
+    NONE(thread_unblock_func);
+#elif RV >= 302
+    OFF(thread_gvl_wait_node, rb_thread_t, sched.node.readyq);
+    SOMEOFF(thread_unblock_func, rb_thread_t, unblock.func);
+#else
+    OFF(thread_gvl_wait_node, rb_thread_t, native_thread_data.node.gvl);
+    SOMEOFF(thread_unblock_func, rb_thread_t, unblock.func);
+#endif
+    /* The GC's flags: rb_objspace is private to gc.c (gc/default/default.c in 3.4+). It
+     * starts with malloc_params (two size_t: MALLOC_ALLOCATED_SIZE is 0 in every Debian
+     * build), then, from 3.4, gc_config (one bool, padded), then flags. */
+#if RV >= 304
+    OFF(vm_objspace, rb_vm_t, gc.objspace);
+    printf("    // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)\n");
+    U(objspace_flags, 24);
+#else
+    OFF(vm_objspace, rb_vm_t, objspace);
+    printf("    // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)\n");
+    U(objspace_flags, 16);
+#endif
     OFF(ec_vm_stack, rb_execution_context_t, vm_stack);
     OFF(ec_vm_stack_size, rb_execution_context_t, vm_stack_size);
     OFF(ec_cfp, rb_execution_context_t, cfp);

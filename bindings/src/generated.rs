@@ -25,6 +25,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: None,
         native_thread_tid: None,
+        thread_gvl_wait_node: 88,
+        thread_unblock_func: Some(232),
+        vm_objspace: 1152,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -137,6 +142,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: Some(88),
         thread_nt: None,
         native_thread_tid: None,
+        thread_gvl_wait_node: 104,
+        thread_unblock_func: Some(248),
+        vm_objspace: 1104,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -249,6 +259,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: Some(40),
         native_thread_tid: Some(24),
+        thread_gvl_wait_node: 72,
+        thread_unblock_func: None,
+        vm_objspace: 1304,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -361,6 +376,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: Some(40),
         native_thread_tid: Some(24),
+        thread_gvl_wait_node: 72,
+        thread_unblock_func: None,
+        vm_objspace: 1296,
+        // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
+        objspace_flags: 24,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -473,6 +493,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: None,
         native_thread_tid: None,
+        thread_gvl_wait_node: 88,
+        thread_unblock_func: Some(232),
+        vm_objspace: 1152,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -591,6 +616,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: None,
         native_thread_tid: None,
+        thread_gvl_wait_node: 96,
+        thread_unblock_func: Some(240),
+        vm_objspace: 1088,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -691,6 +721,130 @@ pub static LAYOUTS: &[Layout] = &[
         id_entry_size: 2,
     },
     Layout {
+        name: "3.1",
+        api_version: 301,
+        vm_main_ractor: Some(32),
+        vm_main_thread: 40,
+        vm_gvl_owner: None,
+        ractor_gvl_owner: Some(336),
+        ractor_threads_main: Some(528),
+        thread_self: 16,
+        thread_vm: 32,
+        thread_ec: 40,
+        vm_living_threads: None,
+        ractor_threads_set: Some(304),
+        thread_list_node: 0,
+        thread_name: 352,
+        thread_status: Some((92, 0x3)),
+        thread_status_runnable: 0,
+        thread_tid: Some(88),
+        thread_nt: None,
+        native_thread_tid: None,
+        thread_gvl_wait_node: 104,
+        thread_unblock_func: Some(248),
+        vm_objspace: 1112,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
+        ec_vm_stack: 0,
+        ec_vm_stack_size: 8,
+        ec_cfp: 16,
+        ec_thread_ptr: 48,
+        cfp_size: 64,
+        cfp_pc: 0,
+        cfp_sp: 8,
+        cfp_iseq: 16,
+        cfp_self: 24,
+        cfp_ep: 32,
+        iseq_body: 16,
+        body_type: 0,
+        body_iseq_size: 4,
+        body_iseq_encoded: 8,
+        body_location_pathobj: 64,
+        body_location_base_label: 72,
+        body_location_label: 80,
+        body_location_first_lineno: 88,
+        body_insns_info_body: 120,
+        body_insns_info_size: 136,
+        body_insns_info_succ_index_table: 144,
+        body_parent_iseq: 168,
+        body_local_iseq: 176,
+        body_mandatory_only_iseq: Some(272),
+        body_read_size: 184,
+        insn_info_entry_size: 12,
+        insn_info_entry_line_no: 0,
+        // from iseq.c: IMMEDIATE_TABLE_SIZE, struct succ_dict_block (private; same in 2.7.4-3.4.5)
+        succ_immediate_table_size: 54,
+        succ_dict_block_size: 80,
+        succ_dict_block_rank: 0,
+        succ_dict_block_small_block_ranks: 8,
+        succ_dict_block_bits: 16,
+        iseq_type_top: 0,
+        iseq_type_method: 1,
+        iseq_type_block: 2,
+        iseq_type_class: 3,
+        iseq_type_rescue: 4,
+        iseq_type_ensure: 5,
+        iseq_type_eval: 6,
+        iseq_type_main: 7,
+        iseq_type_plain: 8,
+        me_def: 16,
+        me_owner: 32,
+        me_def_original_id: 32,
+        me_def_iseqptr: 8,
+        me_def_type_mask: 0xf,
+        me_def_type_shift: 0,
+        method_type_iseq: 0,
+        method_type_cfunc: 1,
+        // from vm_core.h: VM_FRAME_MAGIC_*, VM_ENV_FLAG_LOCAL (not emitted; same in 2.7.4-3.4.5)
+        frame_magic_mask: 0x7fff0001,
+        frame_magic_cfunc: 0x55550001,
+        env_flag_local: 0x2,
+        imemo_ment: 6,
+        imemo_iseq: 7,
+        imemo_svar: 2,
+        svar_cref_or_me: 8,
+        rbasic_flags: 0,
+        fl_ushift: 12,
+        fl_singleton: 0x1000,
+        rstring_noembed: 0x2000,
+        rstring_embed_len_mask: 0x7c000,
+        rstring_embed_len_shift: 14,
+        rstring_embed_len: None,
+        rstring_heap_len: 16,
+        rstring_heap_ptr: 24,
+        rstring_embed_ary: 16,
+        rarray_embed_flag: 0x2000,
+        rarray_embed_len_mask: 0x18000,
+        rarray_embed_len_shift: 15,
+        rarray_heap_len: 16,
+        rarray_heap_ptr: 32,
+        rarray_embed_ary: 16,
+        // from internal/class.h: struct RClass {basic, super, ptr, ...} (not in the crate before 3.3)
+        rclass_ext_ptr: Some(24),
+        rclass_ext_inline: None,
+        // from internal/class.h: rb_classext_struct {iv_index_tbl, iv_tbl, ...} (as in 2.7.4 and 3.1.2)
+        classext_iv_tbl: Some(8),
+        classext_classpath: None,
+        classext_permanent_classpath: None,
+        classext_attached_object: None,
+        st_table_entries_start: 32,
+        st_table_entries_bound: 40,
+        st_table_entries: 48,
+        // from st.c: struct st_table_entry (private; same in 2.7.4-3.4.5)
+        st_table_entry_size: 24,
+        st_table_entry_key: 8,
+        st_table_entry_record: 16,
+        // from symbol.h: rb_symbols_t {last_id, str_sym, ids, dsymbol_fstr_hash} (same in 2.7.4-3.4.5)
+        symbols_last_id: 0,
+        symbols_ids: 16,
+        symbols_size: 32,
+        id_scope_shift: 4,
+        last_op_id: 169,
+        // from symbol.c: ID_ENTRY_UNIT, ID_ENTRY_SIZE (private; same in 2.7.4-3.4.5)
+        id_entry_unit: 512,
+        id_entry_size: 2,
+    },
+    Layout {
         name: "3.2",
         api_version: 302,
         vm_main_ractor: Some(32),
@@ -710,6 +864,259 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: Some(40),
         native_thread_tid: Some(16),
+        thread_gvl_wait_node: 56,
+        thread_unblock_func: Some(200),
+        vm_objspace: 1128,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
+        ec_vm_stack: 0,
+        ec_vm_stack_size: 8,
+        ec_cfp: 16,
+        ec_thread_ptr: 48,
+        cfp_size: 64,
+        cfp_pc: 0,
+        cfp_sp: 8,
+        cfp_iseq: 16,
+        cfp_self: 24,
+        cfp_ep: 32,
+        iseq_body: 16,
+        body_type: 0,
+        body_iseq_size: 4,
+        body_iseq_encoded: 8,
+        body_location_pathobj: 64,
+        body_location_base_label: 72,
+        body_location_label: 80,
+        body_location_first_lineno: 88,
+        body_insns_info_body: 112,
+        body_insns_info_size: 128,
+        body_insns_info_succ_index_table: 136,
+        body_parent_iseq: 160,
+        body_local_iseq: 168,
+        body_mandatory_only_iseq: Some(280),
+        body_read_size: 176,
+        insn_info_entry_size: 12,
+        insn_info_entry_line_no: 0,
+        // from iseq.c: IMMEDIATE_TABLE_SIZE, struct succ_dict_block (private; same in 2.7.4-3.4.5)
+        succ_immediate_table_size: 54,
+        succ_dict_block_size: 80,
+        succ_dict_block_rank: 0,
+        succ_dict_block_small_block_ranks: 8,
+        succ_dict_block_bits: 16,
+        iseq_type_top: 0,
+        iseq_type_method: 1,
+        iseq_type_block: 2,
+        iseq_type_class: 3,
+        iseq_type_rescue: 4,
+        iseq_type_ensure: 5,
+        iseq_type_eval: 6,
+        iseq_type_main: 7,
+        iseq_type_plain: 8,
+        me_def: 16,
+        me_owner: 32,
+        me_def_original_id: 32,
+        me_def_iseqptr: 8,
+        me_def_type_mask: 0xf,
+        me_def_type_shift: 0,
+        method_type_iseq: 0,
+        method_type_cfunc: 1,
+        // from vm_core.h: VM_FRAME_MAGIC_*, VM_ENV_FLAG_LOCAL (not emitted; same in 2.7.4-3.4.5)
+        frame_magic_mask: 0x7fff0001,
+        frame_magic_cfunc: 0x55550001,
+        env_flag_local: 0x2,
+        imemo_ment: 6,
+        imemo_iseq: 7,
+        imemo_svar: 2,
+        svar_cref_or_me: 8,
+        rbasic_flags: 0,
+        fl_ushift: 12,
+        fl_singleton: 0x1000,
+        rstring_noembed: 0x2000,
+        rstring_embed_len_mask: 0x0,
+        rstring_embed_len_shift: 0,
+        rstring_embed_len: Some(16),
+        rstring_heap_len: 16,
+        rstring_heap_ptr: 24,
+        rstring_embed_ary: 24,
+        rarray_embed_flag: 0x2000,
+        rarray_embed_len_mask: 0x3f8000,
+        rarray_embed_len_shift: 15,
+        rarray_heap_len: 16,
+        rarray_heap_ptr: 32,
+        rarray_embed_ary: 16,
+        // None: the crate has no class extension for 3.2, and 3.2's differs (inline after RClass,
+        // ivars by shape in iv_ptr, no iv_tbl nor classpath field): no field here applies
+        rclass_ext_ptr: None,
+        rclass_ext_inline: None,
+        classext_iv_tbl: None,
+        classext_classpath: None,
+        classext_permanent_classpath: None,
+        classext_attached_object: None,
+        st_table_entries_start: 32,
+        st_table_entries_bound: 40,
+        st_table_entries: 48,
+        // from st.c: struct st_table_entry (private; same in 2.7.4-3.4.5)
+        st_table_entry_size: 24,
+        st_table_entry_key: 8,
+        st_table_entry_record: 16,
+        // from symbol.h: rb_symbols_t {last_id, str_sym, ids, dsymbol_fstr_hash} (same in 2.7.4-3.4.5)
+        symbols_last_id: 0,
+        symbols_ids: 16,
+        symbols_size: 32,
+        id_scope_shift: 4,
+        last_op_id: 169,
+        // from symbol.c: ID_ENTRY_UNIT, ID_ENTRY_SIZE (private; same in 2.7.4-3.4.5)
+        id_entry_unit: 512,
+        id_entry_size: 2,
+    },
+    Layout {
+        name: "3.2",
+        api_version: 302,
+        vm_main_ractor: Some(32),
+        vm_main_thread: 40,
+        vm_gvl_owner: None,
+        ractor_gvl_owner: Some(336),
+        ractor_threads_main: Some(528),
+        thread_self: 16,
+        thread_vm: 32,
+        thread_ec: 48,
+        vm_living_threads: None,
+        ractor_threads_set: Some(304),
+        thread_list_node: 0,
+        thread_name: 304,
+        thread_status: Some((112, 0x3)),
+        thread_status_runnable: 0,
+        thread_tid: None,
+        thread_nt: Some(40),
+        native_thread_tid: Some(16),
+        thread_gvl_wait_node: 56,
+        thread_unblock_func: Some(200),
+        vm_objspace: 1136,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
+        ec_vm_stack: 0,
+        ec_vm_stack_size: 8,
+        ec_cfp: 16,
+        ec_thread_ptr: 48,
+        cfp_size: 64,
+        cfp_pc: 0,
+        cfp_sp: 8,
+        cfp_iseq: 16,
+        cfp_self: 24,
+        cfp_ep: 32,
+        iseq_body: 16,
+        body_type: 0,
+        body_iseq_size: 4,
+        body_iseq_encoded: 8,
+        body_location_pathobj: 64,
+        body_location_base_label: 72,
+        body_location_label: 80,
+        body_location_first_lineno: 88,
+        body_insns_info_body: 112,
+        body_insns_info_size: 128,
+        body_insns_info_succ_index_table: 136,
+        body_parent_iseq: 160,
+        body_local_iseq: 168,
+        body_mandatory_only_iseq: Some(280),
+        body_read_size: 176,
+        insn_info_entry_size: 12,
+        insn_info_entry_line_no: 0,
+        // from iseq.c: IMMEDIATE_TABLE_SIZE, struct succ_dict_block (private; same in 2.7.4-3.4.5)
+        succ_immediate_table_size: 54,
+        succ_dict_block_size: 80,
+        succ_dict_block_rank: 0,
+        succ_dict_block_small_block_ranks: 8,
+        succ_dict_block_bits: 16,
+        iseq_type_top: 0,
+        iseq_type_method: 1,
+        iseq_type_block: 2,
+        iseq_type_class: 3,
+        iseq_type_rescue: 4,
+        iseq_type_ensure: 5,
+        iseq_type_eval: 6,
+        iseq_type_main: 7,
+        iseq_type_plain: 8,
+        me_def: 16,
+        me_owner: 32,
+        me_def_original_id: 32,
+        me_def_iseqptr: 8,
+        me_def_type_mask: 0xf,
+        me_def_type_shift: 0,
+        method_type_iseq: 0,
+        method_type_cfunc: 1,
+        // from vm_core.h: VM_FRAME_MAGIC_*, VM_ENV_FLAG_LOCAL (not emitted; same in 2.7.4-3.4.5)
+        frame_magic_mask: 0x7fff0001,
+        frame_magic_cfunc: 0x55550001,
+        env_flag_local: 0x2,
+        imemo_ment: 6,
+        imemo_iseq: 7,
+        imemo_svar: 2,
+        svar_cref_or_me: 8,
+        rbasic_flags: 0,
+        fl_ushift: 12,
+        fl_singleton: 0x1000,
+        rstring_noembed: 0x2000,
+        rstring_embed_len_mask: 0x0,
+        rstring_embed_len_shift: 0,
+        rstring_embed_len: Some(16),
+        rstring_heap_len: 16,
+        rstring_heap_ptr: 24,
+        rstring_embed_ary: 24,
+        rarray_embed_flag: 0x2000,
+        rarray_embed_len_mask: 0x3f8000,
+        rarray_embed_len_shift: 15,
+        rarray_heap_len: 16,
+        rarray_heap_ptr: 32,
+        rarray_embed_ary: 16,
+        // None: the crate has no class extension for 3.2, and 3.2's differs (inline after RClass,
+        // ivars by shape in iv_ptr, no iv_tbl nor classpath field): no field here applies
+        rclass_ext_ptr: None,
+        rclass_ext_inline: None,
+        classext_iv_tbl: None,
+        classext_classpath: None,
+        classext_permanent_classpath: None,
+        classext_attached_object: None,
+        st_table_entries_start: 32,
+        st_table_entries_bound: 40,
+        st_table_entries: 48,
+        // from st.c: struct st_table_entry (private; same in 2.7.4-3.4.5)
+        st_table_entry_size: 24,
+        st_table_entry_key: 8,
+        st_table_entry_record: 16,
+        // from symbol.h: rb_symbols_t {last_id, str_sym, ids, dsymbol_fstr_hash} (same in 2.7.4-3.4.5)
+        symbols_last_id: 0,
+        symbols_ids: 16,
+        symbols_size: 32,
+        id_scope_shift: 4,
+        last_op_id: 169,
+        // from symbol.c: ID_ENTRY_UNIT, ID_ENTRY_SIZE (private; same in 2.7.4-3.4.5)
+        id_entry_unit: 512,
+        id_entry_size: 2,
+    },
+    Layout {
+        name: "3.2",
+        api_version: 302,
+        vm_main_ractor: Some(32),
+        vm_main_thread: 40,
+        vm_gvl_owner: None,
+        ractor_gvl_owner: Some(336),
+        ractor_threads_main: Some(528),
+        thread_self: 16,
+        thread_vm: 32,
+        thread_ec: 48,
+        vm_living_threads: None,
+        ractor_threads_set: Some(304),
+        thread_list_node: 0,
+        thread_name: 304,
+        thread_status: Some((112, 0x3)),
+        thread_status_runnable: 0,
+        thread_tid: None,
+        thread_nt: Some(40),
+        native_thread_tid: Some(16),
+        thread_gvl_wait_node: 56,
+        thread_unblock_func: Some(200),
+        vm_objspace: 1144,
+        // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)
+        objspace_flags: 16,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -829,6 +1236,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: Some(40),
         native_thread_tid: Some(24),
+        thread_gvl_wait_node: 72,
+        thread_unblock_func: None,
+        vm_objspace: 1248,
+        // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
+        objspace_flags: 24,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -947,6 +1359,11 @@ pub static LAYOUTS: &[Layout] = &[
         thread_tid: None,
         thread_nt: Some(40),
         native_thread_tid: Some(24),
+        thread_gvl_wait_node: 72,
+        thread_unblock_func: None,
+        vm_objspace: 1256,
+        // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
+        objspace_flags: 24,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -1049,78 +1466,78 @@ pub static LAYOUTS: &[Layout] = &[
 
 /// Every known release and the index of its layout in [`LAYOUTS`].
 pub static VERSIONS: &[(&str, usize)] = &[
-    ("2.7.4", 0),  // Debian headers
-    ("3.1.2", 1),  // Debian headers
-    ("3.3.8", 2),  // Debian headers
-    ("3.4.5", 3),  // Debian headers
+    ("2.7.4", 0), // Debian headers
+    ("3.1.2", 1), // Debian headers
+    ("3.3.8", 2), // Debian headers
+    ("3.4.5", 3), // Debian headers
     ("3.4.11", 3), // Debian headers of 3.4.5
-    ("2.7.0", 4),  // rbspy-ruby-structs
-    ("2.7.1", 4),  // rbspy-ruby-structs
-    ("2.7.2", 4),  // rbspy-ruby-structs
-    ("2.7.3", 4),  // rbspy-ruby-structs
-    ("2.7.5", 4),  // rbspy-ruby-structs
-    ("2.7.6", 4),  // rbspy-ruby-structs
-    ("2.7.7", 4),  // rbspy-ruby-structs
-    ("2.7.8", 4),  // rbspy-ruby-structs
-    ("3.0.0", 5),  // rbspy-ruby-structs
-    ("3.0.1", 5),  // rbspy-ruby-structs
-    ("3.0.2", 5),  // rbspy-ruby-structs
-    ("3.0.3", 5),  // rbspy-ruby-structs
-    ("3.0.4", 5),  // rbspy-ruby-structs
-    ("3.0.5", 5),  // rbspy-ruby-structs
-    ("3.0.6", 5),  // rbspy-ruby-structs
-    ("3.0.7", 5),  // rbspy-ruby-structs
-    ("3.1.0", 1),  // rbspy-ruby-structs
-    ("3.1.1", 1),  // rbspy-ruby-structs
-    ("3.1.3", 1),  // rbspy-ruby-structs
-    ("3.1.4", 1),  // rbspy-ruby-structs
-    ("3.1.5", 1),  // rbspy-ruby-structs
-    ("3.1.6", 1),  // rbspy-ruby-structs
-    ("3.1.7", 1),  // rbspy-ruby-structs
-    ("3.2.0", 6),  // rbspy-ruby-structs
-    ("3.2.1", 6),  // rbspy-ruby-structs
-    ("3.2.2", 6),  // rbspy-ruby-structs
-    ("3.2.3", 6),  // rbspy-ruby-structs
-    ("3.2.4", 6),  // rbspy-ruby-structs
-    ("3.2.5", 6),  // rbspy-ruby-structs
-    ("3.2.6", 6),  // rbspy-ruby-structs
-    ("3.2.7", 6),  // rbspy-ruby-structs
-    ("3.2.8", 6),  // rbspy-ruby-structs
-    ("3.2.9", 6),  // rbspy-ruby-structs
-    ("3.2.10", 6), // rbspy-ruby-structs
-    ("3.2.11", 6), // rbspy-ruby-structs
-    ("3.3.0", 2),  // rbspy-ruby-structs
-    ("3.3.1", 2),  // rbspy-ruby-structs
-    ("3.3.2", 2),  // rbspy-ruby-structs
-    ("3.3.3", 2),  // rbspy-ruby-structs
-    ("3.3.4", 2),  // rbspy-ruby-structs
-    ("3.3.5", 2),  // rbspy-ruby-structs
-    ("3.3.6", 2),  // rbspy-ruby-structs
-    ("3.3.7", 2),  // rbspy-ruby-structs
-    ("3.3.9", 2),  // rbspy-ruby-structs
+    ("2.7.0", 4), // rbspy-ruby-structs
+    ("2.7.1", 4), // rbspy-ruby-structs
+    ("2.7.2", 4), // rbspy-ruby-structs
+    ("2.7.3", 4), // rbspy-ruby-structs
+    ("2.7.5", 4), // rbspy-ruby-structs
+    ("2.7.6", 4), // rbspy-ruby-structs
+    ("2.7.7", 4), // rbspy-ruby-structs
+    ("2.7.8", 4), // rbspy-ruby-structs
+    ("3.0.0", 5), // rbspy-ruby-structs
+    ("3.0.1", 5), // rbspy-ruby-structs
+    ("3.0.2", 5), // rbspy-ruby-structs
+    ("3.0.3", 5), // rbspy-ruby-structs
+    ("3.0.4", 5), // rbspy-ruby-structs
+    ("3.0.5", 5), // rbspy-ruby-structs
+    ("3.0.6", 5), // rbspy-ruby-structs
+    ("3.0.7", 5), // rbspy-ruby-structs
+    ("3.1.0", 1), // rbspy-ruby-structs
+    ("3.1.1", 1), // rbspy-ruby-structs
+    ("3.1.3", 1), // rbspy-ruby-structs
+    ("3.1.4", 1), // rbspy-ruby-structs
+    ("3.1.5", 6), // rbspy-ruby-structs
+    ("3.1.6", 6), // rbspy-ruby-structs
+    ("3.1.7", 6), // rbspy-ruby-structs
+    ("3.2.0", 7), // rbspy-ruby-structs
+    ("3.2.1", 7), // rbspy-ruby-structs
+    ("3.2.2", 7), // rbspy-ruby-structs
+    ("3.2.3", 8), // rbspy-ruby-structs
+    ("3.2.4", 9), // rbspy-ruby-structs
+    ("3.2.5", 9), // rbspy-ruby-structs
+    ("3.2.6", 9), // rbspy-ruby-structs
+    ("3.2.7", 9), // rbspy-ruby-structs
+    ("3.2.8", 9), // rbspy-ruby-structs
+    ("3.2.9", 9), // rbspy-ruby-structs
+    ("3.2.10", 9), // rbspy-ruby-structs
+    ("3.2.11", 9), // rbspy-ruby-structs
+    ("3.3.0", 2), // rbspy-ruby-structs
+    ("3.3.1", 2), // rbspy-ruby-structs
+    ("3.3.2", 2), // rbspy-ruby-structs
+    ("3.3.3", 2), // rbspy-ruby-structs
+    ("3.3.4", 2), // rbspy-ruby-structs
+    ("3.3.5", 2), // rbspy-ruby-structs
+    ("3.3.6", 2), // rbspy-ruby-structs
+    ("3.3.7", 2), // rbspy-ruby-structs
+    ("3.3.9", 2), // rbspy-ruby-structs
     ("3.3.10", 2), // rbspy-ruby-structs
     ("3.3.11", 2), // rbspy-ruby-structs
     ("3.3.12", 2), // rbspy-ruby-structs
     ("3.3.13", 2), // rbspy-ruby-structs
-    ("3.4.0", 3),  // rbspy-ruby-structs
-    ("3.4.1", 3),  // rbspy-ruby-structs
-    ("3.4.2", 3),  // rbspy-ruby-structs
-    ("3.4.3", 3),  // rbspy-ruby-structs
-    ("3.4.4", 3),  // rbspy-ruby-structs
-    ("3.4.6", 3),  // rbspy-ruby-structs
-    ("3.4.7", 3),  // rbspy-ruby-structs
-    ("3.4.8", 3),  // rbspy-ruby-structs
-    ("3.4.9", 3),  // rbspy-ruby-structs
+    ("3.4.0", 3), // rbspy-ruby-structs
+    ("3.4.1", 3), // rbspy-ruby-structs
+    ("3.4.2", 3), // rbspy-ruby-structs
+    ("3.4.3", 3), // rbspy-ruby-structs
+    ("3.4.4", 3), // rbspy-ruby-structs
+    ("3.4.6", 3), // rbspy-ruby-structs
+    ("3.4.7", 3), // rbspy-ruby-structs
+    ("3.4.8", 3), // rbspy-ruby-structs
+    ("3.4.9", 3), // rbspy-ruby-structs
     ("3.4.10", 3), // rbspy-ruby-structs
     ("3.4.12", 3), // rbspy-ruby-structs
-    ("4.0.0", 7),  // rbspy-ruby-structs
-    ("4.0.1", 7),  // rbspy-ruby-structs
-    ("4.0.2", 7),  // rbspy-ruby-structs
-    ("4.0.3", 7),  // rbspy-ruby-structs
-    ("4.0.4", 7),  // rbspy-ruby-structs
-    ("4.0.5", 7),  // rbspy-ruby-structs
-    ("4.0.6", 8),  // rbspy-ruby-structs
-    ("4.0.7", 8),  // rbspy-ruby-structs
-    ("4.0.8", 8),  // rbspy-ruby-structs
-    ("4.0.9", 8),  // rbspy-ruby-structs
+    ("4.0.0", 10), // rbspy-ruby-structs
+    ("4.0.1", 10), // rbspy-ruby-structs
+    ("4.0.2", 10), // rbspy-ruby-structs
+    ("4.0.3", 10), // rbspy-ruby-structs
+    ("4.0.4", 10), // rbspy-ruby-structs
+    ("4.0.5", 10), // rbspy-ruby-structs
+    ("4.0.6", 11), // rbspy-ruby-structs
+    ("4.0.7", 11), // rbspy-ruby-structs
+    ("4.0.8", 11), // rbspy-ruby-structs
+    ("4.0.9", 11), // rbspy-ruby-structs
 ];

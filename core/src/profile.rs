@@ -21,16 +21,25 @@ pub enum ThreadState {
     WaitingForGvl,
     /// Sleeping, in IO, joining, waiting on a mutex or queue: not competing for the GVL.
     Blocked,
-    /// The GVL holder is collecting garbage.
+    /// The GVL holder is collecting garbage, between phases (starting or finishing a run).
     Gc,
+    /// The GVL holder is collecting garbage: marking live objects.
+    GcMarking,
+    /// The GVL holder is collecting garbage: sweeping dead objects.
+    GcSweeping,
+    /// The GVL holder is collecting garbage: compacting the heap.
+    GcCompacting,
 }
 
 impl ThreadState {
-    pub const ALL: [ThreadState; 4] = [
+    pub const ALL: [ThreadState; 7] = [
         ThreadState::Running,
         ThreadState::WaitingForGvl,
         ThreadState::Blocked,
         ThreadState::Gc,
+        ThreadState::GcMarking,
+        ThreadState::GcSweeping,
+        ThreadState::GcCompacting,
     ];
 
     pub fn name(self) -> &'static str {
@@ -39,7 +48,20 @@ impl ThreadState {
             ThreadState::WaitingForGvl => "waiting_for_gvl",
             ThreadState::Blocked => "blocked",
             ThreadState::Gc => "gc",
+            ThreadState::GcMarking => "gc_marking",
+            ThreadState::GcSweeping => "gc_sweeping",
+            ThreadState::GcCompacting => "gc_compacting",
         }
+    }
+
+    /// Holds the GVL: running Ruby code or collecting garbage.
+    pub fn on_cpu(self) -> bool {
+        !matches!(self, ThreadState::WaitingForGvl | ThreadState::Blocked)
+    }
+
+    /// Collecting garbage, in whatever phase.
+    pub fn in_gc(self) -> bool {
+        self.on_cpu() && self != ThreadState::Running
     }
 
     pub fn from_name(name: &str) -> Option<Self> {

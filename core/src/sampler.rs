@@ -3,7 +3,7 @@
 //! profiles, whose threads keep running) and never sends signals.
 use crate::error::{Error, Result};
 use crate::memory::Memory;
-use crate::profile::{Aggregator, Profile, ThreadState};
+use crate::profile::{Aggregator, Profile};
 use crate::spy::{Config, Spy, ThreadSelection};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +20,8 @@ pub struct RecordConfig {
     /// Stop by itself after this long.
     pub duration: Option<Duration>,
     pub threads: ThreadSelection,
-    /// Keep only samples of threads that hold the GVL.
+    /// Keep only samples of threads that hold the GVL (running Ruby code or collecting
+    /// garbage).
     pub on_cpu: bool,
     /// Also record Ruby processes descending from the target (preforking servers); new
     /// ones are picked up within `SCAN_EVERY`.
@@ -188,7 +189,7 @@ fn sample_into<M: Memory>(
     match spy.sample_threads(config.threads) {
         Ok((threads, dropped)) => {
             for t in threads {
-                if config.on_cpu && t.state != ThreadState::Running {
+                if config.on_cpu && !t.state.on_cpu() {
                     continue;
                 }
                 agg.add_stack(&t.info, t.state, t.stack_token, &t.frames);

@@ -47,6 +47,8 @@ pub(super) struct ThreadList {
     stacks: FxHashMap<u64, StackGuess>,
     /// The thread that held the GVL at the last sample.
     last_owner: u64,
+    /// The GC's `rb_objspace` (read once: it lives as long as the VM).
+    objspace: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +57,20 @@ struct StackGuess {
     from: u64,
     end: u64,
     values: usize,
+}
+
+/// The state of the thread holding the GVL, from the GC's flags (`rb_objspace.flags`: a
+/// 2-bit mode at bit 0, `during_gc` at bit 5; see `Layout::objspace_flags`).
+fn gc_state(flags: u32) -> ThreadState {
+    if flags & (1 << 5) == 0 {
+        return ThreadState::Running;
+    }
+    match flags & 0x3 {
+        1 => ThreadState::GcMarking,
+        2 => ThreadState::GcSweeping,
+        3 => ThreadState::GcCompacting,
+        _ => ThreadState::Gc,
+    }
 }
 
 /// How many frames deeper than last time a stack may be and still be read with its thread.
@@ -212,8 +228,26 @@ impl<M: Memory> Spy<M> {
         // thread's context changes only when it switches fibers), and, on the guess that its
         // stack is about where it was, its control frames and value stack. In the steady state
         // this one call is the whole sample.
-        let span_from = l.thread_ec.min(status_byte);
-        let span = l.thread_ec.max(status_byte) + 8 - span_from;
+        let fields = [
+            l.thread_ec,
+            status_byte,
+            l.thread_gvl_wait_node,
+            l.thread_unblock_func.unwrap_or(l.thread_ec),
+        ];
+        let span_from = fields.iter().copied().min().unwrap_or(0);
+        let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
+        let objspace = match self.thread_list.objspace {
+            Some(o) => o,
+            None => {
+                let o = self
+                    .mem
+                    .read_u64(self.vm + l.vm_objspace as u64)
+                    .unwrap_or(0); // without it, GC is simply not told apart
+                self.thread_list.objspace = Some(o);
+                o
+            }
+        };
+        let mut gc_flags = [0u8; 4];
         let mut owner = [0u8; 8];
         let mut spans = vec![0u8; count * span];
         let mut heads = vec![[0u8; 24]; count];
@@ -240,6 +274,9 @@ impl<M: Memory> Spy<M> {
         }
         {
             let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
+            if is_heap_object(objspace) {
+                requests.push((objspace + l.objspace_flags as u64, &mut gc_flags[..]));
+            }
             for ((((thread, _), span_buf), (head, guess)), pre) in self
                 .thread_list
                 .threads
@@ -275,17 +312,26 @@ impl<M: Memory> Spy<M> {
         let owner = word(&owner, 0);
         self.thread_list.last_owner = owner;
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
+        let holder_state = gc_state(u32::from_le_bytes(gc_flags));
         let mut chosen: Vec<(usize, ThreadState)> = Vec::new();
         for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
             let status = statuses[i] & status_mask;
+            // Queued for the GVL: its node is linked (not null, not pointing at itself).
+            // Before 3.3 the node doubles as the ubf-list node of a thread blocked in a
+            // blocking region, which has an unblocking function set; one queued has none.
+            let node = word(field(i, l.thread_gvl_wait_node), 0);
+            let queued = node != 0
+                && node != thread + l.thread_gvl_wait_node as u64
+                && l.thread_unblock_func
+                    .is_none_or(|f| word(field(i, f), 0) == 0);
             let state = if *thread == owner {
-                ThreadState::Running
-            } else if status_mask == 0 || u64::from(status) == runnable {
+                holder_state
+            } else if queued || status_mask == 0 || u64::from(status) == runnable {
                 ThreadState::WaitingForGvl
             } else {
                 ThreadState::Blocked
             };
-            if which == ThreadSelection::GvlHolder && state != ThreadState::Running {
+            if which == ThreadSelection::GvlHolder && !state.on_cpu() {
                 continue;
             }
             if !is_heap_object(ecs[i]) {

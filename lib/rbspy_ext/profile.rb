@@ -73,7 +73,8 @@ module RubySpy
     end
 
     # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:states+
-    #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc")
+    #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc_marking", "gc_sweeping",
+    #   "gc_compacting", or "gc" between GC phases)
     def threads
       @native.threads.map do |pid, tid, name, main, states|
         { pid: pid, tid: tid, name: name, main: main, states: states }

@@ -235,6 +235,19 @@ module RubySpyTest
       line.chomp
     end
 
+    # A JSON file the fixture writes next to its ready file (READY_PATH + suffix), once it
+    # appears.
+    def result(suffix, timeout: READY_TIMEOUT)
+      path = "#{@ready_path}#{suffix}"
+      deadline = monotonic + timeout
+      until File.exist?(path)
+        raise "#{name} wrote no #{suffix} file within #{timeout} s" if monotonic > deadline
+
+        sleep POLL_INTERVAL
+      end
+      JSON.parse(File.read(path))
+    end
+
     # SIGKILL without reaping: the process becomes a zombie until #reap or #stop.
     def kill!
       Process.kill(:KILL, pid)

@@ -66,6 +66,9 @@ pub fn state_frame(state: ThreadState) -> &'static str {
         ThreadState::WaitingForGvl => "[waiting_for_gvl]",
         ThreadState::Blocked => "[blocked]",
         ThreadState::Gc => "[gc]",
+        ThreadState::GcMarking => "[gc_marking]",
+        ThreadState::GcSweeping => "[gc_sweeping]",
+        ThreadState::GcCompacting => "[gc_compacting]",
     }
 }
 

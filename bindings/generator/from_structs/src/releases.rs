@@ -56,6 +56,10 @@ macro_rules! since {
 // lacks. All were checked against the 2.7.4, 3.1.2, 3.3.8 and 3.4.5 sources
 // (/tmp/rbcache/ruby-src), where they are identical unless said otherwise.
 
+/// gc.c, gc/default/default.c: where `flags` sits in the private `struct rb_objspace`.
+const FROM_GC_C: &str = "from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)";
+const FROM_GC_DEFAULT_C: &str = "from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)";
+
 /// iseq.c: `IMMEDIATE_TABLE_SIZE` of the succinct bit vector behind `succ_index_table`.
 const IMMEDIATE_TABLE_SIZE: u64 = 54;
 /// iseq.c: `struct succ_dict_block` (the crate's `succ_index_table` is opaque).
@@ -237,6 +241,29 @@ macro_rules! layout {
             });
             l.none("thread_nt");
             l.none("native_thread_tid");
+        });
+        // Waiting for the GVL (see layout_probe.c).
+        since!($rv >= 302 {
+            l.dec("thread_gvl_wait_node", offset_of!(r::rb_thread_t, sched.node.readyq));
+            since!($rv >= 303 {
+                l.none("thread_unblock_func");
+            } else {
+                l.some("thread_unblock_func", offset_of!(r::rb_thread_t, unblock.func));
+            });
+        } else {
+            l.dec(
+                "thread_gvl_wait_node",
+                offset_of!(r::rb_thread_t, native_thread_data.node.gvl),
+            );
+            l.some("thread_unblock_func", offset_of!(r::rb_thread_t, unblock.func));
+        });
+        // The GC's flags; rb_objspace is private to gc.c (see layout_probe.c).
+        since!($rv >= 304 {
+            l.dec("vm_objspace", offset_of!(r::rb_vm_t, gc.objspace));
+            l.copied("objspace_flags", Val::Dec(24), FROM_GC_DEFAULT_C);
+        } else {
+            l.dec("vm_objspace", offset_of!(r::rb_vm_t, objspace));
+            l.copied("objspace_flags", Val::Dec(16), FROM_GC_C);
         });
         l.dec("ec_vm_stack", offset_of!(r::rb_execution_context_t, vm_stack));
         l.dec("ec_vm_stack_size", offset_of!(r::rb_execution_context_t, vm_stack_size));
