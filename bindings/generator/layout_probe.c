@@ -136,11 +136,11 @@ int main(void) {
 #endif
     /* The GC's flags: rb_objspace is private to gc.c (gc/default/default.c in 3.4+). It
      * starts with malloc_params (two size_t: MALLOC_ALLOCATED_SIZE is 0 in every Debian
-     * build), then, from 3.4, gc_config (one bool, padded), then flags. */
+     * build), then, from 3.4, gc_config (one bool), then flags (unsigned ints: at 20 after the bool). */
 #if RV >= 304
     OFF(vm_objspace, rb_vm_t, gc.objspace);
     printf("    // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)\n");
-    U(objspace_flags, 24);
+    U(objspace_flags, 20);
 #else
     OFF(vm_objspace, rb_vm_t, objspace);
     printf("    // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)\n");

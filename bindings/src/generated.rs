@@ -380,7 +380,7 @@ pub static LAYOUTS: &[Layout] = &[
         thread_unblock_func: None,
         vm_objspace: 1296,
         // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
-        objspace_flags: 24,
+        objspace_flags: 20,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -1240,7 +1240,7 @@ pub static LAYOUTS: &[Layout] = &[
         thread_unblock_func: None,
         vm_objspace: 1248,
         // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
-        objspace_flags: 24,
+        objspace_flags: 20,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -1363,7 +1363,7 @@ pub static LAYOUTS: &[Layout] = &[
         thread_unblock_func: None,
         vm_objspace: 1256,
         // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)
-        objspace_flags: 24,
+        objspace_flags: 20,
         ec_vm_stack: 0,
         ec_vm_stack_size: 8,
         ec_cfp: 16,
@@ -1466,68 +1466,68 @@ pub static LAYOUTS: &[Layout] = &[
 
 /// Every known release and the index of its layout in [`LAYOUTS`].
 pub static VERSIONS: &[(&str, usize)] = &[
-    ("2.7.4", 0), // Debian headers
-    ("3.1.2", 1), // Debian headers
-    ("3.3.8", 2), // Debian headers
-    ("3.4.5", 3), // Debian headers
+    ("2.7.4", 0),  // Debian headers
+    ("3.1.2", 1),  // Debian headers
+    ("3.3.8", 2),  // Debian headers
+    ("3.4.5", 3),  // Debian headers
     ("3.4.11", 3), // Debian headers of 3.4.5
-    ("2.7.0", 4), // rbspy-ruby-structs
-    ("2.7.1", 4), // rbspy-ruby-structs
-    ("2.7.2", 4), // rbspy-ruby-structs
-    ("2.7.3", 4), // rbspy-ruby-structs
-    ("2.7.5", 4), // rbspy-ruby-structs
-    ("2.7.6", 4), // rbspy-ruby-structs
-    ("2.7.7", 4), // rbspy-ruby-structs
-    ("2.7.8", 4), // rbspy-ruby-structs
-    ("3.0.0", 5), // rbspy-ruby-structs
-    ("3.0.1", 5), // rbspy-ruby-structs
-    ("3.0.2", 5), // rbspy-ruby-structs
-    ("3.0.3", 5), // rbspy-ruby-structs
-    ("3.0.4", 5), // rbspy-ruby-structs
-    ("3.0.5", 5), // rbspy-ruby-structs
-    ("3.0.6", 5), // rbspy-ruby-structs
-    ("3.0.7", 5), // rbspy-ruby-structs
-    ("3.1.0", 1), // rbspy-ruby-structs
-    ("3.1.1", 1), // rbspy-ruby-structs
-    ("3.1.3", 1), // rbspy-ruby-structs
-    ("3.1.4", 1), // rbspy-ruby-structs
-    ("3.1.5", 6), // rbspy-ruby-structs
-    ("3.1.6", 6), // rbspy-ruby-structs
-    ("3.1.7", 6), // rbspy-ruby-structs
-    ("3.2.0", 7), // rbspy-ruby-structs
-    ("3.2.1", 7), // rbspy-ruby-structs
-    ("3.2.2", 7), // rbspy-ruby-structs
-    ("3.2.3", 8), // rbspy-ruby-structs
-    ("3.2.4", 9), // rbspy-ruby-structs
-    ("3.2.5", 9), // rbspy-ruby-structs
-    ("3.2.6", 9), // rbspy-ruby-structs
-    ("3.2.7", 9), // rbspy-ruby-structs
-    ("3.2.8", 9), // rbspy-ruby-structs
-    ("3.2.9", 9), // rbspy-ruby-structs
+    ("2.7.0", 4),  // rbspy-ruby-structs
+    ("2.7.1", 4),  // rbspy-ruby-structs
+    ("2.7.2", 4),  // rbspy-ruby-structs
+    ("2.7.3", 4),  // rbspy-ruby-structs
+    ("2.7.5", 4),  // rbspy-ruby-structs
+    ("2.7.6", 4),  // rbspy-ruby-structs
+    ("2.7.7", 4),  // rbspy-ruby-structs
+    ("2.7.8", 4),  // rbspy-ruby-structs
+    ("3.0.0", 5),  // rbspy-ruby-structs
+    ("3.0.1", 5),  // rbspy-ruby-structs
+    ("3.0.2", 5),  // rbspy-ruby-structs
+    ("3.0.3", 5),  // rbspy-ruby-structs
+    ("3.0.4", 5),  // rbspy-ruby-structs
+    ("3.0.5", 5),  // rbspy-ruby-structs
+    ("3.0.6", 5),  // rbspy-ruby-structs
+    ("3.0.7", 5),  // rbspy-ruby-structs
+    ("3.1.0", 1),  // rbspy-ruby-structs
+    ("3.1.1", 1),  // rbspy-ruby-structs
+    ("3.1.3", 1),  // rbspy-ruby-structs
+    ("3.1.4", 1),  // rbspy-ruby-structs
+    ("3.1.5", 6),  // rbspy-ruby-structs
+    ("3.1.6", 6),  // rbspy-ruby-structs
+    ("3.1.7", 6),  // rbspy-ruby-structs
+    ("3.2.0", 7),  // rbspy-ruby-structs
+    ("3.2.1", 7),  // rbspy-ruby-structs
+    ("3.2.2", 7),  // rbspy-ruby-structs
+    ("3.2.3", 8),  // rbspy-ruby-structs
+    ("3.2.4", 9),  // rbspy-ruby-structs
+    ("3.2.5", 9),  // rbspy-ruby-structs
+    ("3.2.6", 9),  // rbspy-ruby-structs
+    ("3.2.7", 9),  // rbspy-ruby-structs
+    ("3.2.8", 9),  // rbspy-ruby-structs
+    ("3.2.9", 9),  // rbspy-ruby-structs
     ("3.2.10", 9), // rbspy-ruby-structs
     ("3.2.11", 9), // rbspy-ruby-structs
-    ("3.3.0", 2), // rbspy-ruby-structs
-    ("3.3.1", 2), // rbspy-ruby-structs
-    ("3.3.2", 2), // rbspy-ruby-structs
-    ("3.3.3", 2), // rbspy-ruby-structs
-    ("3.3.4", 2), // rbspy-ruby-structs
-    ("3.3.5", 2), // rbspy-ruby-structs
-    ("3.3.6", 2), // rbspy-ruby-structs
-    ("3.3.7", 2), // rbspy-ruby-structs
-    ("3.3.9", 2), // rbspy-ruby-structs
+    ("3.3.0", 2),  // rbspy-ruby-structs
+    ("3.3.1", 2),  // rbspy-ruby-structs
+    ("3.3.2", 2),  // rbspy-ruby-structs
+    ("3.3.3", 2),  // rbspy-ruby-structs
+    ("3.3.4", 2),  // rbspy-ruby-structs
+    ("3.3.5", 2),  // rbspy-ruby-structs
+    ("3.3.6", 2),  // rbspy-ruby-structs
+    ("3.3.7", 2),  // rbspy-ruby-structs
+    ("3.3.9", 2),  // rbspy-ruby-structs
     ("3.3.10", 2), // rbspy-ruby-structs
     ("3.3.11", 2), // rbspy-ruby-structs
     ("3.3.12", 2), // rbspy-ruby-structs
     ("3.3.13", 2), // rbspy-ruby-structs
-    ("3.4.0", 3), // rbspy-ruby-structs
-    ("3.4.1", 3), // rbspy-ruby-structs
-    ("3.4.2", 3), // rbspy-ruby-structs
-    ("3.4.3", 3), // rbspy-ruby-structs
-    ("3.4.4", 3), // rbspy-ruby-structs
-    ("3.4.6", 3), // rbspy-ruby-structs
-    ("3.4.7", 3), // rbspy-ruby-structs
-    ("3.4.8", 3), // rbspy-ruby-structs
-    ("3.4.9", 3), // rbspy-ruby-structs
+    ("3.4.0", 3),  // rbspy-ruby-structs
+    ("3.4.1", 3),  // rbspy-ruby-structs
+    ("3.4.2", 3),  // rbspy-ruby-structs
+    ("3.4.3", 3),  // rbspy-ruby-structs
+    ("3.4.4", 3),  // rbspy-ruby-structs
+    ("3.4.6", 3),  // rbspy-ruby-structs
+    ("3.4.7", 3),  // rbspy-ruby-structs
+    ("3.4.8", 3),  // rbspy-ruby-structs
+    ("3.4.9", 3),  // rbspy-ruby-structs
     ("3.4.10", 3), // rbspy-ruby-structs
     ("3.4.12", 3), // rbspy-ruby-structs
     ("4.0.0", 10), // rbspy-ruby-structs

@@ -260,7 +260,7 @@ macro_rules! layout {
         // The GC's flags; rb_objspace is private to gc.c (see layout_probe.c).
         since!($rv >= 304 {
             l.dec("vm_objspace", offset_of!(r::rb_vm_t, gc.objspace));
-            l.copied("objspace_flags", Val::Dec(24), FROM_GC_DEFAULT_C);
+            l.copied("objspace_flags", Val::Dec(20), FROM_GC_DEFAULT_C);
         } else {
             l.dec("vm_objspace", offset_of!(r::rb_vm_t, objspace));
             l.copied("objspace_flags", Val::Dec(16), FROM_GC_C);
