@@ -3,6 +3,7 @@
 # Recorder cost, rbspy_ext against rbspy, on one CPU-bound ~20-frame target, in one run.
 #
 #   rake compile && ruby bench/record.rb [SECONDS]     # installs rbspy with cargo if missing
+#   ROUNDS=5 ruby bench/record.rb                       # more alone/profiled pairs
 #
 # Prints, for 1 kHz and 10 kHz: samples taken vs requested, sampler CPU per sample (the
 # sampler thread's own CPU clock) and the part of it spent sampling (from wake-up to the end
@@ -16,7 +17,7 @@ require "rbspy_ext"
 require "tmpdir"
 require_relative "support"
 
-SECONDS = Float(ARGV[0] || 10)
+SECONDS = Float(ARGV[0] || 5)
 
 def run_target(seconds)
   Dir.mktmpdir do |dir|
@@ -37,13 +38,30 @@ def children_cpu
   t.cutime + t.cstime
 end
 
-baseline, = run_target(SECONDS) { nil }
-puts format("target alone: %.0f iterations/s", baseline)
+# The target's slowdown under a profiler: alone and profiled runs alternate (A P A P ... A),
+# each profiled run is compared with the mean of the alone runs on either side of it, and the
+# median of those ratios is reported, so that the drifting speed of a shared VM cancels out as
+# far as it can. Returns the slowdown and the last profiled run's result.
+ROUNDS = Integer(ENV.fetch("ROUNDS", 3))
+def profiled(seconds, label)
+  alone = [run_target(seconds) { nil }.first]
+  seen = []
+  result = nil
+  ROUNDS.times do
+    rate, result = run_target(seconds) { |pid| yield pid }
+    seen << rate
+    alone << run_target(seconds) { nil }.first
+  end
+  ratios = seen.each_with_index.map { |r, i| 1 - r / ((alone[i] + alone[i + 1]) / 2) }.sort
+  puts format("%s: target alone %s, profiled %s iterations/s", label,
+              alone.map { |x| x.round.to_s }.join(" "), seen.map { |x| x.round.to_s }.join(" "))
+  [ratios[ratios.size / 2], result]
+end
 
 rbspy = rbspy_binary
 results = {}
 [1000, 10_000].each do |rate|
-  rate_seen, profile = run_target(SECONDS) do |pid|
+  slowdown, profile = profiled(SECONDS, "rbspy_ext #{rate} Hz") do |pid|
     RubySpy.record(pid, rate: rate, duration: SECONDS - 0.5)
   end
   cost = profile.cost
@@ -55,7 +73,7 @@ results = {}
               "target %.2f%% slower, %d errors",
               rate, profile.ticks, requested, 100.0 * profile.ticks / requested, cost[:per_tick_us],
               cost[:sampling_per_tick_us], cost[:read_calls].to_f / profile.ticks / threads,
-              100.0 * (1 - rate_seen / baseline), profile.errors.values.sum)
+              100.0 * slowdown, profile.errors.values.sum)
 end
 
 # What a thread that only wakes up at these rates costs here (no target, no sampling).
@@ -67,7 +85,7 @@ wake_us = [1000, 10_000].to_h do |rate|
   [rate, line[/([\d.]+) us CPU per wake-up/, 1].to_f]
 end
 
-rbspy_rate, rbspy_result = run_target(SECONDS) do |pid|
+rbspy_slowdown, rbspy_result = profiled(SECONDS, "rbspy 1000 Hz") do |pid|
   Dir.mktmpdir do |dir|
     file = File.join(dir, "out.txt")
     before = children_cpu
@@ -83,7 +101,7 @@ rbspy_cpu, rbspy_samples = rbspy_result
 per_sample = rbspy_samples.zero? ? Float::NAN : rbspy_cpu * 1e6 / rbspy_samples
 ours = results[1000].cost[:per_tick_us]
 puts format("rbspy      1000 Hz: %d samples, %.1f us CPU per sample, target %.2f%% slower",
-            rbspy_samples, per_sample, 100.0 * (1 - rbspy_rate / baseline))
+            rbspy_samples, per_sample, 100.0 * rbspy_slowdown)
 puts format("ratio rbspy / rbspy_ext CPU per sample at 1 kHz: %.0fx", per_sample / ours)
 ours_work = results[1000].cost[:sampling_per_tick_us]
 puts format("ratio without waking up (rbspy minus an idle thread's %.1f us, against rbspy_ext's sampling " \
