@@ -383,6 +383,11 @@ impl<M: Memory> Spy<M> {
         &self.mem
     }
 
+    /// The memory source, writable: tests rewrite a memory image between samples.
+    pub fn memory_mut(&mut self) -> &mut M {
+        &mut self.mem
+    }
+
     /// The address of the target's `rb_vm_t`.
     pub fn vm_address(&self) -> u64 {
         self.vm

@@ -274,7 +274,15 @@ enum Push {
     C(u64),
 }
 
-fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64) {
+/// Addresses a test may rewrite after the first walk.
+struct Handles {
+    /// `ep` of the innermost frame (a C frame: `ep[-2]` is its method entry).
+    top_ep: u64,
+    /// The method entry of `Array#each`.
+    each_me: u64,
+}
+
+fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64, Handles) {
     let mut im = Image::new(l);
     let kernel = im.class(Some("Kernel"), true, None);
     let array = im.class(Some("Array"), false, None);
@@ -362,13 +370,17 @@ fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64) {
     let mut mem = MemoryImage::new();
     mem.map(HEAP, im.bytes);
     let roots = rbspy_ext_core::vm::check_vm(&mem, l, vm).expect("the fake VM validates");
-    (mem, roots, symbols)
+    let handles = Handles {
+        top_ep: *eps.last().expect("frames pushed"),
+        each_me,
+    };
+    (mem, roots, symbols, handles)
 }
 
 #[test]
 fn every_layout_walks_a_synthetic_stack_like_ruby() {
     for l in LAYOUTS {
-        let (mem, roots, symbols) = build(l);
+        let (mem, roots, symbols, _) = build(l);
         let mut spy = Spy::with_memory(1, mem, l, l.name, roots, Some(symbols));
         let frames = spy
             .snapshot()
@@ -415,5 +427,25 @@ fn every_layout_walks_a_synthetic_stack_like_ruby() {
         assert_eq!(&*frames[2].base_label, "build");
         // Warm: the same answer from the caches.
         assert_eq!(spy.snapshot().unwrap(), frames, "layout {}", l.name);
+    }
+}
+
+#[test]
+fn a_stack_whose_raw_words_change_is_resolved_again_not_served_from_memory() {
+    for l in LAYOUTS {
+        let (mut mem, roots, symbols, h) = build(l);
+        // The same stack twice: the second comes from the spy's memo of resolved stacks.
+        let mut spy = Spy::with_memory(1, mem.clone(), l, l.name, roots, Some(symbols));
+        let first = spy.snapshot().unwrap();
+        assert_eq!(spy.snapshot().unwrap(), first);
+        // The innermost C frame now runs another method: same frames, same pcs, only
+        // ep[-2] differs. A fresh spy and the warm one must agree on the new top frame.
+        mem.write(h.top_ep - 16, &h.each_me.to_le_bytes());
+        let mut fresh = Spy::with_memory(1, mem.clone(), l, l.name, roots, Some(symbols));
+        let expected = fresh.snapshot().unwrap();
+        assert_eq!(&*expected[0].base_label, "each", "layout {}", l.name);
+        let mut warm = spy;
+        *warm.memory_mut() = mem;
+        assert_eq!(warm.snapshot().unwrap(), expected, "layout {}", l.name);
     }
 }
