@@ -10,6 +10,7 @@ require_relative "rbspy_ext/rbspy_ext"
 require_relative "rbspy_ext/handle"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
+require_relative "rbspy_ext/state"
 
 # RubySpy reads the stack of a running Ruby process from its memory, without stopping or
 # changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.

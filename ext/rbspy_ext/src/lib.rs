@@ -6,9 +6,11 @@ mod errors;
 mod handle;
 mod nogvl;
 mod recorder;
+mod state;
 
 #[magnus::init]
 fn init(ruby: &Ruby) -> Result<(), Error> {
     handle::init(ruby)?;
+    state::init(ruby)?;
     recorder::init(ruby)
 }

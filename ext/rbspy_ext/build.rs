@@ -1,0 +1,14 @@
+//! Compiles the C half of the `ruby_profiler_state` ABI (an exported thread-local symbol,
+//! which stable Rust cannot define) and makes the linker export its symbols from the
+//! extension: rustc's version script exports only Rust items, and a second anonymous
+//! version script is merged with it.
+fn main() {
+    cc::Build::new()
+        .file("src/profiler_state.c")
+        .flag_if_supported("-std=c11")
+        .compile("rbspy_ext_profiler_state");
+    let dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={dir}/exports.map");
+    println!("cargo:rerun-if-changed=src/profiler_state.c");
+    println!("cargo:rerun-if-changed=exports.map");
+}

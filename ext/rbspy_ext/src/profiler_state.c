@@ -1,0 +1,65 @@
+/*
+ * The `ruby_profiler_state` ABI: a thread-local pointer to the current fiber's context
+ * table, in the published, BPF-friendly layout (see docs/profiler-state.md). Written in C
+ * because stable Rust cannot define an exported thread-local symbol; everything else about
+ * the table (building it, keeping its values alive, following fibers) is in state.rs.
+ */
+#include <stddef.h>
+
+struct Ruby_Profiler_Pair {
+    unsigned long key;   /* ID; 0 marks an empty slot */
+    unsigned long value; /* VALUE */
+};
+
+struct Ruby_Profiler_State {
+    size_t size;     /* pairs in use */
+    size_t capacity; /* slots, a power of two */
+    struct Ruby_Profiler_Pair pairs[];
+};
+
+/*
+ * initial-exec: the pointer sits in the static TLS block at one fixed offset from every
+ * thread's thread pointer, so a reader outside the process (a BPF program, our sampler)
+ * finds it as `*(thread pointer + ruby_profiler_state_tp_offset)` with no DTV walk. A
+ * dlopen'ed library may use initial-exec for a few bytes: glibc reserves static TLS
+ * surplus for exactly this.
+ */
+__attribute__((visibility("default"), tls_model("initial-exec")))
+_Thread_local struct Ruby_Profiler_State *ruby_profiler_state = NULL;
+
+/*
+ * Published for readers outside the process: the offset of `ruby_profiler_state` from the
+ * thread pointer (x86_64: %fs base, equal to pthread_self(); aarch64: TPIDR_EL0), in bytes.
+ * 0 until the extension is initialised. Not thread-local, so it can be read through the
+ * .so's symbol table and the process's memory alone.
+ */
+__attribute__((visibility("default"))) volatile long ruby_profiler_state_tp_offset = 0;
+
+/* The version of this ABI (the layout above and the reading procedure); bumped only if
+ * either ever changes. */
+__attribute__((visibility("default"))) const unsigned long ruby_profiler_state_abi_version = 1;
+
+static char *thread_pointer(void) {
+    char *tp;
+#if defined(__x86_64__)
+    __asm__("mov %%fs:0, %0" : "=r"(tp)); /* the TCB's self pointer */
+#elif defined(__aarch64__)
+    __asm__("mrs %0, tpidr_el0" : "=r"(tp));
+#else
+#error "rbspy_ext: publishing ruby_profiler_state needs the thread pointer of this architecture"
+#endif
+    return tp;
+}
+
+long rbspy_ext_state_init(void) {
+    ruby_profiler_state_tp_offset = (long)((char *)&ruby_profiler_state - thread_pointer());
+    return ruby_profiler_state_tp_offset;
+}
+
+void rbspy_ext_state_set(struct Ruby_Profiler_State *state) {
+    ruby_profiler_state = state;
+}
+
+struct Ruby_Profiler_State *rbspy_ext_state_get(void) {
+    return ruby_profiler_state;
+}

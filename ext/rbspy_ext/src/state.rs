@@ -1,0 +1,244 @@
+//! `RubySpy::State`: an immutable set of tags published through the exported thread-local
+//! `ruby_profiler_state` (src/profiler_state.c), so readers outside the process (BPF
+//! programs, rbspy_ext's own sampler) can tag what they see with application context.
+//!
+//! The current fiber's state lives in a fiber-local variable; a `RUBY_EVENT_FIBER_SWITCH`
+//! hook points `ruby_profiler_state` at the table of whichever fiber runs. A table is built
+//! once and never changed, so a reader that interrupts the thread anywhere sees a whole one.
+//! The Ruby API (`RubySpy.tag`, `RubySpy.tags`, inheritance into new fibers and threads) is
+//! lib/rbspy_ext/state.rb.
+use magnus::rb_sys::{AsRawValue, FromRawValue};
+use magnus::{
+    function, gc, method, prelude::*, value::ReprValue, DataTypeFunctions, Error, RClass, RHash,
+    Ruby, Symbol, TypedData, Value,
+};
+use rb_sys::{ID, VALUE};
+use std::ffi::c_void;
+
+/// Most tags one state may hold: readers walk every slot, and BPF programs must bound
+/// their loops.
+pub const MAX_TAGS: usize = 1024;
+
+extern "C" {
+    fn rbspy_ext_state_init() -> std::os::raw::c_long;
+    fn rbspy_ext_state_set(state: *const c_void);
+}
+
+/// The fiber-local variable holding the current fiber's `RubySpy::State`.
+const FIBER_LOCAL: &str = "__rubyspy_ext_state__";
+
+#[derive(TypedData)]
+#[magnus(class = "RubySpy::State", free_immediately, mark, size)]
+pub struct State {
+    /// The published table: `size`, `capacity`, then `capacity` (key, value) pairs; key 0
+    /// is an empty slot. Boxed so its address never changes while published.
+    table: Box<[u64]>,
+    /// (ID, VALUE) in the order given, for `to_h`; the values are marked (pinned) by `mark`.
+    pairs: Vec<(ID, VALUE)>,
+}
+
+impl DataTypeFunctions for State {
+    fn mark(&self, _marker: &gc::Marker) {
+        for (_, value) in &self.pairs {
+            // rb_gc_mark pins: a published VALUE must not move under an outside reader
+            // (GC.compact), and must stay alive while any table holds it.
+            // SAFETY: called by the GC's mark phase with a VALUE this object keeps.
+            unsafe { rb_sys::rb_gc_mark(*value) };
+        }
+    }
+}
+
+impl State {
+    /// A table for `pairs` in the published layout: capacity the smallest power of two at
+    /// least twice the pairs (at least 2), first slot `key & (capacity - 1)`, linear probing.
+    fn new(pairs: Vec<(ID, VALUE)>) -> State {
+        let capacity = (pairs.len() * 2).next_power_of_two().max(2);
+        let mut table = vec![0u64; 2 + 2 * capacity].into_boxed_slice();
+        table[0] = pairs.len() as u64;
+        table[1] = capacity as u64;
+        let mask = capacity - 1;
+        for (key, value) in &pairs {
+            let mut slot = (*key as usize) & mask;
+            while table[2 + 2 * slot] != 0 {
+                slot = (slot + 1) & mask;
+            }
+            table[2 + 2 * slot] = *key;
+            table[3 + 2 * slot] = *value;
+        }
+        State { table, pairs }
+    }
+
+    /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
+    fn merged(ruby: &Ruby, base: Option<&State>, hash: RHash) -> Result<State, Error> {
+        let mut pairs: Vec<(ID, VALUE)> = base.map(|b| b.pairs.clone()).unwrap_or_default();
+        hash.foreach(|key: Value, value: Value| {
+            let Some(sym) = Symbol::from_value(key) else {
+                return Err(Error::new(
+                    ruby.exception_type_error(),
+                    format!(
+                        "tag keys must be Symbols, got {} ({})",
+                        key.inspect(),
+                        unsafe { key.classname() }
+                    ),
+                ));
+            };
+            // SAFETY: a Symbol VALUE; rb_sym2id also pins a dynamic symbol's ID.
+            let id = unsafe { rb_sys::rb_sym2id(sym.as_raw()) };
+            let raw = value.as_raw();
+            match pairs.iter_mut().find(|(k, _)| *k == id) {
+                Some(pair) => pair.1 = raw,
+                None => pairs.push((id, raw)),
+            }
+            Ok(magnus::r_hash::ForEach::Continue)
+        })?;
+        if pairs.len() > MAX_TAGS {
+            return Err(Error::new(
+                ruby.exception_arg_error(),
+                format!(
+                    "{} tags is more than the {MAX_TAGS} one state may hold",
+                    pairs.len()
+                ),
+            ));
+        }
+        Ok(State::new(pairs))
+    }
+
+    /// `RubySpy::State.new(hash)` (the keyword form is in Ruby).
+    fn build(ruby: &Ruby, hash: RHash) -> Result<State, Error> {
+        State::merged(ruby, None, hash)
+    }
+
+    /// A new state: these tags merged over this one's.
+    fn with(ruby: &Ruby, rb_self: &Self, hash: RHash) -> Result<State, Error> {
+        State::merged(ruby, Some(rb_self), hash)
+    }
+
+    fn to_h(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        let h = ruby.hash_new();
+        for (id, value) in &rb_self.pairs {
+            // SAFETY: IDs of Symbols this state pinned; values it keeps alive.
+            let (key, value) = unsafe {
+                (
+                    Value::from_raw(rb_sys::rb_id2sym(*id)),
+                    Value::from_raw(*value),
+                )
+            };
+            h.aset(key, value)?;
+        }
+        Ok(h)
+    }
+
+    fn size(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// The published table's address (for specs that check the exported pointer).
+    fn table_address(&self) -> u64 {
+        self.table.as_ptr() as u64
+    }
+}
+
+fn fiber_local_id() -> ID {
+    // SAFETY: interning a static name; IDs of static names are never freed.
+    unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) }
+}
+
+/// Points `ruby_profiler_state` at the table of `state` (a `RubySpy::State` or nil).
+fn publish(state: VALUE) {
+    let table = if state == rb_sys::Qnil as VALUE {
+        std::ptr::null()
+    } else {
+        // SAFETY: only `State` objects are ever stored in the fiber-local (see `apply`).
+        match <&State>::try_convert(unsafe { Value::from_raw(state) }) {
+            Ok(s) => s.table.as_ptr().cast(),
+            Err(_) => std::ptr::null(),
+        }
+    };
+    // SAFETY: sets this native thread's pointer; the table lives as long as `state`,
+    // which the current fiber's locals keep alive.
+    unsafe { rbspy_ext_state_set(table) };
+}
+
+/// Makes `state` (a `RubySpy::State`, or nil for none) the current fiber's state.
+fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
+    if !state.is_nil() && <&State>::try_convert(state).is_err() {
+        return Err(Error::new(
+            ruby.exception_type_error(),
+            format!("expected a RubySpy::State or nil, got {}", unsafe {
+                state.classname()
+            }),
+        ));
+    }
+    // SAFETY: plain C API calls on the current thread, with the GVL.
+    unsafe {
+        rb_sys::rb_thread_local_aset(
+            rb_sys::rb_thread_current(),
+            fiber_local_id(),
+            state.as_raw(),
+        );
+    }
+    publish(state.as_raw());
+    Ok(state)
+}
+
+/// The current fiber's state, or nil.
+fn current(_ruby: &Ruby) -> Value {
+    // SAFETY: plain C API calls on the current thread, with the GVL.
+    unsafe {
+        Value::from_raw(rb_sys::rb_thread_local_aref(
+            rb_sys::rb_thread_current(),
+            fiber_local_id(),
+        ))
+    }
+}
+
+/// The table `ruby_profiler_state` points at on this native thread right now (0 for none).
+fn published_address() -> u64 {
+    extern "C" {
+        fn rbspy_ext_state_get() -> *const c_void;
+    }
+    // SAFETY: reads this thread's pointer.
+    unsafe { rbspy_ext_state_get() as u64 }
+}
+
+/// Runs on every fiber switch, in the fiber switched to.
+extern "C" fn on_fiber_switch(
+    _event: rb_sys::rb_event_flag_t,
+    _data: VALUE,
+    _self: VALUE,
+    _mid: ID,
+    _klass: VALUE,
+) {
+    // Must not raise or panic: a failed lookup publishes nothing.
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: with the GVL, in the fiber now running.
+        let state =
+            unsafe { rb_sys::rb_thread_local_aref(rb_sys::rb_thread_current(), fiber_local_id()) };
+        publish(state);
+    });
+}
+
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    // SAFETY: computes the published offset once, on the loading thread.
+    unsafe { rbspy_ext_state_init() };
+    // SAFETY: a hook with the signature Ruby expects, installed once.
+    unsafe {
+        rb_sys::rb_add_event_hook(
+            Some(on_fiber_switch),
+            rb_sys::RUBY_EVENT_FIBER_SWITCH as rb_sys::rb_event_flag_t,
+            rb_sys::Qnil as VALUE,
+        );
+    }
+    let module = ruby.define_module("RubySpy")?;
+    let class: RClass = module.define_class("State", ruby.class_object())?;
+    class.undef_default_alloc_func();
+    class.define_singleton_method("build", function!(State::build, 1))?;
+    class.define_singleton_method("current", function!(current, 0))?;
+    class.define_singleton_method("apply", function!(apply, 1))?;
+    class.define_singleton_method("published_address", function!(published_address, 0))?;
+    class.define_method("with_hash", method!(State::with, 1))?;
+    class.define_method("to_h", method!(State::to_h, 0))?;
+    class.define_method("size", method!(State::size, 0))?;
+    class.define_method("table_address", method!(State::table_address, 0))?;
+    Ok(())
+}
