@@ -122,6 +122,15 @@ int main(void) {
     NONE(thread_nt);
     NONE(native_thread_tid);
 #endif
+    /* The pthread_t (the thread pointer on glibc): in the thread before 3.2, in its native
+     * thread after. */
+#if RV >= 302
+    NONE(thread_pthread);
+    SOMEOFF(native_thread_pthread, struct rb_native_thread, thread_id);
+#else
+    SOMEOFF(thread_pthread, rb_thread_t, thread_id);
+    NONE(native_thread_pthread);
+#endif
     /* Waiting for the GVL: linked into the GVL's (3.2+: the scheduler's) queue. Before 3.3
      * the node is a union with the ubf-list node, told apart by unblock.func. */
 #if RV >= 303

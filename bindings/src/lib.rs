@@ -52,6 +52,11 @@ pub struct Layout {
     pub thread_tid: Option<usize>,
     pub thread_nt: Option<usize>,
     pub native_thread_tid: Option<usize>,
+    /// The native thread's `pthread_t`: `th->thread_id` (before 3.2) or `th->nt->thread_id`
+    /// (3.2+, through `thread_nt`). On glibc it is the thread pointer, from which the
+    /// thread-local `ruby_profiler_state` is found.
+    pub thread_pthread: Option<usize>,
+    pub native_thread_pthread: Option<usize>,
     /// The list node that links a thread into the queue of threads waiting for the GVL:
     /// `native_thread_data.node.gvl` (before 3.2), `sched.node.readyq` (3.2+). Linked (not
     /// null, not pointing at itself) while the thread waits: also after sleep or IO, when

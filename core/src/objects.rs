@@ -195,6 +195,8 @@ impl SymbolTable {
 pub struct ClassNames {
     /// owner VALUE → prefix ("Foo#" / "Foo.") or None for "no qualification".
     prefixes: FxHashMap<u64, Option<Arc<str>>>,
+    /// class VALUE → its permanent name (`class_name`).
+    names: FxHashMap<u64, Option<Arc<str>>>,
 }
 
 impl ClassNames {
@@ -218,6 +220,27 @@ impl ClassNames {
             Some(p) => format!("{p}{name}"),
             None => name.to_string(),
         }
+    }
+}
+
+impl ClassNames {
+    /// The permanent name of a class (`Foo::Bar`), if it has one.
+    pub fn class_name<M: Memory>(
+        &mut self,
+        mem: &M,
+        l: &Layout,
+        symbols: &mut SymbolTable,
+        class: u64,
+    ) -> Option<Arc<str>> {
+        self.names
+            .entry(class)
+            .or_insert_with(|| {
+                permanent_name(mem, l, symbols, class)
+                    .ok()
+                    .flatten()
+                    .map(Arc::from)
+            })
+            .clone()
     }
 }
 

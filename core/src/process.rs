@@ -127,24 +127,17 @@ fn is_libruby(path: &str) -> bool {
     file.starts_with("libruby") && file.contains(".so")
 }
 
-/// Finds the binary that holds the Ruby VM: libruby.so if one is mapped, otherwise the main
-/// executable (a statically linked ruby), which must then export `ruby_version`.
-pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
-    let exe = fs::read_link(format!("/proc/{pid}/exe"))
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let lib = maps.iter().find(|m| is_libruby(&m.path)).map(|m| &m.path);
-    let path = match lib {
-        Some(p) => p.clone(),
-        None => exe.trim_end_matches(" (deleted)").to_string(),
-    };
+/// Reads the ELF file behind the mappings of `path` in the target: its load bias, the
+/// `.dynsym` entries named in `wanted` (at their addresses in the target), and its writable
+/// segments. `NotRuby` with an empty detail when `path` is not mapped.
+fn read_binary(pid: i32, maps: &[Mapping], path: &str, wanted: &[&str]) -> Result<RubyBinary> {
     let mine: Vec<&Mapping> = maps.iter().filter(|m| m.path == path).collect();
     let first = mine
         .iter()
         .min_by_key(|m| m.start)
         .ok_or_else(|| Error::NotRuby {
             pid,
-            detail: format!("no libruby is mapped and the executable ({exe}) is not mapped either"),
+            detail: String::new(),
         })?;
     let bytes = read_mapped_file(pid, first)?;
     let elf = Elf::parse(&bytes).map_err(|e| Error::NotRuby {
@@ -170,7 +163,7 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
         .filter(|s| s.st_value != 0)
         .filter_map(|s| {
             let name = elf.dynstrtab.get_at(s.st_name)?;
-            WANTED
+            wanted
                 .contains(&name)
                 .then(|| (name.to_string(), bias.wrapping_add(s.st_value), s.st_size))
         })
@@ -184,12 +177,32 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
             (start, start + p.p_memsz)
         })
         .collect();
-    let binary = RubyBinary {
-        path: path.clone(),
+    Ok(RubyBinary {
+        path: path.to_string(),
         bias,
         symbols,
         writable,
+    })
+}
+
+/// Finds the binary that holds the Ruby VM: libruby.so if one is mapped, otherwise the main
+/// executable (a statically linked ruby), which must then export `ruby_version`.
+pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
+    let exe = fs::read_link(format!("/proc/{pid}/exe"))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let lib = maps.iter().find(|m| is_libruby(&m.path)).map(|m| &m.path);
+    let path = match lib {
+        Some(p) => p.clone(),
+        None => exe.trim_end_matches(" (deleted)").to_string(),
     };
+    let binary = read_binary(pid, maps, &path, WANTED).map_err(|e| match e {
+        Error::NotRuby { pid, detail } if detail.is_empty() => Error::NotRuby {
+            pid,
+            detail: format!("no libruby is mapped and the executable ({exe}) is not mapped either"),
+        },
+        e => e,
+    })?;
     if binary.symbol("ruby_version").is_none() {
         return Err(Error::NotRuby {
             pid,
@@ -197,6 +210,24 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
         });
     }
     Ok(binary)
+}
+
+/// The address in the target of `ruby_profiler_state_tp_offset`, exported by an rbspy_ext
+/// extension the target has loaded (any mapped `rbspy_ext.so`), if there is one.
+pub fn find_profiler_state_offset(pid: i32, maps: &[Mapping]) -> Option<u64> {
+    const SYMBOL: &str = "ruby_profiler_state_tp_offset";
+    let mut paths: Vec<&str> = maps
+        .iter()
+        .map(|m| m.path.as_str())
+        .filter(|p| {
+            let file = p.rsplit('/').next().unwrap_or(p);
+            file.contains("rbspy_ext") && file.ends_with(".so")
+        })
+        .collect();
+    paths.dedup();
+    paths
+        .into_iter()
+        .find_map(|p| read_binary(pid, maps, p, &[SYMBOL]).ok()?.symbol(SYMBOL))
 }
 
 #[cfg(test)]

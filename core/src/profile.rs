@@ -92,7 +92,14 @@ pub struct StackCount {
     /// Indexes into `Profile::frames`, innermost first.
     pub frames: Vec<u32>,
     pub count: u64,
+    /// Index into `Profile::tag_sets`: the tags of the fiber the thread was running
+    /// (0: none).
+    #[serde(default)]
+    pub tags: u32,
 }
+
+/// One set of tags, `(key, value)` as text.
+pub type TagSet = Vec<(String, String)>;
 
 /// A whole recording.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -126,6 +133,42 @@ pub struct Profile {
     pub sampler_work_ns: u64,
     #[serde(default)]
     pub read_calls: u64,
+    /// Every distinct set of tags seen; `tag_sets[0]` is the empty set.
+    #[serde(default = "no_tags")]
+    pub tag_sets: Vec<TagSet>,
+}
+
+fn no_tags() -> Vec<TagSet> {
+    vec![Vec::new()]
+}
+
+impl Profile {
+    /// The tags of one aggregated stack.
+    pub fn tags_of(&self, stack: &StackCount) -> &[(String, String)] {
+        self.tag_sets
+            .get(stack.tags as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+
+    /// The value of tag `key` on one aggregated stack.
+    pub fn tag_value(&self, stack: &StackCount, key: &str) -> Option<&str> {
+        self.tags_of(stack)
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// A profile of only the stacks `keep` accepts (frames and threads are kept whole, so
+    /// indexes stay valid); `samples` is recounted.
+    pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {
+        let stacks: Vec<StackCount> = self.stacks.iter().filter(|s| keep(s)).cloned().collect();
+        Profile {
+            samples: stacks.iter().map(|s| s.count).sum(),
+            stacks,
+            ..self.clone()
+        }
+    }
 }
 
 /// Builds a [`Profile`] sample by sample.
@@ -136,9 +179,10 @@ pub struct Aggregator {
     frame_ids_by_address: FxHashMap<(usize, usize, i32, bool), u32>,
     keep_alive: Vec<Frame>,
     thread_ids: FxHashMap<(i32, u64, i64), u32>,
-    stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>), usize>,
-    /// Stack index by (pid, walker token, Ruby thread, tid, state); see `add_stack`.
-    stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState), usize>,
+    stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>, u32), usize>,
+    /// Stack index by (pid, walker token, Ruby thread, tid, state, tag set); see `add_stack`.
+    stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState, u32), usize>,
+    tag_ids: FxHashMap<crate::spy::Tags, u32>,
 }
 
 /// Most walker tokens remembered by the aggregator.
@@ -149,6 +193,7 @@ impl Aggregator {
         Aggregator {
             profile: Profile {
                 pid,
+                tag_sets: no_tags(),
                 ruby_version: ruby_version.to_string(),
                 rate_hz,
                 start_unix_ns,
@@ -164,8 +209,30 @@ impl Aggregator {
     }
 
     pub fn add_count(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame], n: u64) {
-        let index = self.stack_index(thread, state, frames);
+        let index = self.stack_index(thread, state, frames, 0);
         self.count(index, thread, n);
+    }
+
+    /// The index of a set of tags in `Profile::tag_sets`, added if new.
+    fn tag_id(&mut self, tags: &crate::spy::Tags) -> u32 {
+        if tags.is_empty() {
+            return 0;
+        }
+        if let Some(id) = self.tag_ids.get(tags) {
+            return *id;
+        }
+        let sets = &mut self.profile.tag_sets;
+        if sets.is_empty() {
+            sets.push(Vec::new());
+        }
+        sets.push(
+            tags.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        let id = (sets.len() - 1) as u32;
+        self.tag_ids.insert(tags.clone(), id);
+        id
     }
 
     /// Records one thread's stack as the walker handed it out: a stack whose token was seen
@@ -176,12 +243,21 @@ impl Aggregator {
         state: ThreadState,
         token: u64,
         frames: &[Frame],
+        tags: &crate::spy::Tags,
     ) {
-        let key = (thread.pid, token, thread.ruby_thread, thread.tid, state);
+        let tag_id = self.tag_id(tags);
+        let key = (
+            thread.pid,
+            token,
+            thread.ruby_thread,
+            thread.tid,
+            state,
+            tag_id,
+        );
         let index = match self.stack_by_token.get(&key) {
             Some(index) => *index,
             None => {
-                let index = self.stack_index(thread, state, frames);
+                let index = self.stack_index(thread, state, frames, tag_id);
                 // Only a shortcut: forgetting it costs one lookup by frames.
                 if self.stack_by_token.len() >= MAX_TOKENS {
                     self.stack_by_token.clear();
@@ -204,7 +280,13 @@ impl Aggregator {
     }
 
     /// The index of this thread's stack in the profile, added if new.
-    fn stack_index(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame]) -> usize {
+    fn stack_index(
+        &mut self,
+        thread: &ThreadInfo,
+        state: ThreadState,
+        frames: &[Frame],
+        tags: u32,
+    ) -> usize {
         let key = (thread.pid, thread.ruby_thread, thread.tid);
         let threads = &mut self.profile.threads;
         let thread_id = *self.thread_ids.entry(key).or_insert_with(|| {
@@ -212,7 +294,7 @@ impl Aggregator {
             (threads.len() - 1) as u32
         });
         let ids: Vec<u32> = frames.iter().map(|f| self.frame_id(f)).collect();
-        let key = (thread_id, state, ids);
+        let key = (thread_id, state, ids, tags);
         match self.stack_ids.get(&key) {
             Some(index) => *index,
             None => {
@@ -221,6 +303,7 @@ impl Aggregator {
                     state,
                     frames: key.2.clone(),
                     count: 0,
+                    tags,
                 });
                 let index = self.profile.stacks.len() - 1;
                 self.stack_ids.insert(key, index);

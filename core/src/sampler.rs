@@ -192,7 +192,7 @@ fn sample_into<M: Memory>(
                 if config.on_cpu && !t.state.on_cpu() {
                     continue;
                 }
-                agg.add_stack(&t.info, t.state, t.stack_token, &t.frames);
+                agg.add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
             }
             for reason in dropped {
                 agg.error(reason);

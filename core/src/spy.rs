@@ -19,6 +19,9 @@ use std::sync::Arc;
 #[path = "spy_threads.rs"]
 mod threads;
 pub use threads::{SampledThread, ThreadSelection};
+#[path = "spy_tags.rs"]
+mod tags;
+pub use tags::Tags;
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
 const MAX_FRAMES: u64 = 65_536;
@@ -136,6 +139,8 @@ pub struct Spy<M: Memory = ProcessMemory> {
     signature: Vec<u64>,
     /// Buffers for control frames and value stacks, reused from sample to sample.
     spare: Vec<Vec<u8>>,
+    /// Where the target publishes `ruby_profiler_state` (spy_tags.rs).
+    tag_source: tags::TagSource,
 }
 
 /// One walked stack, innermost frame first.
@@ -362,6 +367,7 @@ impl<M: Memory> Spy<M> {
             tokens: 0,
             signature: Vec::new(),
             spare: Vec::new(),
+            tag_source: tags::TagSource::default(),
         }
     }
 
@@ -420,6 +426,14 @@ impl<M: Memory> Spy<M> {
             attempts: SNAPSHOT_ATTEMPTS,
             last,
         })
+    }
+
+    /// The tags of the thread the last [`Spy::snapshot`] read (see spy_tags.rs).
+    pub fn snapshot_tags(&mut self) -> Tags {
+        match self.last_ec {
+            Some((thread, _)) => self.thread_tags(thread),
+            None => Tags::default(),
+        }
     }
 
     /// Maps a read failure during a walk: the process being gone or unreadable is fatal,

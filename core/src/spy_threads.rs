@@ -35,6 +35,8 @@ pub struct SampledThread {
     pub frames: Arc<[Frame]>,
     /// See [`super::Stack::token`].
     pub stack_token: u64,
+    /// The tags of the fiber the thread was running (spy_tags.rs).
+    pub tags: super::Tags,
 }
 
 #[derive(Debug, Default)]
@@ -408,6 +410,7 @@ impl<M: Memory> Spy<M> {
                     state,
                     frames: stack.frames,
                     stack_token: stack.token,
+                    tags: self.thread_tags(thread),
                 }),
                 None => dropped.push("stack changed while read"),
             }

@@ -1,6 +1,26 @@
 # frozen_string_literal: true
 
 module RubySpy
+  # The frames of one thread, innermost first (an Array of {RubySpy::Frame}), with the tags
+  # of the fiber the thread was running.
+  class Stack < Array
+    # @return [Hash{Symbol => String}] the tags ({RubySpy.tag} in the target) as text:
+    #   Strings, Symbols, Integers, Floats, true/false/nil as themselves, other objects as
+    #   their class name; empty when there are none or the target has not loaded rbspy_ext
+    attr_reader :tags
+
+    # @api private
+    def initialize(frames, tags)
+      super(frames)
+      @tags = tags.freeze
+    end
+
+    # @api private
+    def self.tags_from(pairs)
+      pairs.to_h { |k, v| [k.to_sym, v] }
+    end
+  end
+
   # A live view of one Ruby process, opened by {RubySpy.attach}. It finds the Ruby VM once
   # and caches what cannot change, so each {#snapshot} costs a few memory reads. A handle is
   # safe to share between threads (snapshots through it are serialised).
@@ -24,16 +44,17 @@ module RubySpy
     # The stack of the thread holding the GVL (the main thread when none holds it),
     # innermost frame first.
     #
-    # @return [Array<RubySpy::Frame>]
+    # @return [RubySpy::Stack] the frames (an Array of {RubySpy::Frame}), with the tags of
+    #   the fiber that thread was running ({RubySpy.tag} in the target)
     # @raise [RubySpy::ProcessExited] if the process has gone
     # @raise [RubySpy::StackChanged] if the stack kept changing during several attempts
     def snapshot
       # Frames are immutable, so each distinct one is built once and reused (see
       # ext/rbspy_ext/src/handle.rs); the lock keeps ids and their definitions together.
       @lock.synchronize do
-        ids, fresh = _snapshot_ids
+        ids, fresh, tags = _snapshot_ids
         fresh.each { |id, row| @frames[id] = Frame.from_row(row) }
-        ids.map { |id| @frames[id] }
+        Stack.new(ids.map { |id| @frames[id] }, Stack.tags_from(tags))
       end
     end
 
@@ -41,11 +62,12 @@ module RubySpy
     #
     # @return [Array<Hash>] one per thread: +:tid+ (native thread id, 0 when the Ruby
     #   version does not record it), +:name+, +:main+, +:state+ ("running",
-    #   "waiting_for_gvl", "blocked"), +:frames+ (Array of {RubySpy::Frame})
+    #   "waiting_for_gvl", "blocked", "gc_marking"...), +:frames+ (Array of {RubySpy::Frame}),
+    #   +:tags+ (the tags of the fiber it was running, Hash{Symbol => String})
     def thread_snapshots
-      @lock.synchronize { _thread_snapshots }.map do |tid, name, main, state, frames|
+      @lock.synchronize { _thread_snapshots }.map do |tid, name, main, state, frames, tags|
         { tid: tid, name: name, main: main, state: state,
-          frames: frames.map { |row| Frame.from_row(row) } }
+          frames: frames.map { |row| Frame.from_row(row) }, tags: Stack.tags_from(tags) }
       end
     end
 

@@ -83,22 +83,49 @@ module RubySpy
 
     # The profile in +format+, as a String (binary for pprof).
     # @param format [Symbol, String] one of {FORMATS}
+    # @param tag [Symbol, String, nil] collapsed and flamegraph: a root frame per value of
+    #   this tag (+endpoint=orders#show+, +endpoint=-+ for samples without it)
     # @return [String]
     # @raise [ArgumentError] for an unknown format
-    def render(format)
-      @native.render(format.to_s)
+    def render(format, tag: nil)
+      @native.render(format.to_s, tag&.to_s)
     end
 
     # Writes the profile to +path+.
     # @param path [String]
     # @param format [Symbol, String] one of {FORMATS}
+    # @param tag (see #render)
     # @return [String] the path
     # @raise [ArgumentError] for an unknown format
     # @raise [SystemCallError] when the path cannot be written
-    def write(path, format:)
-      data = render(format)
+    def write(path, format:, tag: nil)
+      data = render(format, tag: tag)
       File.binwrite(path, data)
       path
+    end
+
+    # Every set of tags the samples carried ({RubySpy.tag} in the target), with its samples.
+    # @return [Array<Hash>] +{tags: {Symbol => String}, samples: Integer}+; samples without
+    #   tags have +tags: {}+
+    def tags
+      @native.tag_sets.map { |pairs, n| { tags: pairs.to_h { |k, v| [k.to_sym, v] }, samples: n } }
+    end
+
+    # The samples whose tags have all these values (compared as text, the way they were
+    # recorded: +user: 42+ matches the tag value "42").
+    # @param tags [Hash{Symbol => Object}]
+    # @return [RubySpy::Profile]
+    # @example
+    #   profile.select(request_id: "abc").write("abc.svg", format: :flamegraph)
+    def select(**tags)
+      Profile.new(@native.select_tags(tags.map { |k, v| [k.to_s, v.to_s] }))
+    end
+
+    # The samples split by the value of one tag.
+    # @param key [Symbol, String]
+    # @return [Hash{String, nil => RubySpy::Profile}] nil collects the samples without the tag
+    def group_by(key)
+      @native.group_by_tag(key.to_s).to_h { |value, native| [value, Profile.new(native)] }
     end
 
     # A text summary: the top functions by self and total samples.

@@ -264,6 +264,7 @@ mod tests {
         let text = callgrind(&Options {
             group_by_thread: false,
             show_state: false,
+            tag_root: None,
         });
         let (self_cost, inclusive, _) = costs(&text);
         assert_eq!(self_cost.values().sum::<u64>(), p.samples);

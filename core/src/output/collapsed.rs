@@ -33,11 +33,28 @@ pub(crate) fn folded(profile: &Profile, options: &Options) -> BTreeMap<String, u
     let frame_texts: Vec<String> = profile.frames.iter().map(frame_text).collect();
     let mut lines: BTreeMap<String, u64> = BTreeMap::new();
     let mut parts: Vec<&str> = Vec::new();
+    // One root text per tag set (`key=value`), when grouping by a tag.
+    let tag_roots: Vec<String> = match &options.tag_root {
+        Some(key) => (0..profile.tag_sets.len().max(1))
+            .map(|i| {
+                let value = profile
+                    .tag_sets
+                    .get(i)
+                    .and_then(|set| set.iter().find(|(k, _)| k == key))
+                    .map(|(_, v)| clean(v));
+                format!("{key}={}", value.as_deref().unwrap_or("-"))
+            })
+            .collect(),
+        None => Vec::new(),
+    };
     let thread_labels: Vec<String> = (0..profile.threads.len() as u32)
         .map(|t| clean(&thread_label(profile, t)))
         .collect();
     for stack in &profile.stacks {
         parts.clear();
+        if let Some(root) = tag_roots.get(stack.tags as usize) {
+            parts.push(root);
+        }
         if options.group_by_thread {
             parts.push(&thread_labels[stack.thread as usize]);
         }
@@ -159,6 +176,7 @@ mod tests {
         let flat = parse(&collapsed(&Options {
             group_by_thread: false,
             show_state: false,
+            tag_root: None,
         }));
         // Without thread roots, the thread with no Ruby frame gets the placeholder frame.
         assert_eq!(flat.values().sum::<u64>(), p.samples);
@@ -168,6 +186,7 @@ mod tests {
         let states = parse(&collapsed(&Options {
             group_by_thread: true,
             show_state: true,
+            tag_root: None,
         }));
         assert_eq!(states.values().sum::<u64>(), p.samples);
         for stack in states.keys() {
@@ -199,6 +218,7 @@ mod tests {
         let opts = Options {
             group_by_thread: false,
             show_state: false,
+            tag_root: None,
         };
         write_format(&p, Format::Collapsed, &mut out, &opts).unwrap();
         assert_eq!(

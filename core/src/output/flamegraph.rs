@@ -121,6 +121,7 @@ mod tests {
         let opts = Options {
             group_by_thread: false,
             show_state: true,
+            tag_root: None,
         };
         write(&p, Format::Flamegraph, &mut out, &opts).unwrap();
         let all = texts(&String::from_utf8(out).unwrap()).join("\n");

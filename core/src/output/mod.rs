@@ -127,6 +127,9 @@ pub struct Options {
     /// Collapsed and flamegraph only: add the thread's state (`[running]`, `[blocked]`...)
     /// as a pseudo frame after the innermost one (the new leaf), so each leaf splits by state.
     pub show_state: bool,
+    /// Collapsed and flamegraph only: a root frame `key=value` (`key=-` without the tag)
+    /// naming the value of this tag, above the thread's.
+    pub tag_root: Option<String>,
 }
 
 impl Default for Options {
@@ -134,6 +137,7 @@ impl Default for Options {
         Options {
             group_by_thread: true,
             show_state: false,
+            tag_root: None,
         }
     }
 }

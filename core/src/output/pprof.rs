@@ -272,7 +272,15 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
                         num: thread.pid as i64,
                         ..Default::default()
                     },
-                ],
+                ]
+                .into_iter()
+                // The fiber's tags (RubySpy.tag), one label each.
+                .chain(profile.tags_of(stack).iter().map(|(k, v)| proto::Label {
+                    key: strings.id(k),
+                    str: strings.id(v),
+                    ..Default::default()
+                }))
+                .collect(),
             }
         })
         .collect();
@@ -455,6 +463,7 @@ mod tests {
         let decoded = decode(&Options {
             group_by_thread: false,
             show_state: false,
+            tag_root: None,
         });
         let s = |i: i64| decoded.string_table[i as usize].as_str();
         assert!(decoded

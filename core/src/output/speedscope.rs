@@ -294,6 +294,7 @@ mod tests {
         let doc = speedscope(&Options {
             group_by_thread: false,
             show_state: false,
+            tag_root: None,
         });
         check_structure(&doc);
         assert_eq!(doc["profiles"].as_array().unwrap().len(), 1);

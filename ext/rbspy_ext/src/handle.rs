@@ -111,9 +111,13 @@ impl Handle {
     /// `[id, frame_row]` for each id not
     /// returned before. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so
     /// every fresh id reaches the cache before another snapshot can refer to it.
-    fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<(RArray, RArray), Error> {
-        let (ids, fresh) = run(ruby, rb_self.own_process, "taking a snapshot", || {
-            let frames = rb_self.lock().snapshot()?;
+    fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<(RArray, RArray, RArray), Error> {
+        let (ids, fresh, tags) = run(ruby, rb_self.own_process, "taking a snapshot", || {
+            let (frames, tags) = {
+                let mut spy = rb_self.lock();
+                let frames = spy.snapshot()?;
+                (frames, spy.snapshot_tags())
+            };
             let mut table = rb_self.frame_ids.lock().unwrap_or_else(|p| p.into_inner());
             let mut fresh = Vec::new();
             let ids: Vec<u32> = frames
@@ -126,13 +130,13 @@ impl Handle {
                     })
                 })
                 .collect();
-            Ok((ids, fresh))
+            Ok((ids, fresh, tags))
         })?;
         let fresh_ary = ruby.ary_new_capa(fresh.len());
         for (id, f) in fresh {
             fresh_ary.push((id, frame_row(&f)))?;
         }
-        Ok((ruby.ary_from_vec(ids), fresh_ary))
+        Ok((ruby.ary_from_vec(ids), fresh_ary, tag_pairs(ruby, &tags)?))
     }
 
     /// Every Ruby thread: `[[tid, name, main?, state, [[label, base_label, path,
@@ -153,6 +157,7 @@ impl Handle {
                 t.info.main,
                 t.state.name(),
                 frames,
+                tag_pairs(ruby, &t.tags)?,
             ))?;
         }
         Ok(out)
@@ -162,6 +167,15 @@ impl Handle {
     fn read_calls(&self) -> u64 {
         self.lock().memory().calls()
     }
+}
+
+/// `[[key, value], ...]` (both Strings) for one thread's tags.
+fn tag_pairs(ruby: &Ruby, tags: &rbspy_ext_core::spy::Tags) -> Result<RArray, Error> {
+    let out = ruby.ary_new_capa(tags.len());
+    for (k, v) in tags.iter() {
+        out.push((k.as_ref(), v.as_ref()))?;
+    }
+    Ok(out)
 }
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {

@@ -127,11 +127,20 @@ impl NativeProfile {
         })
     }
 
-    fn render(ruby: &Ruby, rb_self: &Self, format: String) -> Result<magnus::RString, Error> {
+    fn render(
+        ruby: &Ruby,
+        rb_self: &Self,
+        format: String,
+        tag_root: Option<String>,
+    ) -> Result<magnus::RString, Error> {
         let format = Format::from_name(&format)
             .map_err(|e| Error::new(ruby.exception_arg_error(), e.to_string()))?;
         let mut out = Vec::new();
-        output::write(&rb_self.0, format, &mut out, &Options::default())
+        let options = Options {
+            tag_root,
+            ..Options::default()
+        };
+        output::write(&rb_self.0, format, &mut out, &options)
             .map_err(|e| Error::new(errors::class(ruby, "Error"), e.to_string()))?;
         Ok(ruby.str_from_slice(&out))
     }
@@ -181,6 +190,51 @@ impl NativeProfile {
         self.0.notes.clone()
     }
 
+    /// [[[[key, value], ...], samples], ...]: every set of tags seen, with its samples.
+    fn tag_sets(&self) -> Vec<(Vec<(String, String)>, u64)> {
+        let p = &self.0;
+        let mut counts = vec![0u64; p.tag_sets.len().max(1)];
+        for s in &p.stacks {
+            if let Some(c) = counts.get_mut(s.tags as usize) {
+                *c += s.count;
+            }
+        }
+        counts
+            .into_iter()
+            .enumerate()
+            .filter(|(_, n)| *n > 0)
+            .map(|(i, n)| (p.tag_sets.get(i).cloned().unwrap_or_default(), n))
+            .collect()
+    }
+
+    /// The samples whose tags include every `[key, value]` given.
+    fn select_tags(&self, wanted: Vec<(String, String)>) -> NativeProfile {
+        let p = &self.0;
+        NativeProfile(p.filtered(|s| {
+            wanted
+                .iter()
+                .all(|(k, v)| p.tag_value(s, k) == Some(v.as_str()))
+        }))
+    }
+
+    /// [[value or nil, profile], ...]: the samples split by the value of tag `key`.
+    fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RArray, Error> {
+        let p = &rb_self.0;
+        let mut values: Vec<Option<String>> = p
+            .stacks
+            .iter()
+            .map(|s| p.tag_value(s, &key).map(str::to_string))
+            .collect();
+        values.sort();
+        values.dedup();
+        let out = ruby.ary_new_capa(values.len());
+        for v in values {
+            let part = p.filtered(|s| p.tag_value(s, &key) == v.as_deref());
+            out.push((v, ruby.obj_wrap(NativeProfile(part))))?;
+        }
+        Ok(out)
+    }
+
     /// [[pid, tid, name, main?, {state => samples}], ...]
     fn threads(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let p = &rb_self.0;
@@ -192,6 +246,10 @@ impl NativeProfile {
                     .lookup::<_, Option<u64>>(s.state.name())?
                     .unwrap_or(0);
                 states.aset(s.state.name(), prev + s.count)?;
+            }
+            // A thread with no samples here (e.g. in a `select`ed profile) is not listed.
+            if states.is_empty() {
+                continue;
             }
             out.push((t.pid, t.tid, t.name.clone(), t.main, states))?;
         }
@@ -207,7 +265,10 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     rec.define_method("progress", method!(NativeRecorder::progress, 0))?;
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
     prof.define_singleton_method("load", function!(NativeProfile::load, 1))?;
-    prof.define_method("render", method!(NativeProfile::render, 1))?;
+    prof.define_method("render", method!(NativeProfile::render, 2))?;
+    prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
+    prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
+    prof.define_method("group_by_tag", method!(NativeProfile::group_by_tag, 1))?;
     prof.define_method("samples", method!(NativeProfile::samples, 0))?;
     prof.define_method("ticks", method!(NativeProfile::ticks, 0))?;
     prof.define_method("duration", method!(NativeProfile::duration, 0))?;

@@ -242,6 +242,14 @@ macro_rules! layout {
             l.none("thread_nt");
             l.none("native_thread_tid");
         });
+        // The pthread_t (see layout_probe.c).
+        since!($rv >= 302 {
+            l.none("thread_pthread");
+            l.some("native_thread_pthread", offset_of!(r::rb_native_thread, thread_id));
+        } else {
+            l.some("thread_pthread", offset_of!(r::rb_thread_t, thread_id));
+            l.none("native_thread_pthread");
+        });
         // Waiting for the GVL (see layout_probe.c).
         since!($rv >= 302 {
             l.dec("thread_gvl_wait_node", offset_of!(r::rb_thread_t, sched.node.readyq));

@@ -1,0 +1,221 @@
+//! The tags of each thread, read from the target's `ruby_profiler_state` tables
+//! (docs/profiler-state.md) through its memory only: the thread's `pthread_t` (its thread
+//! pointer) from Ruby's thread structures, plus the offset the rbspy_ext extension publishes
+//! in `ruby_profiler_state_tp_offset`, gives the thread's pointer to the current fiber's
+//! table; the table's IDs and VALUEs are decoded like everything else the walker reads.
+//!
+//! A child module of `spy` so that it shares the walker's symbol table and class names.
+use super::{word, Memory, Spy};
+use crate::objects::{is_heap_object, read_string, T_MASK, T_STRING};
+use crate::process::{find_profiler_state_offset, read_maps};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One thread's tags as text, `(key, value)` in table order; empty when it has none.
+pub type Tags = Arc<[(Arc<str>, Arc<str>)]>;
+
+/// Most slots read from one table (the extension publishes at most 2048: 1024 tags).
+const MAX_CAPACITY: u64 = 4096;
+/// How often a process without the extension is checked again (it may load it later).
+const RECHECK: Duration = Duration::from_secs(1);
+/// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
+const T_SYMBOL: u64 = 0x14;
+/// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
+const RSYMBOL_FSTR: u64 = 24;
+
+/// Where the target's `ruby_profiler_state` is, once known.
+#[derive(Debug, Default)]
+pub(super) struct TagSource {
+    /// The published offset from the thread pointer, once the extension is seen loaded.
+    offset: Option<i64>,
+    checked_at: Option<Instant>,
+    /// Thread pointer by Ruby thread (a thread keeps its native thread).
+    pointers: rustc_hash::FxHashMap<u64, u64>,
+}
+
+impl<M: Memory> Spy<M> {
+    /// The offset from a thread pointer to its `ruby_profiler_state`, if the target has
+    /// loaded rbspy_ext (looked for again every second until it has).
+    pub(super) fn profiler_state_offset(&mut self) -> Option<i64> {
+        if self.tag_source.offset.is_some() {
+            return self.tag_source.offset;
+        }
+        if self
+            .tag_source
+            .checked_at
+            .is_some_and(|t| t.elapsed() < RECHECK)
+        {
+            return None;
+        }
+        self.tag_source.checked_at = Some(Instant::now());
+        let maps = read_maps(self.pid).ok()?;
+        let addr = find_profiler_state_offset(self.pid, &maps)?;
+        // 0 until the extension has initialised.
+        let offset = self.mem.read_u64(addr).ok()? as i64;
+        self.tag_source.offset = (offset != 0).then_some(offset);
+        self.tag_source.offset
+    }
+
+    /// A Ruby thread's `pthread_t`, which on glibc is its thread pointer.
+    pub(super) fn thread_pointer(&self, thread: u64) -> Option<u64> {
+        let l = self.layout;
+        let addr = match (l.thread_pthread, l.thread_nt, l.native_thread_pthread) {
+            (Some(off), _, _) => thread + off as u64,
+            (None, Some(nt), Some(off)) => {
+                let nt = self.mem.read_u64(thread + nt as u64).ok()?;
+                if !is_heap_object(nt) {
+                    return None;
+                }
+                nt + off as u64
+            }
+            _ => return None,
+        };
+        self.mem.read_u64(addr).ok().filter(|tp| *tp != 0)
+    }
+
+    /// The tags of the fiber a thread is running now: empty when it has none, when the
+    /// target has not loaded rbspy_ext, or when the table does not read as one (it may have
+    /// been replaced while read; the next sample sees the new one).
+    pub fn thread_tags(&mut self, thread: u64) -> Tags {
+        let Some(offset) = self.profiler_state_offset() else {
+            return Tags::default();
+        };
+        let tp = match self.tag_source.pointers.get(&thread) {
+            Some(tp) => *tp,
+            None => {
+                let Some(tp) = self.thread_pointer(thread) else {
+                    return Tags::default();
+                };
+                if self.tag_source.pointers.len() >= 4096 {
+                    self.tag_source.pointers.clear();
+                }
+                self.tag_source.pointers.insert(thread, tp);
+                tp
+            }
+        };
+        let table = self
+            .mem
+            .read_u64(tp.wrapping_add(offset as u64))
+            .unwrap_or(0);
+        self.decode_table(table)
+    }
+
+    /// Decodes one `Ruby_Profiler_State` table (0: none).
+    pub(super) fn decode_table(&mut self, table: u64) -> Tags {
+        if table == 0 {
+            return Tags::default();
+        }
+        let mut head = [0u8; 16];
+        if self.mem.read(table, &mut head).is_err() {
+            return Tags::default();
+        }
+        let (size, capacity) = (word(&head, 0), word(&head, 8));
+        if capacity == 0
+            || !capacity.is_power_of_two()
+            || capacity > MAX_CAPACITY
+            || size > capacity
+        {
+            return Tags::default();
+        }
+        let Ok(pairs) = self.mem.read_vec(table + 16, capacity as usize * 16) else {
+            return Tags::default();
+        };
+        let mut out = Vec::with_capacity(size as usize);
+        for pair in pairs.chunks_exact(16) {
+            let (key, value) = (word(pair, 0), word(pair, 8));
+            if key == 0 {
+                continue;
+            }
+            let Some(name) = self.id_name(key) else {
+                continue; // not an ID of this process: the table changed under us
+            };
+            let text = self.value_text(value);
+            out.push((name, text));
+        }
+        out.into()
+    }
+
+    fn id_name(&mut self, id: u64) -> Option<Arc<str>> {
+        let l = self.layout;
+        self.symbols().ok()?;
+        let symbols = self.symbols.as_mut()?;
+        symbols.name(&self.mem, l, id).ok()
+    }
+
+    /// A VALUE as text: Strings, Symbols, Integers, Floats, true/false/nil as themselves,
+    /// anything else as its class name.
+    fn value_text(&mut self, v: u64) -> Arc<str> {
+        let l = self.layout;
+        match v {
+            0x00 => return "false".into(),
+            0x08 => return "nil".into(),
+            0x14 => return "true".into(),
+            _ => {}
+        }
+        if v & 1 == 1 {
+            return ((v as i64) >> 1).to_string().into();
+        }
+        if v & 3 == 2 {
+            return flonum(v).to_string().into();
+        }
+        if v & 0xff == 0x0c {
+            return self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol"));
+        }
+        if !is_heap_object(v) {
+            return "?".into();
+        }
+        let Ok(flags) = self.mem.read_u64(v + l.rbasic_flags as u64) else {
+            return "?".into();
+        };
+        match flags & T_MASK {
+            T_STRING => read_string(&self.mem, l, v)
+                .map(Arc::from)
+                .unwrap_or_else(|_| Arc::from("String")),
+            T_SYMBOL => self
+                .mem
+                .read_u64(v + RSYMBOL_FSTR)
+                .ok()
+                .and_then(|fstr| read_string(&self.mem, l, fstr).ok())
+                .map(Arc::from)
+                .unwrap_or_else(|| Arc::from("Symbol")),
+            _ => {
+                let class = self.mem.read_u64(v + 8).unwrap_or(0);
+                if self.symbols().is_err() {
+                    return "?".into();
+                }
+                let Some(symbols) = self.symbols.as_mut() else {
+                    return "?".into();
+                };
+                self.classes
+                    .class_name(&self.mem, l, symbols, class)
+                    .unwrap_or_else(|| Arc::from("Object"))
+            }
+        }
+    }
+}
+
+/// The Float a flonum VALUE stands for (Ruby's `rb_float_flonum_value`).
+fn flonum(v: u64) -> f64 {
+    if v == 0x8000_0000_0000_0002 {
+        return 0.0;
+    }
+    let b63 = v >> 63;
+    let t = (2u64.wrapping_sub(b63)) | (v & !3);
+    f64::from_bits(t.rotate_right(3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flonum;
+
+    #[test]
+    fn flonums_decode_like_ruby() {
+        // Ruby encodes a flonum as the double's bits rotated left by 3, low bits 0b10.
+        for x in [1.5f64, -2.25, 1e10, 0.1] {
+            let bits = x.to_bits();
+            let v = (bits.rotate_left(3) & !1) | 2;
+            assert_eq!(flonum(v), x, "{x}");
+        }
+        assert_eq!(flonum(0x8000_0000_0000_0002), 0.0);
+    }
+}

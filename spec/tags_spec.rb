@@ -1,0 +1,85 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "open3"
+require "tmpdir"
+require "zlib"
+
+# Tags read from outside a process, through its memory only (spec/state_spec.rb covers the
+# API inside the process). The target loads rbspy_ext itself, so these run on the host Ruby,
+# the one the extension is built for.
+RSpec.describe "tags read from outside" do
+  include RubySpyTest::Recording
+
+  before do
+    skip "the extension is built for the host Ruby only" unless RubySpyTest::TargetRuby.current.host?
+  end
+
+  # [key, value] of every string label on every sample of a pprof file.
+  def pprof_labels(path)
+    wire = RubySpyTest::Recording::ProtobufWire
+    fields = wire.fields(Zlib.gunzip(File.binread(path)))
+    strings = fields.select { |n, t, _| n == 6 && t == 2 }.map { |_, _, v| v.force_encoding("UTF-8") }
+    fields.select { |n, _, _| n == 2 }.flat_map do |_, _, sample|
+      wire.fields(sample).select { |n, _, _| n == 3 }.map do |_, _, label|
+        l = wire.fields(label).to_h { |n, _, v| [n, v] }
+        [strings[l[1].to_i], strings[l[2].to_i]]
+      end
+    end.uniq
+  end
+
+  def expected(target, key)
+    target.info.fetch(key).transform_keys(&:to_sym)
+  end
+
+  it "RubySpy.snapshot returns the parked thread's frames with its fiber's tags, as text" do
+    target = start_target("tagged")
+    stack = RubySpy.snapshot(target.pid)
+    expect(stack.tags).to eq(expected(target, "tags"))
+    expect(stack.tags).to include(request_id: "req-#{target.pid}", user: "7", endpoint: "orders#show",
+                                  ratio: "1.5", admin: "false", note: "nil", owner: "Request")
+    expect(stack.map(&:label)).to include(a_string_matching(/handle/))
+  end
+
+  it "reads every thread's own tags, including a thread parked inside a fiber" do
+    target = start_target("tagged")
+    threads = RubySpy.attach(target.pid).thread_snapshots
+    main = threads.find { |t| t[:main] }
+    worker = threads.find { |t| t[:name] == "tagged-worker" }
+    expect(main[:tags]).to eq(expected(target, "tags"))
+    expect(worker[:tags]).to eq(expected(target, "worker_tags"))
+    expect(worker[:tags]).to eq(job: "nightly-report", attempt: "3")
+  end
+
+  it "reports no tags for a process that never loaded rbspy_ext" do
+    target = start_target("nested_methods")
+    expect(RubySpy.snapshot(target.pid).tags).to eq({})
+  end
+
+  it "attaches the sampled thread's tags to every sample, for select, group_by, pprof and collapsed" do
+    target = start_target("tagged")
+    profile = RubySpy::Recorder.new(target.pid, rate: 200, duration: 0.5).start.wait.stop
+    sets = profile.tags.map { |t| t[:tags] }
+    expect(sets).to include(expected(target, "tags"), expected(target, "worker_tags"))
+    expect(profile.tags.sum { |t| t[:samples] }).to eq(profile.samples)
+
+    mine = profile.select(request_id: "req-#{target.pid}", user: 7)
+    expect(mine.samples).to be > 0
+    expect(mine.threads.map { |t| t[:main] }.uniq).to eq([true])
+    by_job = profile.group_by(:job)
+    expect(by_job.keys).to contain_exactly(nil, "nightly-report")
+    expect(by_job["nightly-report"].threads.map { |t| t[:name] }.uniq).to eq(["tagged-worker"])
+    expect(by_job.values.sum(&:samples)).to eq(profile.samples)
+
+    collapsed = profile.render(:collapsed, tag: :job)
+    expect(collapsed.lines).to all(match(/\Ajob=(nightly-report|-);/))
+    expect(collapsed).to include("job=nightly-report;")
+
+    Dir.mktmpdir do |dir|
+      path = profile.write(File.join(dir, "p.pb.gz"), format: :pprof)
+      labels = pprof_labels(path)
+      expect(labels).to include(["request_id", "req-#{target.pid}"], ["job", "nightly-report"])
+    end
+  end
+end
