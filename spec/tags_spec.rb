@@ -52,6 +52,16 @@ RSpec.describe "tags read from outside" do
     expect(worker[:tags]).to eq(job: "nightly-report", attempt: "3")
   end
 
+  it "rubyspy tags prints each thread's tags and the published offset" do
+    target = start_target("tagged")
+    out, status = Open3.capture2e(RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
+                                  File.join(RubySpyTest::ROOT, "exe", "rubyspy"), "tags", "--pid", target.pid.to_s)
+    expect(status.exitstatus).to eq(0), out
+    expect(out).to match(/^ruby_profiler_state_tp_offset: -?\d+/)
+    expect(out).to match(/main: request_id=req-#{target.pid} user=7 /)
+    expect(out).to match(/\(tagged-worker\): job=nightly-report attempt=3$/)
+  end
+
   it "reports no tags for a process that never loaded rbspy_ext" do
     target = start_target("nested_methods")
     expect(RubySpy.snapshot(target.pid).tags).to eq({})

@@ -36,7 +36,7 @@ pub(super) struct TagSource {
 impl<M: Memory> Spy<M> {
     /// The offset from a thread pointer to its `ruby_profiler_state`, if the target has
     /// loaded rbspy_ext (looked for again every second until it has).
-    pub(super) fn profiler_state_offset(&mut self) -> Option<i64> {
+    pub fn profiler_state_offset(&mut self) -> Option<i64> {
         if self.tag_source.offset.is_some() {
             return self.tag_source.offset;
         }

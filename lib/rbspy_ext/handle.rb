@@ -79,5 +79,9 @@ module RubySpy
     #   @return [String, nil] set when the struct layout came from another patch release
     # @!method read_calls
     #   @return [Integer] how many +process_vm_readv+ calls this handle has made
+    # @!method profiler_state_offset
+    #   @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
+    #     this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
+    #     rbspy_ext; what a BPF program needs (docs/profiler-state.md)
   end
 end

@@ -163,6 +163,11 @@ impl Handle {
         Ok(out)
     }
 
+    /// The target's `ruby_profiler_state_tp_offset`, if it has loaded rbspy_ext.
+    fn profiler_state_offset(&self) -> Option<i64> {
+        self.lock().profiler_state_offset()
+    }
+
     /// `process_vm_readv` calls made so far (benchmarks count them).
     fn read_calls(&self) -> u64 {
         self.lock().memory().calls()
@@ -187,6 +192,10 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("warning", method!(Handle::warning, 0))?;
     class.define_method("_snapshot_ids", method!(Handle::snapshot_ids, 0))?;
     class.define_method("read_calls", method!(Handle::read_calls, 0))?;
+    class.define_method(
+        "profiler_state_offset",
+        method!(Handle::profiler_state_offset, 0),
+    )?;
     class.define_method("_thread_snapshots", method!(Handle::thread_snapshots, 0))?;
     Ok(())
 }
