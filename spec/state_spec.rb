@@ -53,6 +53,16 @@ RSpec.describe "RubySpy.tag and RubySpy::State" do
                         [{ fiber: "inner" }, true], [{ fiber: "outer" }, true]])
   end
 
+  it "leaves the resumer's tags published when a tagged fiber finishes" do
+    RubySpy.tag(who: "resumer") do
+      f = Fiber.new { RubySpy::State.new(who: "fiber").apply! && :done }
+      expect(f.resume).to eq(:done)
+      expect(f.alive?).to be false
+      expect(RubySpy.tags).to eq(who: "resumer")
+      expect(published_matches_current?).to be true
+    end
+  end
+
   it "starts fibers and threads created inside a tag block with the tags of that moment" do
     fiber = thread = nil
     RubySpy.tag(request_id: "r1") do

@@ -62,6 +62,16 @@ RSpec.describe "tags read from outside" do
     expect(out).to match(/\(tagged-worker\): job=nightly-report attempt=3$/)
   end
 
+  it "never reports tags that were not set, while tables are replaced under the reader" do
+    target = start_target("tag_churn")
+    valid = target.info.fetch("sets").map { |set| set.to_h { |k, v| [k.to_sym, v.to_s] } } + [{}]
+    profile = RubySpy::Recorder.new(target.pid, rate: 2000, duration: 1).start.wait.stop
+    seen = profile.tags.map { |t| t[:tags] }
+    expect(seen - valid).to eq([]), "tag sets never set: #{(seen - valid).inspect}"
+    expect(seen & valid[0..2]).not_to be_empty
+    expect(profile.samples).to be > 500
+  end
+
   it "reports no tags for a process that never loaded rbspy_ext" do
     target = start_target("nested_methods")
     expect(RubySpy.snapshot(target.pid).tags).to eq({})
