@@ -138,9 +138,11 @@ impl State {
     }
 }
 
+/// The ID of `FIBER_LOCAL`, interned once at load: the fiber-switch hook must not intern.
+static FIBER_LOCAL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 fn fiber_local_id() -> ID {
-    // SAFETY: interning a static name; IDs of static names are never freed.
-    unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) }
+    FIBER_LOCAL_ID.load(std::sync::atomic::Ordering::Relaxed) as ID
 }
 
 /// Points `ruby_profiler_state` at the table of `state` (a `RubySpy::State` or nil).
@@ -201,14 +203,23 @@ fn published_address() -> u64 {
     unsafe { rbspy_ext_state_get() as u64 }
 }
 
+extern "C" {
+    /// Declared here with plain integer flags: rb-sys types them as an enum, which cannot
+    /// hold SAFE | RAW_ARG.
+    #[link_name = "rb_add_event_hook2"]
+    fn add_event_hook_raw(
+        func: unsafe extern "C" fn(VALUE, *mut c_void),
+        events: rb_sys::rb_event_flag_t,
+        data: VALUE,
+        hook_flag: u32,
+    );
+}
+/// `RUBY_EVENT_HOOK_FLAG_SAFE | RUBY_EVENT_HOOK_FLAG_RAW_ARG` (ruby/debug.h): a raw-argument
+/// hook skips building the Ruby-level trace argument on every fiber switch.
+const HOOK_SAFE_RAW: u32 = 0x01 | 0x04;
+
 /// Runs on every fiber switch, in the fiber switched to.
-extern "C" fn on_fiber_switch(
-    _event: rb_sys::rb_event_flag_t,
-    _data: VALUE,
-    _self: VALUE,
-    _mid: ID,
-    _klass: VALUE,
-) {
+unsafe extern "C" fn on_fiber_switch(_data: VALUE, _trace_arg: *mut c_void) {
     // Must not raise or panic: a failed lookup publishes nothing.
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: with the GVL, in the fiber now running.
@@ -221,12 +232,17 @@ extern "C" fn on_fiber_switch(
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     // SAFETY: computes the published offset once, on the loading thread.
     unsafe { rbspy_ext_state_init() };
-    // SAFETY: a hook with the signature Ruby expects, installed once.
+    // SAFETY: interning a static name; IDs of static names are never freed.
+    let id = unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) };
+    FIBER_LOCAL_ID.store(id as u64, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: a raw-argument hook with the signature Ruby calls such hooks with
+    // (`(VALUE data, rb_trace_arg_t *)`), installed once.
     unsafe {
-        rb_sys::rb_add_event_hook(
-            Some(on_fiber_switch),
+        add_event_hook_raw(
+            on_fiber_switch,
             rb_sys::RUBY_EVENT_FIBER_SWITCH as rb_sys::rb_event_flag_t,
             rb_sys::Qnil as VALUE,
+            HOOK_SAFE_RAW,
         );
     }
     let module = ruby.define_module("RubySpy")?;
