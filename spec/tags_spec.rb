@@ -5,6 +5,7 @@ require "rbspy_ext"
 require "open3"
 require "tmpdir"
 require "zlib"
+require "json"
 
 # Tags read from outside a process, through its memory only (spec/state_spec.rb covers the
 # API inside the process). The target loads rbspy_ext itself, so these run on the host Ruby,
@@ -96,7 +97,14 @@ RSpec.describe "tags read from outside" do
     expect(collapsed.lines).to all(match(/\Ajob=(nightly-report|-);/))
     expect(collapsed).to include("job=nightly-report;")
 
+    doc = JSON.parse(profile.render(:speedscope, tag: :job))
+    names = doc["profiles"].map { |p| p["name"] }
+    expect(names).to contain_exactly("job=nightly-report", "job=-")
+    expect(doc["profiles"].map { |p| p["samples"].size }).to all(be > 0)
+
     Dir.mktmpdir do |dir|
+      raw = profile.write(File.join(dir, "p.raw"), format: :raw)
+      expect(RubySpy::Profile.load(raw).tags).to eq(profile.tags)
       path = profile.write(File.join(dir, "p.pb.gz"), format: :pprof)
       labels = pprof_labels(path)
       expect(labels).to include(["request_id", "req-#{target.pid}"], ["job", "nightly-report"])

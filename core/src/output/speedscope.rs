@@ -83,15 +83,34 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         Some(ns) => ("milliseconds", ns / 1e6),
         None => ("none", 1.0),
     };
-    // One profile per thread, in the order threads were first seen (or one for all).
-    let group_of = |thread: u32| {
-        if options.group_by_thread {
-            thread as usize
+    // One profile per thread, in the order threads were first seen (or one for all); with
+    // `tag_root`, one per value of that tag instead ("endpoint=orders#show", "endpoint=-").
+    let tag_value = |stack: &crate::profile::StackCount| -> String {
+        let key = options.tag_root.as_deref().unwrap_or("");
+        format!("{key}={}", profile.tag_value(stack, key).unwrap_or("-"))
+    };
+    let mut tag_groups: Vec<String> = Vec::new();
+    if options.tag_root.is_some() {
+        for stack in &profile.stacks {
+            let v = tag_value(stack);
+            if !tag_groups.contains(&v) {
+                tag_groups.push(v);
+            }
+        }
+    }
+    let group_of = |stack: &crate::profile::StackCount| {
+        if options.tag_root.is_some() {
+            let v = tag_value(stack);
+            tag_groups.iter().position(|g| *g == v).unwrap_or(0)
+        } else if options.group_by_thread {
+            stack.thread as usize
         } else {
             0
         }
     };
-    let groups = if options.group_by_thread {
+    let groups = if options.tag_root.is_some() {
+        tag_groups.len().max(1)
+    } else if options.group_by_thread {
         profile.threads.len()
     } else {
         1
@@ -99,7 +118,9 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
     let mut profiles: Vec<SampledProfile> = (0..groups)
         .map(|g| SampledProfile {
             kind: "sampled",
-            name: if options.group_by_thread {
+            name: if options.tag_root.is_some() {
+                tag_groups.get(g).cloned().unwrap_or_default()
+            } else if options.group_by_thread {
                 thread_label(profile, g as u32)
             } else {
                 "All threads".to_string()
@@ -113,7 +134,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         .collect();
     let mut counts = vec![0u64; groups];
     for stack in &profile.stacks {
-        let g = group_of(stack.thread);
+        let g = group_of(stack);
         let p = &mut profiles[g];
         p.samples.push(
             stack
@@ -136,7 +157,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
     let mut kept: Vec<(SampledProfile, u64)> = profiles
         .into_iter()
         .zip(counts)
-        .filter(|(_, c)| *c > 0 || !options.group_by_thread)
+        .filter(|(_, c)| *c > 0 || !(options.group_by_thread || options.tag_root.is_some()))
         .collect();
     if kept.is_empty() {
         kept.push((
