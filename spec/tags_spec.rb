@@ -73,6 +73,21 @@ RSpec.describe "tags read from outside" do
     expect(profile.samples).to be > 500
   end
 
+  it "rubyspy record --by-tag roots collapsed stacks at each value of the tag" do
+    target = start_target("tagged")
+    Dir.mktmpdir do |dir|
+      out_path = File.join(dir, "by-job.txt")
+      out, status = Open3.capture2e(RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
+                                    File.join(RubySpyTest::ROOT, "exe", "rubyspy"), "record", "--pid", target.pid.to_s,
+                                    "--duration", "0.5", "--rate", "200", "--format", "collapsed",
+                                    "--by-tag", "job", "--output", out_path)
+      expect(status.exitstatus).to eq(0), out
+      lines = File.readlines(out_path)
+      expect(lines).to all(match(/\Ajob=(nightly-report|-);/))
+      expect(lines.map { |l| l[/\Ajob=[^;]*/] }.uniq).to contain_exactly("job=nightly-report", "job=-")
+    end
+  end
+
   it "reports no tags for a process that never loaded rbspy_ext" do
     target = start_target("nested_methods")
     expect(RubySpy.snapshot(target.pid).tags).to eq({})
