@@ -162,12 +162,10 @@ impl Profile {
     /// A profile of only the stacks `keep` accepts (frames and threads are kept whole, so
     /// indexes stay valid); `samples` is recounted.
     pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {
-        let stacks: Vec<StackCount> = self.stacks.iter().filter(|s| keep(s)).cloned().collect();
-        Profile {
-            samples: stacks.iter().map(|s| s.count).sum(),
-            stacks,
-            ..self.clone()
-        }
+        let mut part = self.clone();
+        part.stacks.retain(|s| keep(s));
+        part.samples = part.stacks.iter().map(|s| s.count).sum();
+        part
     }
 }
 

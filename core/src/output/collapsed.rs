@@ -35,15 +35,9 @@ pub(crate) fn folded(profile: &Profile, options: &Options) -> BTreeMap<String, u
     let mut parts: Vec<&str> = Vec::new();
     // One root text per tag set (`key=value`), when grouping by a tag.
     let tag_roots: Vec<String> = match &options.tag_root {
-        Some(key) => (0..profile.tag_sets.len().max(1))
-            .map(|i| {
-                let value = profile
-                    .tag_sets
-                    .get(i)
-                    .and_then(|set| set.iter().find(|(k, _)| k == key))
-                    .map(|(_, v)| clean(v));
-                format!("{key}={}", value.as_deref().unwrap_or("-"))
-            })
+        Some(key) => super::tag_roots(profile, key)
+            .iter()
+            .map(|r| clean(r))
             .collect(),
         None => Vec::new(),
     };

@@ -142,6 +142,21 @@ impl Default for Options {
     }
 }
 
+/// The root text of each of the profile's tag sets when grouping by tag `key` (see
+/// [`Options::tag_root`]): `key=value`, or `key=-` for a set without that tag; by index.
+pub(crate) fn tag_roots(profile: &Profile, key: &str) -> Vec<String> {
+    (0..profile.tag_sets.len().max(1))
+        .map(|i| {
+            let value = profile
+                .tag_sets
+                .get(i)
+                .and_then(|set| set.iter().find(|(k, _)| k == key))
+                .map(|(_, v)| v.as_str());
+            format!("{key}={}", value.unwrap_or("-"))
+        })
+        .collect()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum OutputError {
     #[error("unknown output format {name:?}; valid formats are: {valid}")]

@@ -85,23 +85,29 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
     };
     // One profile per thread, in the order threads were first seen (or one for all); with
     // `tag_root`, one per value of that tag instead ("endpoint=orders#show", "endpoint=-").
-    let tag_value = |stack: &crate::profile::StackCount| -> String {
-        let key = options.tag_root.as_deref().unwrap_or("");
-        format!("{key}={}", profile.tag_value(stack, key).unwrap_or("-"))
-    };
+    // Tag groups in the order their values first appear; each tag set maps to one group.
     let mut tag_groups: Vec<String> = Vec::new();
-    if options.tag_root.is_some() {
+    let mut group_of_set: Vec<usize> = Vec::new();
+    if let Some(key) = &options.tag_root {
+        let roots = super::tag_roots(profile, key);
+        group_of_set = vec![0; roots.len()];
         for stack in &profile.stacks {
-            let v = tag_value(stack);
-            if !tag_groups.contains(&v) {
-                tag_groups.push(v);
-            }
+            let Some(root) = roots.get(stack.tags as usize) else {
+                continue;
+            };
+            let g = match tag_groups.iter().position(|g| g == root) {
+                Some(g) => g,
+                None => {
+                    tag_groups.push(root.clone());
+                    tag_groups.len() - 1
+                }
+            };
+            group_of_set[stack.tags as usize] = g;
         }
     }
     let group_of = |stack: &crate::profile::StackCount| {
         if options.tag_root.is_some() {
-            let v = tag_value(stack);
-            tag_groups.iter().position(|g| *g == v).unwrap_or(0)
+            group_of_set.get(stack.tags as usize).copied().unwrap_or(0)
         } else if options.group_by_thread {
             stack.thread as usize
         } else {
