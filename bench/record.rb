@@ -82,6 +82,11 @@ wake_us = [1000, 10_000].to_h do |rate|
   line = IO.popen(["cargo", "run", "--quiet", "--release", "-p", "rbspy_ext_core", "--example", "record",
                    "--", "idle", rate.to_s, "3"], chdir: ROOT, &:read)
   puts format("idle thread %5d Hz: %s", rate, line.strip)
+  # The same from a periodic timerfd (re-armed by the kernel, no jitter): if this costs about
+  # as much, the wake-up itself, not the way the sampler sleeps, sets the floor.
+  tfd = IO.popen(["cargo", "run", "--quiet", "--release", "-p", "rbspy_ext_core", "--example", "record",
+                  "--", "idle-timerfd", rate.to_s, "3"], chdir: ROOT, &:read)
+  puts format("idle thread %5d Hz: %s", rate, tfd.strip)
   [rate, line[/([\d.]+) us CPU per wake-up/, 1].to_f]
 end
 
