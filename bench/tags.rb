@@ -2,17 +2,23 @@
 
 # What fiber context costs the tagged process (run by hand; figures go in notes, not tests):
 #
-#   rake compile && ruby bench/tags.rb
+#   rake compile && ruby bench/tags.rb          (ROUNDS=N for more alternations, default 3)
 #
-# - a Fiber resume/yield loop in a fresh Ruby without rbspy_ext, and with it loaded (its
-#   RUBY_EVENT_FIBER_SWITCH hook publishing each fiber's table), with and without tags;
+# - a Fiber resume/yield loop in a fresh Ruby: without rbspy_ext; with an empty
+#   RUBY_EVENT_FIBER_SWITCH hook (bench/empty_hook, built here with mkmf: the floor any such
+#   hook pays for Ruby calling it); with rbspy_ext loaded but never tagged (no hook yet); with
+#   its hook installed and the fiber untagged; and with the fiber tagged. The cases alternate
+#   ROUNDS times and each figure is the median, so drift on a noisy machine hits all alike;
 # - the cost of one `RubySpy.tag(...) { }` and one `RubySpy.tags`.
 require "rbconfig"
+require "fileutils"
+require "tmpdir"
 
 LIB = File.expand_path("../lib", __dir__)
 SWITCHES = Integer(ENV.fetch("SWITCHES", 2_000_000))
+ROUNDS = Integer(ENV.fetch("ROUNDS", 3))
 
-def fiber_loop(setup)
+def fiber_loop(setup, load_path = LIB)
   code = <<~RUBY
     #{setup}
     f = Fiber.new { loop { Fiber.yield } }
@@ -21,16 +27,36 @@ def fiber_loop(setup)
     best = Array.new(5) { run.call }.min
     puts best
   RUBY
-  Float(IO.popen([RbConfig.ruby, "-I", LIB, "-e", code], &:read))
+  Float(IO.popen([RbConfig.ruby, "-I", LIB, "-I", load_path, "-e", code], &:read))
 end
 
-plain = fiber_loop("")
-hooked = fiber_loop('require "rbspy_ext"')
-tagged = fiber_loop('require "rbspy_ext"; RubySpy::State.new(request_id: "abc", user: 42).apply!')
+hook_dir = Dir.mktmpdir("empty_hook")
+at_exit { FileUtils.rm_rf(hook_dir) }
+Dir.chdir(hook_dir) do
+  # mkmf takes the sources from the extconf's own directory and builds here.
+  system(RbConfig.ruby, File.expand_path("empty_hook/extconf.rb", __dir__), out: File::NULL) &&
+    system("make", out: File::NULL) or abort "could not build bench/empty_hook (needs ruby-dev and a C compiler)"
+end
+
+CASES = {
+  plain: ["", "without rbspy_ext"],
+  empty: ['require "empty_hook"; EmptyFiberSwitchHook.install', "an empty hook (the floor)"],
+  loaded: ['require "rbspy_ext"; raise if RubySpy::State.hook_installed?', "rbspy_ext, never tagged"],
+  hooked: ['require "rbspy_ext"; RubySpy.tag(x: 1) {}; raise unless RubySpy::State.hook_installed?',
+           "rbspy_ext hook, fiber untagged"],
+  tagged: ['require "rbspy_ext"; RubySpy::State.new(request_id: "abc", user: 42).apply!',
+           "rbspy_ext hook, fiber tagged"],
+}.freeze
+times = Hash.new { |h, k| h[k] = [] }
+ROUNDS.times { CASES.each { |name, (setup, _)| times[name] << fiber_loop(setup, hook_dir) } }
+median = times.transform_values { |v| v.sort[v.size / 2] }
 ns = ->(s) { s * 1e9 / SWITCHES }
-puts format("fiber switch without rbspy_ext: %.1f ns", ns.(plain))
-puts format("fiber switch with the hook:     %.1f ns (%+.1f%%)", ns.(hooked), 100 * (hooked / plain - 1))
-puts format("... and the fiber tagged:       %.1f ns (%+.1f%%)", ns.(tagged), 100 * (tagged / plain - 1))
+CASES.each do |name, (_, title)|
+  puts format("fiber switch, %-31s %6.1f ns (%+.1f%%)", "#{title}:", ns.(median[name]),
+              100 * (median[name] / median[:plain] - 1))
+end
+puts format("rbspy_ext's own work beyond an empty hook: %.1f ns untagged, %.1f ns tagged",
+            ns.(median[:hooked] - median[:empty]), ns.(median[:tagged] - median[:empty]))
 
 $LOAD_PATH.unshift LIB
 require "rbspy_ext"

@@ -53,6 +53,36 @@ RSpec.describe "RubySpy.tag and RubySpy::State" do
                         [{ fiber: "inner" }, true], [{ fiber: "outer" }, true]])
   end
 
+  it "installs its fiber-switch hook only when a process first tags, and fibers made before follow" do
+    # A fresh process: in this one earlier examples have installed the hook already.
+    code = <<~RUBY
+      require "rbspy_ext"
+      before = RubySpy::State.hook_installed?
+      early = Fiber.new { RubySpy.tag(f: 1) { Fiber.yield RubySpy::State.published_address } }
+      main_table = nil
+      inner = RubySpy.tag(m: 2) do
+        main_table = RubySpy::State.current.table_address
+        [early.resume, RubySpy::State.published_address]
+      end
+      puts [before, RubySpy::State.hook_installed?, inner[0] != 0 && inner[0] != main_table,
+            inner[1] == main_table].inspect
+    RUBY
+    out = IO.popen([RbConfig.ruby, "-I", File.expand_path("../lib", __dir__), "-e", code], &:read)
+    expect(out.strip).to eq("[false, true, true, true]")
+  end
+
+  it "publishes no table for something else stored under its fiber-local's name" do
+    RubySpy.tag(a: 1) {} # the hook is installed
+    f = Fiber.new do
+      Thread.current[:__rubyspy_ext_state__] = "not a state"
+      Fiber.yield
+      RubySpy::State.published_address # the hook has just looked at the String
+    end
+    f.resume
+    expect(f.resume).to eq(0)
+    expect(RubySpy::State.published_address).to eq(0)
+  end
+
   it "leaves the resumer's tags published when a tagged fiber finishes" do
     RubySpy.tag(who: "resumer") do
       f = Fiber.new { RubySpy::State.new(who: "fiber").apply! && :done }

@@ -3,7 +3,8 @@
 //! programs, rbspy_ext's own sampler) can tag what they see with application context.
 //!
 //! The current fiber's state lives in a fiber-local variable; a `RUBY_EVENT_FIBER_SWITCH`
-//! hook points `ruby_profiler_state` at the table of whichever fiber runs. A table is built
+//! hook, installed once the process first applies a state, points `ruby_profiler_state` at
+//! the table of whichever fiber runs. A table is built
 //! once and never changed, so a reader that interrupts the thread anywhere sees a whole one.
 //! The Ruby API (`RubySpy.tag`, `RubySpy.tags`, inheritance into new fibers and threads) is
 //! lib/rbspy_ext/state.rb.
@@ -145,20 +146,39 @@ fn fiber_local_id() -> ID {
     FIBER_LOCAL_ID.load(std::sync::atomic::Ordering::Relaxed) as ID
 }
 
+/// The table of `state` if it is a `RubySpy::State`, else null. Runs in the fiber-switch hook,
+/// so it checks the object by hand (immediate? T_DATA? our exact data type?) instead of going
+/// through `rb_check_typeddata`: cheaper, and never raises. Anything else (nil, or an object
+/// someone stored under the fiber-local's name with `Thread#[]=`) publishes no table.
+fn table_of(state: VALUE) -> *const c_void {
+    if rb_sys::SPECIAL_CONST_P(state) {
+        return std::ptr::null();
+    }
+    let ours = <State as TypedData>::data_type() as *const magnus::DataType
+        as *const rb_sys::rb_data_type_t;
+    // SAFETY: `state` is a heap object (not a special constant), so its type, typed-data
+    // flag and data type can be read; the data pointer is only used once the data type is
+    // ours, which makes it the `State` magnus wrapped.
+    unsafe {
+        if rb_sys::RB_BUILTIN_TYPE(state) != rb_sys::ruby_value_type::RUBY_T_DATA
+            || !rb_sys::RTYPEDDATA_P(state)
+            || rb_sys::RTYPEDDATA_TYPE(state) != ours
+        {
+            return std::ptr::null();
+        }
+        let data = rb_sys::RTYPEDDATA_GET_DATA(state) as *const State;
+        if data.is_null() {
+            return std::ptr::null();
+        }
+        (*data).table.as_ptr().cast()
+    }
+}
+
 /// Points `ruby_profiler_state` at the table of `state` (a `RubySpy::State` or nil).
 fn publish(state: VALUE) {
-    let table = if state == rb_sys::Qnil as VALUE {
-        std::ptr::null()
-    } else {
-        // SAFETY: only `State` objects are ever stored in the fiber-local (see `apply`).
-        match <&State>::try_convert(unsafe { Value::from_raw(state) }) {
-            Ok(s) => s.table.as_ptr().cast(),
-            Err(_) => std::ptr::null(),
-        }
-    };
     // SAFETY: sets this native thread's pointer; the table lives as long as `state`,
     // which the current fiber's locals keep alive.
-    unsafe { rbspy_ext_state_set(table) };
+    unsafe { rbspy_ext_state_set(table_of(state)) };
 }
 
 /// Makes `state` (a `RubySpy::State`, or nil for none) the current fiber's state.
@@ -178,6 +198,9 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
             fiber_local_id(),
             state.as_raw(),
         );
+    }
+    if !state.is_nil() {
+        install_hook();
     }
     publish(state.as_raw());
     Ok(state)
@@ -220,21 +243,24 @@ const HOOK_SAFE_RAW: u32 = 0x01 | 0x04;
 
 /// Runs on every fiber switch, in the fiber switched to.
 unsafe extern "C" fn on_fiber_switch(_data: VALUE, _trace_arg: *mut c_void) {
-    // Must not raise or panic: a failed lookup publishes nothing.
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: with the GVL, in the fiber now running.
-        let state =
-            unsafe { rb_sys::rb_thread_local_aref(rb_sys::rb_thread_current(), fiber_local_id()) };
-        publish(state);
-    });
+    // Nothing here can panic or raise: a lookup of a fiber-local and `table_of`'s checks.
+    // SAFETY: with the GVL, in the fiber now running.
+    let state =
+        unsafe { rb_sys::rb_thread_local_aref(rb_sys::rb_thread_current(), fiber_local_id()) };
+    publish(state);
 }
 
-pub fn init(ruby: &Ruby) -> Result<(), Error> {
-    // SAFETY: computes the published offset once, on the loading thread.
-    unsafe { rbspy_ext_state_init() };
-    // SAFETY: interning a static name; IDs of static names are never freed.
-    let id = unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) };
-    FIBER_LOCAL_ID.store(id as u64, std::sync::atomic::Ordering::Relaxed);
+/// Whether `on_fiber_switch` is installed: only from the first state a fiber applies, so a
+/// process that loads the gem and never tags pays nothing on fiber switches. Until then every
+/// fiber's state is nil and every thread's pointer null, which is what the hook would publish.
+static HOOK_INSTALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn install_hook() {
+    use std::sync::atomic::Ordering;
+    // With the GVL, so no two threads get here at once; the flag only saves the call.
+    if HOOK_INSTALLED.swap(true, Ordering::Relaxed) {
+        return;
+    }
     // SAFETY: a raw-argument hook with the signature Ruby calls such hooks with
     // (`(VALUE data, rb_trace_arg_t *)`), installed once.
     unsafe {
@@ -245,6 +271,19 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
             HOOK_SAFE_RAW,
         );
     }
+}
+
+/// Whether the fiber-switch hook is installed yet (for specs and the benchmark).
+fn hook_installed() -> bool {
+    HOOK_INSTALLED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    // SAFETY: computes the published offset once, on the loading thread.
+    unsafe { rbspy_ext_state_init() };
+    // SAFETY: interning a static name; IDs of static names are never freed.
+    let id = unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) };
+    FIBER_LOCAL_ID.store(id as u64, std::sync::atomic::Ordering::Relaxed);
     let module = ruby.define_module("RubySpy")?;
     let class: RClass = module.define_class("State", ruby.class_object())?;
     class.undef_default_alloc_func();
@@ -252,6 +291,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_singleton_method("current", function!(current, 0))?;
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("published_address", function!(published_address, 0))?;
+    class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;
     class.define_method("with_hash", method!(State::with, 1))?;
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
