@@ -88,6 +88,28 @@ RSpec.describe "tags read from outside" do
     end
   end
 
+  it "reads tags that do not change within each sample's one process_vm_readv" do
+    target = start_target("tagged")
+    profile = RubySpy::Recorder.new(target.pid, rate: 500, duration: 1).start.wait.stop
+    threads = profile.threads.size
+    expect(threads).to eq(2)
+    expect(profile.tags.map { |t| t[:tags] }).to include(expected(target, "tags"), expected(target, "worker_tags"))
+    # Reading each thread's table apart took 6 to 7 calls per thread per sample.
+    per_thread = profile.cost[:read_calls].to_f / profile.ticks / threads
+    expect(per_thread).to be < 1.5
+  end
+
+  it "notices a String tag changed in place within the time it trusts a decoded table" do
+    target = start_target("tag_mutates")
+    recorder = RubySpy::Recorder.new(target.pid, rate: 500, duration: 5).start
+    sleep 0.3
+    File.write("#{target.ready_path}.go", "")
+    expect(target.result(".changed")).to eq("status" => "finished")
+    sleep 0.5
+    statuses = recorder.stop.tags.map { |t| t[:tags][:status] }
+    expect(statuses).to include("starting", "finished")
+  end
+
   it "reports no tags for a process that never loaded rbspy_ext" do
     target = start_target("nested_methods")
     expect(RubySpy.snapshot(target.pid).tags).to eq({})

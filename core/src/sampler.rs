@@ -344,7 +344,9 @@ fn run<M: Memory>(
         // Every 16th tick, the CPU time from waking up to the end of the sample: the cost of
         // sampling itself, apart from the wake-up, which the kernel charges to the sampler too
         // (and which on some virtual machines costs more than the sample).
-        let measured = agg.profile().ticks.is_multiple_of(WORK_EVERY);
+        // Not the first tick, which also pays once for reading the target's symbols: over a
+        // short recording that one tick, scaled up, would swamp the figure.
+        let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick();
         if sample_into(&mut spy, &config, &mut agg).is_err() {

@@ -18,6 +18,11 @@ pub type Tags = Arc<[(Arc<str>, Arc<str>)]>;
 const MAX_CAPACITY: u64 = 4096;
 /// How often a process without the extension is checked again (it may load it later).
 const RECHECK: Duration = Duration::from_secs(1);
+/// How long a thread's decoded tags are trusted while its table reads the same: a String
+/// value can be changed in place without a new table, so it is decoded afresh this often.
+const TAGS_TTL: Duration = Duration::from_millis(100);
+/// Slots read with a table's header on the first try: tables of up to 4 tags in one read.
+const FIRST_SLOTS: usize = 8;
 /// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
 const T_SYMBOL: u64 = 0x14;
 /// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
@@ -31,6 +36,26 @@ pub(super) struct TagSource {
     checked_at: Option<Instant>,
     /// Thread pointer by Ruby thread (a thread keeps its native thread).
     pointers: rustc_hash::FxHashMap<u64, u64>,
+    /// By Ruby thread: the table its pointer held at the last sample, that table's bytes
+    /// and their decoding (see `sampled_tags`).
+    last: rustc_hash::FxHashMap<u64, LastTable>,
+}
+
+#[derive(Debug)]
+struct LastTable {
+    table: u64,
+    raw: Vec<u8>,
+    tags: Tags,
+    at: Instant,
+}
+
+/// What `sample_threads` reads for one thread's tags, in its one call: the thread's
+/// `ruby_profiler_state` pointer and, where the thread had a table last time, that table's
+/// bytes again.
+#[derive(Debug)]
+pub(super) struct TagRead {
+    pub slot: u64,
+    pub last: Option<(u64, Vec<u8>)>,
 }
 
 impl<M: Memory> Spy<M> {
@@ -73,6 +98,19 @@ impl<M: Memory> Spy<M> {
         self.mem.read_u64(addr).ok().filter(|tp| *tp != 0)
     }
 
+    /// A Ruby thread's thread pointer, read once and kept (a thread keeps its native thread).
+    fn cached_thread_pointer(&mut self, thread: u64) -> Option<u64> {
+        if let Some(tp) = self.tag_source.pointers.get(&thread) {
+            return Some(*tp);
+        }
+        let tp = self.thread_pointer(thread)?;
+        if self.tag_source.pointers.len() >= 4096 {
+            self.tag_source.pointers.clear();
+        }
+        self.tag_source.pointers.insert(thread, tp);
+        Some(tp)
+    }
+
     /// The tags of the fiber a thread is running now: empty when it has none, when the
     /// target has not loaded rbspy_ext, or when the table does not read as one (it may have
     /// been replaced while read; the next sample sees the new one).
@@ -80,18 +118,8 @@ impl<M: Memory> Spy<M> {
         let Some(offset) = self.profiler_state_offset() else {
             return Tags::default();
         };
-        let tp = match self.tag_source.pointers.get(&thread) {
-            Some(tp) => *tp,
-            None => {
-                let Some(tp) = self.thread_pointer(thread) else {
-                    return Tags::default();
-                };
-                if self.tag_source.pointers.len() >= 4096 {
-                    self.tag_source.pointers.clear();
-                }
-                self.tag_source.pointers.insert(thread, tp);
-                tp
-            }
+        let Some(tp) = self.cached_thread_pointer(thread) else {
+            return Tags::default();
         };
         let table = self
             .mem
@@ -100,39 +128,123 @@ impl<M: Memory> Spy<M> {
         self.decode_table(table)
     }
 
+    /// What to read for a thread's tags along with the rest of a sample (None when the
+    /// target has no tags to read). The buffer for the last table comes from the pool.
+    pub(super) fn tag_read(&mut self, thread: u64) -> Option<TagRead> {
+        let offset = self.profiler_state_offset()?;
+        let tp = self.cached_thread_pointer(thread)?;
+        let last = self
+            .tag_source
+            .last
+            .get(&thread)
+            .map(|l| (l.table, l.raw.len()));
+        Some(TagRead {
+            slot: tp.wrapping_add(offset as u64),
+            last: last.map(|(table, len)| (table, self.buffer(len))),
+        })
+    }
+
+    /// A thread's tags from what the sample read: the pointer `table` and the bytes at the
+    /// table it had last time. When the pointer is the same and the bytes are too (and were
+    /// decoded lately), the last decoding stands and the sample needed no read of its own
+    /// for tags; otherwise the table is read and decoded now.
+    pub(super) fn sampled_tags(
+        &mut self,
+        thread: u64,
+        table: u64,
+        last_bytes: Option<(u64, Vec<u8>)>,
+    ) -> Tags {
+        let unchanged = match (&last_bytes, self.tag_source.last.get(&thread)) {
+            (Some((at, bytes)), Some(last)) => {
+                *at == table
+                    && last.table == table
+                    && *bytes == last.raw
+                    && last.at.elapsed() < TAGS_TTL
+            }
+            _ => false,
+        };
+        if let Some((_, bytes)) = last_bytes {
+            self.recycle(bytes);
+        }
+        if unchanged {
+            if let Some(last) = self.tag_source.last.get(&thread) {
+                return last.tags.clone();
+            }
+        }
+        if table == 0 {
+            self.tag_source.last.remove(&thread);
+            return Tags::default();
+        }
+        let Some((raw, tags)) = self.read_table(table) else {
+            self.tag_source.last.remove(&thread);
+            return Tags::default();
+        };
+        if self.tag_source.last.len() >= 4096 {
+            self.tag_source.last.clear();
+        }
+        let at = Instant::now();
+        let last = LastTable {
+            table,
+            raw,
+            tags: tags.clone(),
+            at,
+        };
+        self.tag_source.last.insert(thread, last);
+        tags
+    }
+
+    /// Forgets the tables seen last (one may have been freed and unmapped, which would fail
+    /// the sample's one call again).
+    pub(super) fn forget_tag_tables(&mut self) {
+        self.tag_source.last.clear();
+    }
+
     /// Decodes one `Ruby_Profiler_State` table (0: none).
     pub(super) fn decode_table(&mut self, table: u64) -> Tags {
         if table == 0 {
             return Tags::default();
         }
-        let mut head = [0u8; 16];
-        if self.mem.read(table, &mut head).is_err() {
-            return Tags::default();
+        self.read_table(table)
+            .map(|(_, tags)| tags)
+            .unwrap_or_default()
+    }
+
+    /// Reads and decodes the table at `table`: its bytes (header and every slot) and its
+    /// tags, or None when it does not read as a table. Small tables take one read.
+    fn read_table(&mut self, table: u64) -> Option<(Vec<u8>, Tags)> {
+        let mut raw = vec![0u8; 16 + 16 * FIRST_SLOTS];
+        if self.mem.read(table, &mut raw).is_err() {
+            // Maybe a small table near the end of a mapping: the header alone.
+            raw.truncate(16);
+            self.mem.read(table, &mut raw).ok()?;
         }
-        let (size, capacity) = (word(&head, 0), word(&head, 8));
+        let (size, capacity) = (word(&raw, 0), word(&raw, 8));
         if capacity == 0
             || !capacity.is_power_of_two()
             || capacity > MAX_CAPACITY
             || size > capacity
         {
-            return Tags::default();
+            return None;
         }
-        let Ok(pairs) = self.mem.read_vec(table + 16, capacity as usize * 16) else {
-            return Tags::default();
-        };
+        let len = 16 + 16 * capacity as usize;
+        if raw.len() < len {
+            raw = self.mem.read_vec(table, len).ok()?;
+        } else {
+            raw.truncate(len);
+        }
         let mut out = Vec::with_capacity(size as usize);
-        for pair in pairs.chunks_exact(16) {
+        for pair in raw[16..].chunks_exact(16) {
             let (key, value) = (word(pair, 0), word(pair, 8));
             if key == 0 {
                 continue;
             }
             let Some(name) = self.id_name(key) else {
-                continue; // not an ID of this process: the table changed under us
+                return None; // not an ID of this process: the table changed under us
             };
             let text = self.value_text(value);
             out.push((name, text));
         }
-        out.into()
+        Some((raw, out.into()))
     }
 
     fn id_name(&mut self, id: u64) -> Option<Arc<str>> {

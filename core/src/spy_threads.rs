@@ -2,6 +2,7 @@
 //! identity (native tid, `Thread#name`), its state, and its stack.
 //!
 //! A child module of `spy` so that it shares the walker's private machinery.
+use super::tags::TagRead;
 use super::{word, Attempt, Frame, Memory, Prefetched, Spy};
 use crate::error::{Error, Result};
 use crate::objects::{is_heap_object, read_string};
@@ -260,9 +261,14 @@ impl<M: Memory> Spy<M> {
             .map(|(t, _)| self.thread_list.ecs.get(t).copied().unwrap_or(0))
             .collect();
         let mut prefetched: Vec<Option<Prefetched>> = Vec::with_capacity(count);
+        // Each wanted thread's tags pointer, and the table it pointed at last time: in the
+        // steady state (tags unchanged) that is all the tags need.
+        let mut tag_reads: Vec<Option<TagRead>> = Vec::with_capacity(count);
+        let mut tag_slots = vec![[0u8; 8]; count];
         for i in 0..count {
             let thread = self.thread_list.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
+            tag_reads.push(if wanted { self.tag_read(thread) } else { None });
             let pre = match self.thread_list.stacks.get(&thread).copied() {
                 Some(g) if wanted => Some(Prefetched {
                     vm_stack: g.vm_stack,
@@ -279,14 +285,24 @@ impl<M: Memory> Spy<M> {
             if is_heap_object(objspace) {
                 requests.push((objspace + l.objspace_flags as u64, &mut gc_flags[..]));
             }
-            for ((((thread, _), span_buf), (head, guess)), pre) in self
+            for ((((thread, _), span_buf), (head, guess)), (pre, (tag, slot))) in self
                 .thread_list
                 .threads
                 .iter()
                 .zip(spans.chunks_exact_mut(span))
                 .zip(heads.iter_mut().zip(&guessed))
-                .zip(prefetched.iter_mut())
+                .zip(
+                    prefetched
+                        .iter_mut()
+                        .zip(tag_reads.iter_mut().zip(tag_slots.iter_mut())),
+                )
             {
+                if let Some(tag) = tag {
+                    requests.push((tag.slot, &mut slot[..]));
+                    if let Some((table, bytes)) = &mut tag.last {
+                        requests.push((*table, &mut bytes[..]));
+                    }
+                }
                 requests.push((thread + span_from as u64, span_buf));
                 if *guess != 0 {
                     requests.push((guess + l.ec_vm_stack as u64, &mut head[..]));
@@ -303,8 +319,13 @@ impl<M: Memory> Spy<M> {
                     self.recycle(pre.frames);
                     self.recycle(pre.values);
                 }
-                // A stack may have moved away from where it was: guess afresh next time.
+                for (_, bytes) in tag_reads.into_iter().flatten().filter_map(|t| t.last) {
+                    self.recycle(bytes);
+                }
+                // A stack may have moved away from where it was, a table may have been
+                // freed: guess afresh next time.
                 self.thread_list.stacks.clear();
+                self.forget_tag_tables();
                 return self.thread_list_changed("reading threads", e);
             }
         }
@@ -404,16 +425,23 @@ impl<M: Memory> Spy<M> {
                     self.thread_list.stacks.remove(&thread);
                 }
             }
+            let tags = match tag_reads[i].take() {
+                Some(read) => self.sampled_tags(thread, word(&tag_slots[i], 0), read.last),
+                None => super::Tags::default(),
+            };
             match result {
                 Some(stack) => sampled.push(SampledThread {
                     info: self.thread_list.threads[i].1.clone(),
                     state,
                     frames: stack.frames,
                     stack_token: stack.token,
-                    tags: self.thread_tags(thread),
+                    tags,
                 }),
                 None => dropped.push("stack changed while read"),
             }
+        }
+        for (_, bytes) in tag_reads.into_iter().flatten().filter_map(|t| t.last) {
+            self.recycle(bytes);
         }
         Ok((sampled, dropped))
     }
