@@ -104,6 +104,17 @@ RSpec.describe "RubySpy.tag and RubySpy::State" do
     expect(Thread.new { RubySpy.tags }.value).to eq({})
   end
 
+  it "starts threads made by Thread.start and Thread.fork (which skip #initialize) with the tags too" do
+    started = forked = nil
+    RubySpy.tag(job: "j") do
+      started = Thread.start(1) { |x| [x, RubySpy.tags, published_matches_current?] }
+      forked = Thread.fork { RubySpy.tags }
+    end
+    expect(started.value).to eq([1, { job: "j" }, true])
+    expect(forked.value).to eq(job: "j")
+    expect(Thread.start { RubySpy.tags }.value).to eq({})
+  end
+
   it "builds immutable states for frameworks that keep their own context" do
     base = RubySpy::State.new(service: "billing")
     child = base.with(request_id: "x")

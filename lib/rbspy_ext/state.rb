@@ -98,7 +98,22 @@ module RubySpy
       end
     end
   end
-  private_constant :InheritTags
+  # Thread.start and Thread.fork create a thread without calling #initialize.
+  module InheritTagsOnStart
+    %i[start fork].each do |name|
+      define_method(name) do |*args, **kwargs, &block|
+        state = State.current
+        return super(*args, **kwargs, &block) unless state && block
+
+        super(*args, **kwargs) do |*a, **k|
+          State.apply(state)
+          block.call(*a, **k)
+        end
+      end
+    end
+  end
+  private_constant :InheritTags, :InheritTagsOnStart
   Fiber.prepend(InheritTags)
   Thread.prepend(InheritTags)
+  Thread.singleton_class.prepend(InheritTagsOnStart)
 end
