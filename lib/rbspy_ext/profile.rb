@@ -5,6 +5,11 @@ module RubySpy
   class Profile
     # Output formats for {#write} and {#render}.
     FORMATS = %i[flamegraph speedscope pprof collapsed callgrind summary lines raw].freeze
+    # The file name extension for each format (what +rubyspy record+ and the RSpec
+    # integration name their files with).
+    EXTENSIONS = { flamegraph: "svg", speedscope: "speedscope.json", pprof: "pb.gz",
+                   collapsed: "collapsed.txt", callgrind: "callgrind", summary: "summary.txt",
+                   lines: "lines.txt", raw: "raw" }.freeze
 
     # Loads a raw profile written by +write(path, format: :raw)+, to render it again.
     # @param path [String]
@@ -121,11 +126,64 @@ module RubySpy
       Profile.new(@native.select_tags(tags.map { |k, v| [k.to_s, v.to_s] }))
     end
 
+    # The samples that carry tag +key+, whatever its value.
+    # @param key [Symbol, String]
+    # @return [RubySpy::Profile]
+    def tagged(key)
+      Profile.new(@native.having_tag(key.to_s))
+    end
+
     # The samples split by the value of one tag.
     # @param key [Symbol, String]
     # @return [Hash{String, nil => RubySpy::Profile}] nil collects the samples without the tag
     def group_by(key)
       @native.group_by_tag(key.to_s).to_h { |value, native| [value, Profile.new(native)] }
+    end
+
+    # Every distinct stack and how many samples it had.
+    # @return [Array<Hash>] +{frames: [RubySpy::Frame] (innermost first), samples: Integer,
+    #   state: String, thread: Integer (index into #threads)}+
+    def stacks
+      frames = @native.frames.map { |row| Frame.from_row(row) }
+      @native.stacks.map do |indexes, samples, thread, state, _tags|
+        { frames: indexes.map { |i| frames[i] }, samples: samples, state: state, thread: thread }
+      end
+    end
+
+    # Functions by samples: +self+ counts the samples with the function on top of the stack,
+    # +total+ those with it anywhere in the stack (once per sample, however deep it recurses).
+    # @param limit [Integer, nil] keep only the first +limit+
+    # @return [Array<Hash>] +{label:, path:, self:, total:}+, most self samples first (then
+    #   most total)
+    def functions(limit: nil)
+      table = Hash.new { |h, k| h[k] = { label: k[0], path: k[1], self: 0, total: 0 } }
+      stacks.each do |stack|
+        keys = stack[:frames].map { |f| [f.label, f.path] }
+        table[keys.first][:self] += stack[:samples] unless keys.empty?
+        keys.uniq.each { |k| table[k][:total] += stack[:samples] }
+      end
+      sorted = table.values.sort_by { |f| [-f[:self], -f[:total], f[:label]] }
+      limit ? sorted.first(limit) : sorted
+    end
+
+    # The share of samples whose stack passes through +function+.
+    # @param function [String, Regexp] a label as {RubySpy::Frame#label} prints it
+    #   (+"JSON.parse"+, +"Foo#bar"+), a base label (+"bar"+), or a Regexp matched against labels
+    # @return [Float] between 0.0 and 1.0; 0.0 for a profile without samples
+    # @raise [TypeError] for anything but a String or a Regexp
+    def share(function)
+      match = case function
+              when Regexp then ->(f) { function.match?(f.label) }
+              when String then ->(f) { f.label == function || f.base_label == function }
+              else raise TypeError, "function must be a String or a Regexp, got #{function.class}"
+              end
+      total = 0
+      hits = 0
+      stacks.each do |stack|
+        total += stack[:samples]
+        hits += stack[:samples] if stack[:frames].any?(&match)
+      end
+      total.zero? ? 0.0 : hits.fdiv(total)
     end
 
     # A text summary: the top functions by self and total samples.

@@ -23,7 +23,7 @@ struct Handle {
 /// `[label, base_label, path, absolute_path, lineno, c_function]`, what
 /// `RubySpy::Frame.from_row` (lib/rbspy_ext/frame.rb) takes.
 #[allow(clippy::type_complexity)]
-fn frame_row(f: &Frame) -> (&str, &str, Option<&str>, Option<&str>, i32, bool) {
+pub(crate) fn frame_row(f: &Frame) -> (&str, &str, Option<&str>, Option<&str>, i32, bool) {
     (
         &f.label,
         &f.base_label,

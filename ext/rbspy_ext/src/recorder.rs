@@ -207,6 +207,28 @@ impl NativeProfile {
             .collect()
     }
 
+    /// Every distinct frame, as rows for `RubySpy::Frame.from_row`; `stacks` index them.
+    #[allow(clippy::type_complexity)]
+    fn frames(&self) -> Vec<(&str, &str, Option<&str>, Option<&str>, i32, bool)> {
+        self.0.frames.iter().map(crate::handle::frame_row).collect()
+    }
+
+    /// Every distinct stack: `[frame indexes innermost first, samples, thread index, state,
+    /// tag-set index]`.
+    fn stacks(&self) -> Vec<(Vec<u32>, u64, u32, &'static str, u32)> {
+        self.0
+            .stacks
+            .iter()
+            .map(|s| (s.frames.clone(), s.count, s.thread, s.state.name(), s.tags))
+            .collect()
+    }
+
+    /// The samples that carry tag `key`, whatever its value.
+    fn having_tag(&self, key: String) -> NativeProfile {
+        let p = &self.0;
+        NativeProfile(p.filtered(|s| p.tag_value(s, &key).is_some()))
+    }
+
     /// The samples whose tags include every `[key, value]` given.
     fn select_tags(&self, wanted: Vec<(String, String)>) -> NativeProfile {
         let p = &self.0;
@@ -268,8 +290,11 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("render", method!(NativeProfile::render, 2))?;
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
+    prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;
     prof.define_method("group_by_tag", method!(NativeProfile::group_by_tag, 1))?;
     prof.define_method("samples", method!(NativeProfile::samples, 0))?;
+    prof.define_method("frames", method!(NativeProfile::frames, 0))?;
+    prof.define_method("stacks", method!(NativeProfile::stacks, 0))?;
     prof.define_method("ticks", method!(NativeProfile::ticks, 0))?;
     prof.define_method("duration", method!(NativeProfile::duration, 0))?;
     prof.define_method("pid", method!(NativeProfile::pid, 0))?;
