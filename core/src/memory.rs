@@ -214,6 +214,11 @@ impl MemoryImage {
         self.regions.insert(addr, bytes);
     }
 
+    /// Each region's start and length (for fuzzing: where mutations may land).
+    pub fn regions(&self) -> Vec<(u64, usize)> {
+        self.regions.iter().map(|(a, r)| (*a, r.len())).collect()
+    }
+
     /// Overwrites bytes inside an already mapped region.
     pub fn write(&mut self, addr: u64, bytes: &[u8]) {
         let (start, region) = self

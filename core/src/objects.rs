@@ -85,7 +85,7 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
             head[start..start + len].to_vec()
         } else {
             // Since 3.2 embedded strings may fill a larger heap slot than the header read.
-            mem.read_vec(value + start as u64, len)?
+            mem.read_vec(value.wrapping_add(start as u64), len)?
         }
     };
     Ok(String::from_utf8_lossy(&bytes).into_owned())
@@ -105,7 +105,7 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
     let (len, ptr) = if flags & l.rarray_embed_flag != 0 {
         (
             (flags & l.rarray_embed_len_mask) >> l.rarray_embed_len_shift,
-            value + l.rarray_embed_ary as u64,
+            value.wrapping_add(l.rarray_embed_ary as u64),
         )
     } else {
         (
@@ -116,7 +116,7 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
     if index >= len {
         return Err(ObjectError::Shape("Array index", value));
     }
-    Ok(mem.read_u64(ptr + index * 8)?)
+    Ok(mem.read_u64(ptr.wrapping_add(index.wrapping_mul(8)))?)
 }
 
 /// Length of a T_ARRAY.
@@ -274,8 +274,8 @@ fn method_prefix<M: Memory>(
 /// The address of a class's `rb_classext_t`.
 fn class_ext<M: Memory>(mem: &M, l: &Layout, class: u64) -> ObjResult<u64> {
     match (l.rclass_ext_inline, l.rclass_ext_ptr) {
-        (Some(offset), _) => Ok(class + offset as u64),
-        (None, Some(offset)) => Ok(mem.read_u64(class + offset as u64)?),
+        (Some(offset), _) => Ok(class.wrapping_add(offset as u64)),
+        (None, Some(offset)) => Ok(mem.read_u64(class.wrapping_add(offset as u64))?),
         (None, None) => Err(ObjectError::Shape("class (layout has no extension)", class)),
     }
 }
@@ -285,7 +285,7 @@ fn class_flags<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Option<u
     if !is_heap_object(value) {
         return Ok(None);
     }
-    let flags = mem.read_u64(value + l.rbasic_flags as u64)?;
+    let flags = mem.read_u64(value.wrapping_add(l.rbasic_flags as u64))?;
     Ok(matches!(flags & T_MASK, T_CLASS | T_MODULE).then_some(flags))
 }
 
@@ -302,11 +302,11 @@ fn permanent_name<M: Memory>(
         (Some(offset), Some((flag_offset, mask))) => {
             let ext = class_ext(mem, l, class)?;
             let mut flag = [0u8; 1];
-            mem.read(ext + flag_offset as u64, &mut flag)?;
+            mem.read(ext.wrapping_add(flag_offset as u64), &mut flag)?;
             if flag[0] & mask == 0 {
                 return Ok(None);
             }
-            Some(mem.read_u64(ext + offset as u64)?)
+            Some(mem.read_u64(ext.wrapping_add(offset as u64))?)
         }
         _ => ivar(mem, l, symbols, class, "__classpath__")?,
     };
@@ -331,7 +331,7 @@ fn ivar<M: Memory>(
     if ext == 0 {
         return Ok(None);
     }
-    let table = mem.read_u64(ext + iv_tbl as u64)?;
+    let table = mem.read_u64(ext.wrapping_add(iv_tbl as u64))?;
     if table == 0 {
         return Ok(None);
     }

@@ -27,6 +27,9 @@ pub use tags::Tags;
 const MAX_FRAMES: u64 = 65_536;
 /// Most environments followed from a block frame to its method frame.
 const MAX_EP_DEPTH: usize = 256;
+/// Most bytes of one thread's value stack read (Ruby's default VM stack is 1 MiB; the
+/// fuzz test found garbage frames asking for far more).
+const MAX_VALUE_STACK: usize = 64 << 20;
 /// How long cached iseqs and method entries are trusted without reading their headers.
 const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Most escaped environments cached between samples.
@@ -467,8 +470,8 @@ impl<M: Memory> Spy<M> {
             self.mem
                 .read_many(&mut [
                     (self.gvl_owner, &mut owner[..]),
-                    (thread + l.thread_ec as u64, &mut ec_field[..]),
-                    (ec + l.ec_vm_stack as u64, &mut ec_head[..]),
+                    (thread.wrapping_add(l.thread_ec as u64), &mut ec_field[..]),
+                    (ec.wrapping_add(l.ec_vm_stack as u64), &mut ec_head[..]),
                 ])
                 .map_err(self.moved("reading the GVL owner"))?;
             let owner = word(&owner, 0);
@@ -499,11 +502,11 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         let ec = self
             .mem
-            .read_u64(thread + l.thread_ec as u64)
+            .read_u64(thread.wrapping_add(l.thread_ec as u64))
             .map_err(self.moved("reading the thread's execution context"))?;
         let mut head = [0u8; 24];
         self.mem
-            .read(ec + l.ec_vm_stack as u64, &mut head)
+            .read(ec.wrapping_add(l.ec_vm_stack as u64), &mut head)
             .map_err(self.moved("reading the execution context"))?;
         self.last_ec = Some((thread, ec));
         Ok(self.ec_fields(&head))
@@ -775,17 +778,30 @@ impl<M: Memory> Spy<M> {
                 ep: word(c, l.cfp_ep),
             })
             .collect();
+        // Checked: a garbage ep near the top of the address space must not wrap around
+        // into a plausible (or enormous) length.
         let needed = frames
             .iter()
             .map(|f| f.ep)
-            .filter(|ep| *ep >= vm_stack + 16 && *ep + 8 <= cfp)
+            .filter(|ep| {
+                *ep >= vm_stack.saturating_add(16) && ep.checked_add(8).is_some_and(|e| e <= cfp)
+            })
             .map(|ep| (ep + 8 - vm_stack) as usize)
             .max()
             .unwrap_or(0);
+        if needed > MAX_VALUE_STACK {
+            return Err((
+                Attempt::Changed(format!("a value stack of {needed} bytes")),
+                values,
+            ));
+        }
         if needed > values.len() {
             let have = values.len();
             values.resize(needed, 0);
-            if let Err(e) = self.mem.read(vm_stack + have as u64, &mut values[have..]) {
+            if let Err(e) = self
+                .mem
+                .read(vm_stack.wrapping_add(have as u64), &mut values[have..])
+            {
                 return Err((self.moved("reading the value stack")(e), values));
             }
         }
@@ -995,7 +1011,7 @@ impl<M: Memory> Spy<M> {
                 }
                 let parent_body = self
                     .mem
-                    .read_u64(parent + l.iseq_body as u64)
+                    .read_u64(parent.wrapping_add(l.iseq_body as u64))
                     .map_err(self.moved("reading a parent iseq"))?;
                 body = self
                     .mem
@@ -1023,11 +1039,11 @@ impl<M: Memory> Spy<M> {
         } else {
             let local_body = self
                 .mem
-                .read_u64(local + l.iseq_body as u64)
+                .read_u64(local.wrapping_add(l.iseq_body as u64))
                 .map_err(self.moved("reading a local iseq"))?;
             let mut t = [0u8; 4];
             self.mem
-                .read(local_body + l.body_type as u64, &mut t)
+                .read(local_body.wrapping_add(l.body_type as u64), &mut t)
                 .map_err(self.moved("reading a local iseq"))?;
             u32::from_le_bytes(t) == l.iseq_type_method
         };
@@ -1231,11 +1247,11 @@ impl<M: Memory> Spy<M> {
             if let Some(mandatory_only) = l.body_mandatory_only_iseq {
                 let body = self
                     .mem
-                    .read_u64(iseqs[0] + l.iseq_body as u64)
+                    .read_u64(iseqs[0].wrapping_add(l.iseq_body as u64))
                     .map_err(self.moved("reading a method's iseq"))?;
                 iseqs[1] = self
                     .mem
-                    .read_u64(body + mandatory_only as u64)
+                    .read_u64(body.wrapping_add(mandatory_only as u64))
                     .map_err(self.moved("reading a method's iseq"))?;
             }
         }
@@ -1277,7 +1293,7 @@ impl<M: Memory> Spy<M> {
             while off + l.symbols_size <= data.len() {
                 let bytes = &data[off..off + l.symbols_size];
                 if SymbolTable::validate(&self.mem, l, bytes) {
-                    return Some(start + off as u64);
+                    return Some(start.wrapping_add(off as u64));
                 }
                 off += 8;
             }

@@ -85,13 +85,13 @@ impl<M: Memory> Spy<M> {
     pub(super) fn thread_pointer(&self, thread: u64) -> Option<u64> {
         let l = self.layout;
         let addr = match (l.thread_pthread, l.thread_nt, l.native_thread_pthread) {
-            (Some(off), _, _) => thread + off as u64,
+            (Some(off), _, _) => thread.wrapping_add(off as u64),
             (None, Some(nt), Some(off)) => {
-                let nt = self.mem.read_u64(thread + nt as u64).ok()?;
+                let nt = self.mem.read_u64(thread.wrapping_add(nt as u64)).ok()?;
                 if !is_heap_object(nt) {
                     return None;
                 }
-                nt + off as u64
+                nt.wrapping_add(off as u64)
             }
             _ => return None,
         };
@@ -276,7 +276,7 @@ impl<M: Memory> Spy<M> {
         if !is_heap_object(v) {
             return "?".into();
         }
-        let Ok(flags) = self.mem.read_u64(v + l.rbasic_flags as u64) else {
+        let Ok(flags) = self.mem.read_u64(v.wrapping_add(l.rbasic_flags as u64)) else {
             return "?".into();
         };
         match flags & T_MASK {

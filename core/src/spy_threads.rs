@@ -110,7 +110,7 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         let name_value = self
             .mem
-            .read_u64(thread + l.thread_name as u64)
+            .read_u64(thread.wrapping_add(l.thread_name as u64))
             .map_err(self.moved("reading a thread"))?;
         let name = if is_heap_object(name_value) {
             read_string(&self.mem, l, name_value).ok()
@@ -118,10 +118,13 @@ impl<M: Memory> Spy<M> {
             None
         };
         let tid_addr = match (l.thread_tid, l.thread_nt, l.native_thread_tid) {
-            (Some(off), _, _) => Some(thread + off as u64),
+            (Some(off), _, _) => Some(thread.wrapping_add(off as u64)),
             (None, Some(nt), Some(off)) => {
-                let nt = self.mem.read_u64(thread + nt as u64).unwrap_or(0);
-                is_heap_object(nt).then_some(nt + off as u64)
+                let nt = self
+                    .mem
+                    .read_u64(thread.wrapping_add(nt as u64))
+                    .unwrap_or(0);
+                is_heap_object(nt).then_some(nt.wrapping_add(off as u64))
             }
             _ => None,
         };
@@ -244,7 +247,7 @@ impl<M: Memory> Spy<M> {
             None => {
                 let o = self
                     .mem
-                    .read_u64(self.vm + l.vm_objspace as u64)
+                    .read_u64(self.vm.wrapping_add(l.vm_objspace as u64))
                     .unwrap_or(0); // without it, GC is simply not told apart
                 self.thread_list.objspace = Some(o);
                 o
@@ -283,7 +286,10 @@ impl<M: Memory> Spy<M> {
         {
             let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
             if is_heap_object(objspace) {
-                requests.push((objspace + l.objspace_flags as u64, &mut gc_flags[..]));
+                requests.push((
+                    objspace.wrapping_add(l.objspace_flags as u64),
+                    &mut gc_flags[..],
+                ));
             }
             for ((((thread, _), span_buf), (head, guess)), (pre, (tag, slot))) in self
                 .thread_list
@@ -303,9 +309,9 @@ impl<M: Memory> Spy<M> {
                         requests.push((*table, &mut bytes[..]));
                     }
                 }
-                requests.push((thread + span_from as u64, span_buf));
+                requests.push((thread.wrapping_add(span_from as u64), span_buf));
                 if *guess != 0 {
-                    requests.push((guess + l.ec_vm_stack as u64, &mut head[..]));
+                    requests.push((guess.wrapping_add(l.ec_vm_stack as u64), &mut head[..]));
                 }
                 if let Some(pre) = pre {
                     requests.push((pre.from, &mut pre.frames[..]));
@@ -344,7 +350,7 @@ impl<M: Memory> Spy<M> {
             // blocking region, which has an unblocking function set; one queued has none.
             let node = word(field(i, l.thread_gvl_wait_node), 0);
             let queued = node != 0
-                && node != thread + l.thread_gvl_wait_node as u64
+                && node != thread.wrapping_add(l.thread_gvl_wait_node as u64)
                 && l.thread_unblock_func
                     .is_none_or(|f| word(field(i, f), 0) == 0);
             let state = if *thread == owner {

@@ -6,8 +6,41 @@
 use rbspy_ext_bindings::{Layout, LAYOUTS};
 use rbspy_ext_core::memory::MemoryImage;
 use rbspy_ext_core::objects::{T_ARRAY, T_CLASS, T_IMEMO, T_MODULE, T_STRING};
+use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::vm::VmRoots;
 use rbspy_ext_core::Spy;
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// The system allocator, remembering the largest single allocation: the fuzz test below
+/// checks that no garbage size read from memory ever turns into a huge allocation.
+struct Watching;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Watching {
+    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Watching = Watching;
 
 const HEAP: u64 = 0x10_0000;
 const HEAP_SIZE: usize = 4 << 20;
@@ -448,4 +481,132 @@ fn a_stack_whose_raw_words_change_is_resolved_again_not_served_from_memory() {
         *warm.memory_mut() = mem;
         assert_eq!(warm.snapshot().unwrap(), expected, "layout {}", l.name);
     }
+}
+
+/// xorshift64*: reproducible pseudo-random numbers without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// A memory image that notes every range read from it: the fuzz test mutates only words the
+/// walker actually reads (elsewhere a mutation would test nothing).
+struct Noting {
+    image: MemoryImage,
+    read: std::cell::RefCell<Vec<(u64, usize)>>,
+}
+
+impl rbspy_ext_core::memory::Memory for Noting {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), rbspy_ext_core::MemoryError> {
+        self.read.borrow_mut().push((addr, buf.len()));
+        self.image.read(addr, buf)
+    }
+}
+
+/// The 8-byte-aligned words a clean snapshot and sample of `image` read.
+fn words_read(image: &MemoryImage, l: &'static Layout, roots: VmRoots, symbols: u64) -> Vec<u64> {
+    let noting = Noting {
+        image: image.clone(),
+        read: Default::default(),
+    };
+    let mut spy = Spy::with_memory(1, noting, l, l.name, roots, Some(symbols));
+    spy.snapshot().expect("the clean image walks");
+    let _ = spy.sample_threads(ThreadSelection::All);
+    let mut words: Vec<u64> = spy
+        .memory()
+        .read
+        .borrow()
+        .iter()
+        .flat_map(|(addr, len)| (addr / 8..(addr + *len as u64).div_ceil(8)).map(|w| w * 8))
+        .collect();
+    words.sort_unstable();
+    words.dedup();
+    words
+}
+
+/// Mutation fuzzing, bounded so it runs in every `cargo test`: the synthetic image of every
+/// layout with a few of the words a clean walk reads overwritten by garbage (random words, small integers, 0, all ones,
+/// pointers into other regions, a region's own start) is snapshotted and sampled. Nothing may
+/// panic, any one attempt must end within a second, and no allocation may exceed 64 MiB.
+/// `RBSPY_EXT_FUZZ_ITERATIONS` (per layout, default 400) and `RBSPY_EXT_FUZZ_SEED` run it
+/// longer or elsewhere; a failure names the layout, seed and iteration to replay.
+#[test]
+fn mutated_images_never_panic_hang_or_allocate_wildly() {
+    const MAX_ALLOCATION: usize = 64 << 20;
+    let iterations: u64 = std::env::var("RBSPY_EXT_FUZZ_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let seed: u64 = std::env::var("RBSPY_EXT_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_1234_abcd_0001);
+    let (mut runs, mut walked) = (0u64, 0u64);
+    for (n, l) in LAYOUTS.iter().enumerate() {
+        let (mem, roots, symbols, _) = build(l);
+        let regions = mem.regions();
+        let targets = words_read(&mem, l, roots, symbols);
+        for i in 0..iterations {
+            let mixed = seed ^ ((n as u64) << 32) ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rng = Rng(mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1);
+            let mut image = mem.clone();
+            for _ in 0..1 + rng.below(6) {
+                let at = targets[rng.below(targets.len() as u64) as usize];
+                let start = regions
+                    .iter()
+                    .rev()
+                    .find(|(s, _)| *s <= at)
+                    .map_or(at, |(s, _)| *s);
+                let (other, other_len) = regions[rng.below(regions.len() as u64) as usize];
+                let word = match rng.below(6) {
+                    0 => rng.next(),
+                    1 => rng.below(1 << 16),
+                    2 => 0,
+                    3 => u64::MAX,
+                    4 => other + rng.below(other_len as u64 + 64),
+                    _ => start,
+                };
+                image.write(at, &word.to_le_bytes());
+            }
+            let replay = format!(
+                "layout {}, RBSPY_EXT_FUZZ_SEED={seed}, iteration {i}",
+                l.name
+            );
+            let began = Instant::now();
+            let mut spy = Spy::with_memory(1, image, l, l.name, roots, Some(symbols));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let ok = spy.snapshot().is_ok();
+                let _ = spy.sample_threads(ThreadSelection::All);
+                let _ = spy.sample_threads(ThreadSelection::GvlHolder);
+                ok
+            }));
+            walked += u64::from(outcome.as_ref().is_ok_and(|ok| *ok));
+            assert!(outcome.is_ok(), "panicked: {replay}");
+            assert!(
+                began.elapsed() < Duration::from_secs(1),
+                "took {:?}: {replay}",
+                began.elapsed()
+            );
+            let largest = LARGEST.load(Ordering::Relaxed);
+            assert!(
+                largest <= MAX_ALLOCATION,
+                "allocated {largest} bytes at once: {replay}"
+            );
+            runs += 1;
+        }
+    }
+    println!(
+        "{runs} mutated images (seed {seed}) read without a panic, hang or oversized \
+         allocation ({walked} still gave a stack, the rest an error)"
+    );
 }
