@@ -50,11 +50,12 @@ struct LastTable {
 }
 
 /// What `sample_threads` reads for one thread's tags, in its one call: the thread's
-/// `ruby_profiler_state` pointer and, where the thread had a table last time, that table's
-/// bytes again.
+/// `ruby_profiler_state` pointer (`slot`, read into `pointer`) and, where the thread had a
+/// table last time, that table's bytes again (`last`: its address and a buffer).
 #[derive(Debug)]
 pub(super) struct TagRead {
     pub slot: u64,
+    pub pointer: [u8; 8],
     pub last: Option<(u64, Vec<u8>)>,
 }
 
@@ -128,10 +129,10 @@ impl<M: Memory> Spy<M> {
         self.decode_table(table)
     }
 
-    /// What to read for a thread's tags along with the rest of a sample (None when the
-    /// target has no tags to read). The buffer for the last table comes from the pool.
-    pub(super) fn tag_read(&mut self, thread: u64) -> Option<TagRead> {
-        let offset = self.profiler_state_offset()?;
+    /// What to read for a thread's tags along with the rest of a sample, given the target's
+    /// `profiler_state_offset` (None when the thread pointer is unknown). The buffer for the
+    /// last table comes from the pool.
+    pub(super) fn tag_read(&mut self, thread: u64, offset: i64) -> Option<TagRead> {
         let tp = self.cached_thread_pointer(thread)?;
         let last = self
             .tag_source
@@ -140,36 +141,31 @@ impl<M: Memory> Spy<M> {
             .map(|l| (l.table, l.raw.len()));
         Some(TagRead {
             slot: tp.wrapping_add(offset as u64),
+            pointer: [0; 8],
             last: last.map(|(table, len)| (table, self.buffer(len))),
         })
     }
 
-    /// A thread's tags from what the sample read: the pointer `table` and the bytes at the
-    /// table it had last time. When the pointer is the same and the bytes are too (and were
-    /// decoded lately), the last decoding stands and the sample needed no read of its own
-    /// for tags; otherwise the table is read and decoded now.
-    pub(super) fn sampled_tags(
-        &mut self,
-        thread: u64,
-        table: u64,
-        last_bytes: Option<(u64, Vec<u8>)>,
-    ) -> Tags {
-        let unchanged = match (&last_bytes, self.tag_source.last.get(&thread)) {
-            (Some((at, bytes)), Some(last)) => {
-                *at == table
-                    && last.table == table
-                    && *bytes == last.raw
-                    && last.at.elapsed() < TAGS_TTL
+    /// A thread's tags from what the sample read. When the pointer still holds the table of
+    /// last time and that table's bytes read the same (and were decoded lately), the last
+    /// decoding stands and the sample needed no read of its own for tags; otherwise the
+    /// table is read and decoded now.
+    pub(super) fn sampled_tags(&mut self, thread: u64, read: TagRead) -> Tags {
+        let table = word(&read.pointer, 0);
+        let bytes = read.last.map(|(_, bytes)| bytes);
+        let kept = match (&bytes, self.tag_source.last.get(&thread)) {
+            (Some(bytes), Some(last))
+                if last.table == table && *bytes == last.raw && last.at.elapsed() < TAGS_TTL =>
+            {
+                Some(last.tags.clone())
             }
-            _ => false,
+            _ => None,
         };
-        if let Some((_, bytes)) = last_bytes {
+        if let Some(bytes) = bytes {
             self.recycle(bytes);
         }
-        if unchanged {
-            if let Some(last) = self.tag_source.last.get(&thread) {
-                return last.tags.clone();
-            }
+        if let Some(tags) = kept {
+            return tags;
         }
         if table == 0 {
             self.tag_source.last.remove(&thread);
@@ -182,12 +178,11 @@ impl<M: Memory> Spy<M> {
         if self.tag_source.last.len() >= 4096 {
             self.tag_source.last.clear();
         }
-        let at = Instant::now();
         let last = LastTable {
             table,
             raw,
             tags: tags.clone(),
-            at,
+            at: Instant::now(),
         };
         self.tag_source.last.insert(thread, last);
         tags

@@ -267,11 +267,14 @@ impl<M: Memory> Spy<M> {
         // Each wanted thread's tags pointer, and the table it pointed at last time: in the
         // steady state (tags unchanged) that is all the tags need.
         let mut tag_reads: Vec<Option<TagRead>> = Vec::with_capacity(count);
-        let mut tag_slots = vec![[0u8; 8]; count];
+        let tag_offset = self.profiler_state_offset();
         for i in 0..count {
             let thread = self.thread_list.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
-            tag_reads.push(if wanted { self.tag_read(thread) } else { None });
+            tag_reads.push(match tag_offset {
+                Some(offset) if wanted => self.tag_read(thread, offset),
+                _ => None,
+            });
             let pre = match self.thread_list.stacks.get(&thread).copied() {
                 Some(g) if wanted => Some(Prefetched {
                     vm_stack: g.vm_stack,
@@ -291,20 +294,16 @@ impl<M: Memory> Spy<M> {
                     &mut gc_flags[..],
                 ));
             }
-            for ((((thread, _), span_buf), (head, guess)), (pre, (tag, slot))) in self
+            for ((((thread, _), span_buf), (head, guess)), (pre, tag)) in self
                 .thread_list
                 .threads
                 .iter()
                 .zip(spans.chunks_exact_mut(span))
                 .zip(heads.iter_mut().zip(&guessed))
-                .zip(
-                    prefetched
-                        .iter_mut()
-                        .zip(tag_reads.iter_mut().zip(tag_slots.iter_mut())),
-                )
+                .zip(prefetched.iter_mut().zip(tag_reads.iter_mut()))
             {
                 if let Some(tag) = tag {
-                    requests.push((tag.slot, &mut slot[..]));
+                    requests.push((tag.slot, &mut tag.pointer[..]));
                     if let Some((table, bytes)) = &mut tag.last {
                         requests.push((*table, &mut bytes[..]));
                     }
@@ -431,18 +430,21 @@ impl<M: Memory> Spy<M> {
                     self.thread_list.stacks.remove(&thread);
                 }
             }
-            let tags = match tag_reads[i].take() {
-                Some(read) => self.sampled_tags(thread, word(&tag_slots[i], 0), read.last),
-                None => super::Tags::default(),
-            };
             match result {
-                Some(stack) => sampled.push(SampledThread {
-                    info: self.thread_list.threads[i].1.clone(),
-                    state,
-                    frames: stack.frames,
-                    stack_token: stack.token,
-                    tags,
-                }),
+                Some(stack) => {
+                    // Tags only for a sample that is kept: a dropped one decodes nothing.
+                    let tags = match tag_reads[i].take() {
+                        Some(read) => self.sampled_tags(thread, read),
+                        None => super::Tags::default(),
+                    };
+                    sampled.push(SampledThread {
+                        info: self.thread_list.threads[i].1.clone(),
+                        state,
+                        frames: stack.frames,
+                        stack_token: stack.token,
+                        tags,
+                    })
+                }
                 None => dropped.push("stack changed while read"),
             }
         }

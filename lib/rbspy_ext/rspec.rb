@@ -79,7 +79,6 @@ module RubySpy
       # @param settings [Settings]
       # @return [void]
       def install(config, settings = self.settings)
-        @settings = settings
         config.include(Matchers)
         run = Run.new(settings, config)
         run.start_boot if settings.mode == :boot
