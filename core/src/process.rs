@@ -212,10 +212,20 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
     Ok(binary)
 }
 
-/// The address in the target of `ruby_profiler_state_tp_offset`, exported by an rbspy_ext
-/// extension the target has loaded (any mapped `rbspy_ext.so`), if there is one.
-pub fn find_profiler_state_offset(pid: i32, maps: &[Mapping]) -> Option<u64> {
-    const SYMBOL: &str = "ruby_profiler_state_tp_offset";
+/// Where an rbspy_ext extension the target has loaded (any mapped `rbspy_ext.so`) publishes
+/// its thread-pointer offsets, if there is one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfilerStateSymbols {
+    /// The address of `ruby_profiler_state_tp_offset`.
+    pub offset: u64,
+    /// The address of `ruby_profiler_state_owner_tp_offset` (absent from older builds).
+    pub owner_offset: Option<u64>,
+}
+
+/// The symbols of `ProfilerStateSymbols` in the target, if it has loaded rbspy_ext.
+pub fn find_profiler_state_symbols(pid: i32, maps: &[Mapping]) -> Option<ProfilerStateSymbols> {
+    const OFFSET: &str = "ruby_profiler_state_tp_offset";
+    const OWNER: &str = "ruby_profiler_state_owner_tp_offset";
     let mut paths: Vec<&str> = maps
         .iter()
         .map(|m| m.path.as_str())
@@ -225,9 +235,13 @@ pub fn find_profiler_state_offset(pid: i32, maps: &[Mapping]) -> Option<u64> {
         })
         .collect();
     paths.dedup();
-    paths
-        .into_iter()
-        .find_map(|p| read_binary(pid, maps, p, &[SYMBOL]).ok()?.symbol(SYMBOL))
+    paths.into_iter().find_map(|p| {
+        let binary = read_binary(pid, maps, p, &[OFFSET, OWNER]).ok()?;
+        Some(ProfilerStateSymbols {
+            offset: binary.symbol(OFFSET)?,
+            owner_offset: binary.symbol(OWNER),
+        })
+    })
 }
 
 #[cfg(test)]

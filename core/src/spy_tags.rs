@@ -7,7 +7,7 @@
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::{word, Memory, Spy};
 use crate::objects::{is_heap_object, read_string, T_MASK, T_STRING};
-use crate::process::{find_profiler_state_offset, read_maps};
+use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,9 +33,12 @@ const RSYMBOL_FSTR: u64 = 24;
 pub(super) struct TagSource {
     /// The published offset from the thread pointer, once the extension is seen loaded.
     offset: Option<i64>,
+    /// The offset of `ruby_profiler_state_owner` (the Ruby thread the pointer is for), when
+    /// the extension publishes it.
+    owner_offset: Option<i64>,
     checked_at: Option<Instant>,
-    /// Thread pointer by Ruby thread (a thread keeps its native thread).
-    pointers: rustc_hash::FxHashMap<u64, u64>,
+    /// By Ruby thread: the native thread it was last seen on and that one's thread pointer.
+    pointers: rustc_hash::FxHashMap<u64, (u64, u64)>,
     /// By Ruby thread: the table its pointer held at the last sample, that table's bytes
     /// and their decoding (see `sampled_tags`).
     last: rustc_hash::FxHashMap<u64, LastTable>,
@@ -54,6 +57,13 @@ struct LastTable {
 /// table last time, that table's bytes again (`last`: its address and a buffer).
 #[derive(Debug)]
 pub(super) struct TagRead {
+    /// The native thread `slot` is on (0 before 3.2) and the published offset.
+    pub nt: u64,
+    pub offset: i64,
+    /// Where that native thread's `ruby_profiler_state_owner` is (read into `owner`, before
+    /// `slot`), when the extension publishes it.
+    pub owner_slot: Option<u64>,
+    pub owner: [u8; 8],
     pub slot: u64,
     pub pointer: [u8; 8],
     pub last: Option<(u64, Vec<u8>)>,
@@ -75,40 +85,52 @@ impl<M: Memory> Spy<M> {
         }
         self.tag_source.checked_at = Some(Instant::now());
         let maps = read_maps(self.pid).ok()?;
-        let addr = find_profiler_state_offset(self.pid, &maps)?;
-        // 0 until the extension has initialised.
-        let offset = self.mem.read_u64(addr).ok()? as i64;
+        let symbols = find_profiler_state_symbols(self.pid, &maps)?;
+        // Both 0 until the extension has initialised, which sets the owner's first.
+        let offset = self.mem.read_u64(symbols.offset).ok()? as i64;
         self.tag_source.offset = (offset != 0).then_some(offset);
+        self.tag_source.owner_offset = symbols
+            .owner_offset
+            .and_then(|addr| self.mem.read_u64(addr).ok())
+            .map(|o| o as i64)
+            .filter(|o| *o != 0);
         self.tag_source.offset
     }
 
-    /// A Ruby thread's `pthread_t`, which on glibc is its thread pointer.
-    pub(super) fn thread_pointer(&self, thread: u64) -> Option<u64> {
-        let l = self.layout;
-        let addr = match (l.thread_pthread, l.thread_nt, l.native_thread_pthread) {
-            (Some(off), _, _) => thread.wrapping_add(off as u64),
-            (None, Some(nt), Some(off)) => {
-                let nt = self.mem.read_u64(thread.wrapping_add(nt as u64)).ok()?;
-                if !is_heap_object(nt) {
-                    return None;
-                }
-                nt.wrapping_add(off as u64)
-            }
-            _ => return None,
-        };
-        self.mem.read_u64(addr).ok().filter(|tp| *tp != 0)
+    /// The native thread a Ruby thread is on now: `th->nt` (3.2+), or 0 before 3.2, where the
+    /// thread pointer is a field of the Ruby thread itself and never changes.
+    pub(super) fn native_thread(&self, thread: u64) -> u64 {
+        match self.layout.thread_nt {
+            Some(nt) => self
+                .mem
+                .read_u64(thread.wrapping_add(nt as u64))
+                .unwrap_or(0),
+            None => 0,
+        }
     }
 
-    /// A Ruby thread's thread pointer, read once and kept (a thread keeps its native thread).
-    fn cached_thread_pointer(&mut self, thread: u64) -> Option<u64> {
-        if let Some(tp) = self.tag_source.pointers.get(&thread) {
-            return Some(*tp);
+    /// The thread pointer (glibc's `pthread_t`) of a Ruby thread on native thread `nt` (as
+    /// `native_thread` gives it), kept per Ruby thread while it stays on that native thread.
+    /// Under M:N threads (3.3+, `RUBY_MN_THREADS=1`) a Ruby thread moves between native
+    /// threads and has none while it waits (`th->nt` is null): then there is no pointer, as
+    /// the native threads' `ruby_profiler_state` belong to whichever Ruby threads run there.
+    fn thread_pointer_on(&mut self, thread: u64, nt: u64) -> Option<u64> {
+        if let Some((known_nt, tp)) = self.tag_source.pointers.get(&thread) {
+            if *known_nt == nt {
+                return Some(*tp);
+            }
         }
-        let tp = self.thread_pointer(thread)?;
+        let l = self.layout;
+        let addr = match (l.thread_pthread, l.native_thread_pthread) {
+            (Some(off), _) => thread.wrapping_add(off as u64),
+            (None, Some(off)) if is_heap_object(nt) => nt.wrapping_add(off as u64),
+            _ => return None,
+        };
+        let tp = self.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
         if self.tag_source.pointers.len() >= 4096 {
             self.tag_source.pointers.clear();
         }
-        self.tag_source.pointers.insert(thread, tp);
+        self.tag_source.pointers.insert(thread, (nt, tp));
         Some(tp)
     }
 
@@ -119,40 +141,79 @@ impl<M: Memory> Spy<M> {
         let Some(offset) = self.profiler_state_offset() else {
             return Tags::default();
         };
-        let Some(tp) = self.cached_thread_pointer(thread) else {
+        let nt = self.native_thread(thread);
+        let Some(tp) = self.thread_pointer_on(thread, nt) else {
             return Tags::default();
         };
-        let table = self
-            .mem
-            .read_u64(tp.wrapping_add(offset as u64))
-            .unwrap_or(0);
+        let table = self.owned_table(thread, tp, offset);
         self.decode_table(table)
     }
 
+    /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
+    /// `thread`'s (its owner, read first, says so; see profiler_state.c), else 0.
+    fn owned_table(&self, thread: u64, tp: u64, offset: i64) -> u64 {
+        if let Some(owner_offset) = self.tag_source.owner_offset {
+            let owner = self.mem.read_u64(tp.wrapping_add(owner_offset as u64));
+            if owner.ok() != Some(thread) {
+                return 0;
+            }
+        }
+        self.mem
+            .read_u64(tp.wrapping_add(offset as u64))
+            .unwrap_or(0)
+    }
+
     /// What to read for a thread's tags along with the rest of a sample, given the target's
-    /// `profiler_state_offset` (None when the thread pointer is unknown). The buffer for the
-    /// last table comes from the pool.
+    /// `profiler_state_offset`: the pointer on the native thread the Ruby thread was on last
+    /// time (the sample also reads `th->nt`, and `sampled_tags` checks it is still the same).
+    /// None when the thread's native thread is unknown. The buffer for the last table comes
+    /// from the pool.
     pub(super) fn tag_read(&mut self, thread: u64, offset: i64) -> Option<TagRead> {
-        let tp = self.cached_thread_pointer(thread)?;
+        let nt = match self.tag_source.pointers.get(&thread) {
+            Some((nt, _)) => *nt,
+            None => self.native_thread(thread),
+        };
+        let tp = self.thread_pointer_on(thread, nt)?;
         let last = self
             .tag_source
             .last
             .get(&thread)
             .map(|l| (l.table, l.raw.len()));
+        let owner_slot = self
+            .tag_source
+            .owner_offset
+            .map(|o| tp.wrapping_add(o as u64));
         Some(TagRead {
+            nt,
+            offset,
+            owner_slot,
+            owner: [0; 8],
             slot: tp.wrapping_add(offset as u64),
             pointer: [0; 8],
             last: last.map(|(table, len)| (table, self.buffer(len))),
         })
     }
 
-    /// A thread's tags from what the sample read. When the pointer still holds the table of
-    /// last time and that table's bytes read the same (and were decoded lately), the last
-    /// decoding stands and the sample needed no read of its own for tags; otherwise the
-    /// table is read and decoded now.
-    pub(super) fn sampled_tags(&mut self, thread: u64, read: TagRead) -> Tags {
-        let table = word(&read.pointer, 0);
-        let bytes = read.last.map(|(_, bytes)| bytes);
+    /// A thread's tags from what the sample read, `nt` being its `th->nt` in that same read
+    /// (0 before 3.2). When the pointer still holds the table of last time and that table's
+    /// bytes read the same (and were decoded lately), the last decoding stands and the sample
+    /// needed no read of its own for tags; otherwise the table is read and decoded now. A
+    /// thread that moved to another native thread (M:N threads) has its pointer read there.
+    pub(super) fn sampled_tags(&mut self, thread: u64, nt: u64, read: TagRead) -> Tags {
+        let mut table = word(&read.pointer, 0);
+        if read.owner_slot.is_some() && word(&read.owner, 0) != thread {
+            table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
+        }
+        let mut bytes = read.last.map(|(_, bytes)| bytes);
+        if nt != read.nt {
+            if let Some(bytes) = bytes.take() {
+                self.recycle(bytes);
+            }
+            table = match self.thread_pointer_on(thread, nt) {
+                Some(tp) => self.owned_table(thread, tp, read.offset),
+                None => 0, // waiting for a native thread: its tags are on none
+            };
+        }
         let kept = match (&bytes, self.tag_source.last.get(&thread)) {
             (Some(bytes), Some(last))
                 if last.table == table && *bytes == last.raw && last.at.elapsed() < TAGS_TTL =>
@@ -255,7 +316,9 @@ impl<M: Memory> Spy<M> {
         let l = self.layout;
         match v {
             0x00 => return "false".into(),
-            0x08 => return "nil".into(),
+            // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value
+            // is anything else under the other scheme.
+            0x04 | 0x08 => return "nil".into(),
             0x14 => return "true".into(),
             _ => {}
         }

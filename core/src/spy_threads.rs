@@ -239,6 +239,8 @@ impl<M: Memory> Spy<M> {
             status_byte,
             l.thread_gvl_wait_node,
             l.thread_unblock_func.unwrap_or(l.thread_ec),
+            // The native thread, whose thread pointer leads to the tags (3.2+).
+            l.thread_nt.unwrap_or(l.thread_ec),
         ];
         let span_from = fields.iter().copied().min().unwrap_or(0);
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
@@ -303,6 +305,10 @@ impl<M: Memory> Spy<M> {
                 .zip(prefetched.iter_mut().zip(tag_reads.iter_mut()))
             {
                 if let Some(tag) = tag {
+                    // The owner before the pointer: see profiler_state.c.
+                    if let Some(owner_slot) = tag.owner_slot {
+                        requests.push((owner_slot, &mut tag.owner[..]));
+                    }
                     requests.push((tag.slot, &mut tag.pointer[..]));
                     if let Some((table, bytes)) = &mut tag.last {
                         requests.push((*table, &mut bytes[..]));
@@ -434,7 +440,10 @@ impl<M: Memory> Spy<M> {
                 Some(stack) => {
                     // Tags only for a sample that is kept: a dropped one decodes nothing.
                     let tags = match tag_reads[i].take() {
-                        Some(read) => self.sampled_tags(thread, read),
+                        Some(read) => {
+                            let nt = l.thread_nt.map_or(0, |off| word(field(i, off), 0));
+                            self.sampled_tags(thread, nt, read)
+                        }
                         None => super::Tags::default(),
                     };
                     sampled.push(SampledThread {

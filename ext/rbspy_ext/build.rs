@@ -2,7 +2,15 @@
 //! which stable Rust cannot define) and makes the linker export its symbols from the
 //! extension: rustc's version script exports only Rust items, and a second anonymous
 //! version script is merged with it.
+//!
+//! It also turns the Ruby version being built for into `ruby_gte_X_Y` cfgs (rb-sys-env), for
+//! the C API that only newer Rubies have (the thread event hook of 3.3+, state.rs).
 fn main() {
+    // rb-sys's build script publishes the Ruby it builds for; without it (no Ruby) the cfgs
+    // are simply absent and the 3.3+ code is left out.
+    if let Err(e) = rb_sys_env::activate() {
+        println!("cargo:warning=rbspy_ext: no Ruby version cfgs: {e}");
+    }
     cc::Build::new()
         .file("src/profiler_state.c")
         .flag_if_supported("-std=c11")

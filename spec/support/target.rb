@@ -54,7 +54,19 @@ module RubySpyTest
       raise ArgumentError, "#{@name} is not built (script/rubies build #{@name})" unless line
 
       @root = line[2]
+      @version = line[1]
       sync_fixtures if inside?
+    end
+
+    # The target Ruby's version, as a Gem::Version.
+    def version
+      Gem::Version.new(host? ? RUBY_VERSION : @version)
+    end
+
+    # Whether fixtures can load rbspy_ext into this Ruby: the host's (rake compile), or a
+    # chroot's with its own build in lib/rbspy_ext/X.Y/ (script/rubies ext NAME).
+    def extension?
+      host? || File.exist?(File.join(ROOT, "lib", "rbspy_ext", version.segments.first(2).join("."), "rbspy_ext.so"))
     end
 
     def host?
@@ -91,13 +103,16 @@ module RubySpyTest
 
     private
 
-    # The chroot sees the fixtures at the same absolute path as the host, so relative and
-    # absolute paths in its backtraces look as they would on a host.
+    # The chroot sees the fixtures (and lib/, for the fixtures that load rbspy_ext) at the
+    # same absolute path as the host, so relative and absolute paths in its backtraces look
+    # as they would on a host.
     def sync_fixtures
-      target = File.join(@root, ROOT, "spec")
-      FileUtils.rm_rf(target)
-      FileUtils.mkdir_p(File.dirname(target))
-      FileUtils.cp_r(File.join(ROOT, "spec"), target)
+      %w[spec lib].each do |dir|
+        target = File.join(@root, ROOT, dir)
+        FileUtils.rm_rf(target)
+        FileUtils.mkdir_p(File.dirname(target))
+        FileUtils.cp_r(File.join(ROOT, dir), target)
+      end
     end
   end
 
@@ -125,9 +140,10 @@ module RubySpyTest
                 :info, :document
 
     # Spawns and waits. With stdio: true the fixture's stdin and stdout are pipes to the
-    # spec (#ping talks through them); otherwise both go to the log file.
-    def self.start(name, *args, stdio: false)
-      target = new(name, *args, stdio: stdio)
+    # spec (#ping talks through them); otherwise both go to the log file. +env+ is added to
+    # the fixture's environment (for settings Ruby reads at boot, like RUBY_MN_THREADS).
+    def self.start(name, *args, stdio: false, env: {})
+      target = new(name, *args, stdio: stdio, env: env)
       target.spawn
       target.wait_until_ready
       target
@@ -136,10 +152,11 @@ module RubySpyTest
       raise
     end
 
-    def initialize(name, *args, stdio: false)
+    def initialize(name, *args, stdio: false, env: {})
       @name = name
       @args = args
       @stdio = stdio
+      @env = env
       @status = nil
     end
 
@@ -165,7 +182,7 @@ module RubySpyTest
         options[:in] = File::NULL
         options[:out] = [:child, :err]
       end
-      @pid = Process.spawn(*ruby.command(script, target_ready_path, *args), options)
+      @pid = Process.spawn(@env, *ruby.command(script, target_ready_path, *args), options)
       self
     ensure
       child_in&.close
@@ -344,8 +361,8 @@ module RubySpyTest
   # Included into every example group (see spec_helper.rb). Targets started through these
   # helpers are killed and reaped after each example, pass or fail.
   module TargetHelpers
-    def start_target(name, *args, stdio: false)
-      target = Target.start(name, *args, stdio: stdio)
+    def start_target(name, *args, stdio: false, env: {})
+      target = Target.start(name, *args, stdio: stdio, env: env)
       running_targets << target
       target
     end

@@ -35,6 +35,18 @@ _Thread_local struct Ruby_Profiler_State *ruby_profiler_state = NULL;
  */
 __attribute__((visibility("default"))) volatile long ruby_profiler_state_tp_offset = 0;
 
+/*
+ * Not part of the published ABI, an addition of rbspy_ext's: the Ruby thread (its
+ * `rb_thread_t *`) whose current fiber's table `ruby_profiler_state` holds on this native
+ * thread. With M:N threads (Ruby 3.3+, RUBY_MN_THREADS=1) Ruby threads take turns on native
+ * threads, and between a thread being put on a native thread and its resume hook updating
+ * the pointer, the pointer is still the previous thread's; a reader that knows which Ruby
+ * thread it reads for compares this first. Same placement and publication as above.
+ */
+__attribute__((visibility("default"), tls_model("initial-exec")))
+_Thread_local void *ruby_profiler_state_owner = NULL;
+__attribute__((visibility("default"))) volatile long ruby_profiler_state_owner_tp_offset = 0;
+
 /* The version of this ABI (the layout above and the reading procedure); bumped only if
  * either ever changes. */
 __attribute__((visibility("default"))) const unsigned long ruby_profiler_state_abi_version = 1;
@@ -52,12 +64,20 @@ static char *thread_pointer(void) {
 }
 
 long rbspy_ext_state_init(void) {
+    ruby_profiler_state_owner_tp_offset =
+        (long)((char *)&ruby_profiler_state_owner - thread_pointer());
     ruby_profiler_state_tp_offset = (long)((char *)&ruby_profiler_state - thread_pointer());
     return ruby_profiler_state_tp_offset;
 }
 
-void rbspy_ext_state_set(struct Ruby_Profiler_State *state) {
+/*
+ * The table first, then its owner: a reader that reads the owner before the table and finds
+ * its thread there is then sure to read that thread's table (or a later one of the same
+ * thread). The release store keeps the two in that order for any observer.
+ */
+void rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner) {
     ruby_profiler_state = state;
+    __atomic_store_n(&ruby_profiler_state_owner, owner, __ATOMIC_RELEASE);
 }
 
 struct Ruby_Profiler_State *rbspy_ext_state_get(void) {

@@ -4,7 +4,8 @@
 //!
 //! The current fiber's state lives in a fiber-local variable; a `RUBY_EVENT_FIBER_SWITCH`
 //! hook, installed once the process first applies a state, points `ruby_profiler_state` at
-//! the table of whichever fiber runs. A table is built
+//! the table of whichever fiber runs (and on 3.3+ a thread-resumed hook does the same when a
+//! Ruby thread gets the GVL, for M:N threads). A table is built
 //! once and never changed, so a reader that interrupts the thread anywhere sees a whole one.
 //! The Ruby API (`RubySpy.tag`, `RubySpy.tags`, inheritance into new fibers and threads) is
 //! lib/rbspy_ext/state.rb.
@@ -22,7 +23,7 @@ pub const MAX_TAGS: usize = 1024;
 
 extern "C" {
     fn rbspy_ext_state_init() -> std::os::raw::c_long;
-    fn rbspy_ext_state_set(state: *const c_void);
+    fn rbspy_ext_state_set(state: *const c_void, owner: *const c_void);
 }
 
 /// The fiber-local variable holding the current fiber's `RubySpy::State`.
@@ -174,11 +175,17 @@ fn table_of(state: VALUE) -> *const c_void {
     }
 }
 
-/// Points `ruby_profiler_state` at the table of `state` (a `RubySpy::State` or nil).
-fn publish(state: VALUE) {
-    // SAFETY: sets this native thread's pointer; the table lives as long as `state`,
-    // which the current fiber's locals keep alive.
-    unsafe { rbspy_ext_state_set(table_of(state)) };
+/// Points `ruby_profiler_state` at the table of `state` (a `RubySpy::State` or nil), the
+/// current state of Ruby thread `thread` (a Thread), and `ruby_profiler_state_owner` at
+/// that thread's `rb_thread_t`, which is what readers outside find in Ruby's thread list.
+fn publish(state: VALUE, thread: VALUE) {
+    // SAFETY: a Thread is typed data whose data pointer is its rb_thread_t. This sets this
+    // native thread's pointers; the table lives as long as `state`, which the current
+    // fiber's locals keep alive.
+    unsafe {
+        let owner = rb_sys::RTYPEDDATA_GET_DATA(thread) as *const c_void;
+        rbspy_ext_state_set(table_of(state), owner)
+    };
 }
 
 /// Makes `state` (a `RubySpy::State`, or nil for none) the current fiber's state.
@@ -192,17 +199,12 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
         ));
     }
     // SAFETY: plain C API calls on the current thread, with the GVL.
-    unsafe {
-        rb_sys::rb_thread_local_aset(
-            rb_sys::rb_thread_current(),
-            fiber_local_id(),
-            state.as_raw(),
-        );
-    }
+    let thread = unsafe { rb_sys::rb_thread_current() };
+    unsafe { rb_sys::rb_thread_local_aset(thread, fiber_local_id(), state.as_raw()) };
     if !state.is_nil() {
         install_hook();
     }
-    publish(state.as_raw());
+    publish(state.as_raw(), thread);
     Ok(state)
 }
 
@@ -245,9 +247,56 @@ const HOOK_SAFE_RAW: u32 = 0x01 | 0x04;
 unsafe extern "C" fn on_fiber_switch(_data: VALUE, _trace_arg: *mut c_void) {
     // Nothing here can panic or raise: a lookup of a fiber-local and `table_of`'s checks.
     // SAFETY: with the GVL, in the fiber now running.
-    let state =
-        unsafe { rb_sys::rb_thread_local_aref(rb_sys::rb_thread_current(), fiber_local_id()) };
-    publish(state);
+    unsafe {
+        let thread = rb_sys::rb_thread_current();
+        publish(
+            rb_sys::rb_thread_local_aref(thread, fiber_local_id()),
+            thread,
+        );
+    }
+}
+
+/// The part of `rb_internal_thread_event_data_t` the hook reads (3.3+: the thread the event
+/// is about). Declared here because rb-sys marks the internal struct deprecated.
+#[cfg(ruby_gte_3_3)]
+#[repr(C)]
+struct ThreadEventData {
+    thread: VALUE,
+}
+
+#[cfg(ruby_gte_3_3)]
+extern "C" {
+    fn rb_internal_thread_add_event_hook(
+        func: unsafe extern "C" fn(u32, *const ThreadEventData, *mut c_void),
+        events: u32,
+        data: *mut c_void,
+    ) -> *mut c_void;
+}
+
+/// Runs when a Ruby thread has acquired the GVL, on the native thread that will run it.
+/// Under M:N threads (`RUBY_MN_THREADS=1`, 3.3+) a Ruby thread can resume on another native
+/// thread than it left, and another Ruby thread can have run on this one meanwhile, with no
+/// fiber switch; the native thread's pointer must then become the resumed thread's current
+/// fiber's table. With 1:1 threads it rewrites the value already there.
+#[cfg(ruby_gte_3_3)]
+unsafe extern "C" fn on_thread_resumed(
+    _event: u32,
+    data: *const ThreadEventData,
+    _user: *mut c_void,
+) {
+    // SAFETY: Ruby passes event data for the thread that now holds the GVL (RESUMED is the
+    // one thread event delivered with the GVL held), so its fiber-locals can be looked up.
+    // Nothing here can panic or raise.
+    unsafe {
+        if data.is_null() {
+            return;
+        }
+        let thread = (*data).thread;
+        publish(
+            rb_sys::rb_thread_local_aref(thread, fiber_local_id()),
+            thread,
+        );
+    }
 }
 
 /// Whether `on_fiber_switch` is installed: only from the first state a fiber applies, so a
@@ -270,12 +319,24 @@ fn install_hook() {
             rb_sys::Qnil as VALUE,
             HOOK_SAFE_RAW,
         );
+        #[cfg(ruby_gte_3_3)]
+        rb_internal_thread_add_event_hook(
+            on_thread_resumed,
+            rb_sys::RUBY_INTERNAL_THREAD_EVENT_RESUMED,
+            std::ptr::null_mut(),
+        );
     }
 }
 
 /// Whether the fiber-switch hook is installed yet (for specs and the benchmark).
 fn hook_installed() -> bool {
     HOOK_INSTALLED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether this build re-syncs the pointer when a thread resumes (built for Ruby 3.3+, where
+/// M:N threads exist), for specs.
+fn resyncs_on_resume() -> bool {
+    cfg!(ruby_gte_3_3)
 }
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
@@ -292,6 +353,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("published_address", function!(published_address, 0))?;
     class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;
+    class.define_singleton_method("resyncs_on_resume?", function!(resyncs_on_resume, 0))?;
     class.define_method("with_hash", method!(State::with, 1))?;
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
