@@ -43,6 +43,11 @@ pub enum Error {
     #[error("process {pid} exited while it was being read")]
     ProcessExited { pid: i32 },
     #[error(
+        "process {pid} is no longer the process attached to: it {detail}; its memory is not \
+         read as the old one's (attach again to read the new one)"
+    )]
+    ProcessReplaced { pid: i32, detail: String },
+    #[error(
         "the stack of process {pid} kept changing while it was read ({attempts} attempts, \
          last: {last}); take the snapshot again"
     )]

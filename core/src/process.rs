@@ -50,6 +50,55 @@ fn io_error(pid: i32, what: &str, e: std::io::Error) -> Error {
     }
 }
 
+/// What tells a process apart from the same pid later: its start time (a reused pid belongs
+/// to a process that started later) and its auxiliary vector, which the kernel writes anew
+/// at every exec (entry point, program headers, random bytes, file name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    start_ticks: u64,
+    auxv: Vec<u8>,
+}
+
+/// How a process differs from the one an [`Identity`] was taken of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replaced {
+    /// The pid now belongs to another process.
+    PidReused,
+    /// The same process runs another program (it called exec); the program's path.
+    Exec(String),
+}
+
+impl Identity {
+    /// The identity of `pid` now; None when it has gone (no /proc entry, or a zombie, whose
+    /// auxiliary vector is gone with its memory).
+    pub fn of(pid: i32) -> Option<Identity> {
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Field 22, counted after the command name, which may hold spaces and parentheses.
+        let after = &stat[stat.rfind(')')? + 1..];
+        let start_ticks = after.split_whitespace().nth(19)?.parse().ok()?;
+        // Unreadable without the right to read the process's memory; then the start time alone.
+        let auxv = fs::read(format!("/proc/{pid}/auxv")).unwrap_or_default();
+        if auxv.is_empty() && after.split_whitespace().next() == Some("Z") {
+            return None;
+        }
+        Some(Identity { start_ticks, auxv })
+    }
+
+    /// How `now` (the same pid's identity read later) differs from this one, if it does.
+    pub fn replaced_by(&self, pid: i32, now: &Identity) -> Option<Replaced> {
+        if now.start_ticks != self.start_ticks {
+            return Some(Replaced::PidReused);
+        }
+        if !self.auxv.is_empty() && !now.auxv.is_empty() && now.auxv != self.auxv {
+            let exe = fs::read_link(format!("/proc/{pid}/exe"))
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "another program".into());
+            return Some(Replaced::Exec(exe));
+        }
+        None
+    }
+}
+
 /// Reads and parses /proc/PID/maps, mapping "no such file" to `NoSuchProcess` and EACCES to
 /// `PermissionDenied`.
 pub fn read_maps(pid: i32) -> Result<Vec<Mapping>> {
@@ -264,6 +313,24 @@ mod tests {
         assert_eq!(maps[3].path, "/opt/my dir/libruby.so.3.1");
         assert!(is_libruby(&maps[3].path));
         assert!(!is_libruby("/usr/bin/ruby"));
+    }
+
+    #[test]
+    fn identity_tells_exec_and_pid_reuse_apart() {
+        let pid = std::process::id() as i32;
+        let me = Identity::of(pid).expect("this process has an identity");
+        assert!(!me.auxv.is_empty(), "our own auxv is readable");
+        assert_eq!(me.replaced_by(pid, &Identity::of(pid).unwrap()), None);
+        let mut reused = me.clone();
+        reused.start_ticks += 1;
+        assert_eq!(me.replaced_by(pid, &reused), Some(Replaced::PidReused));
+        let mut execed = me.clone();
+        execed.auxv[8] ^= 1;
+        assert!(matches!(
+            me.replaced_by(pid, &execed),
+            Some(Replaced::Exec(_))
+        ));
+        assert_eq!(Identity::of(i32::MAX), None);
     }
 
     #[test]

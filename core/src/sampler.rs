@@ -199,7 +199,11 @@ fn sample_into<M: Memory>(
             }
             Ok(())
         }
-        Err(e @ (Error::ProcessExited { .. } | Error::NoSuchProcess { .. })) => Err(e),
+        Err(
+            e @ (Error::ProcessExited { .. }
+            | Error::NoSuchProcess { .. }
+            | Error::ProcessReplaced { .. }),
+        ) => Err(e),
         Err(Error::StackChanged { .. }) => {
             agg.error("thread list changed");
             Ok(())
@@ -349,20 +353,26 @@ fn run<M: Memory>(
         let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick();
-        if sample_into(&mut spy, &config, &mut agg).is_err() {
+        if let Err(e) = sample_into(&mut spy, &config, &mut agg) {
+            let what = match e {
+                Error::ProcessReplaced { detail, .. } => detail,
+                _ => "exited".to_string(),
+            };
             agg.note(format!(
-                "process {pid} exited after {:.1} s; the samples taken until then are kept",
+                "process {pid} {what} after {:.1} s; the samples taken until then are kept",
                 started.elapsed().as_secs_f64()
             ));
             break;
         }
         children.retain_mut(|child| {
-            if sample_into(child, &config, &mut agg).is_ok() {
-                return true;
-            }
+            let what = match sample_into(child, &config, &mut agg) {
+                Ok(()) => return true,
+                Err(Error::ProcessReplaced { detail, .. }) => detail,
+                Err(_) => "exited".to_string(),
+            };
             child_calls += child.memory().calls();
             agg.note(format!(
-                "child process {} exited after {:.1} s",
+                "child process {} {what} after {:.1} s",
                 child.pid(),
                 started.elapsed().as_secs_f64()
             ));

@@ -10,7 +10,7 @@ use crate::objects::{
     is_heap_object, read_array_entry, read_string, word, word32, ClassNames, ObjectError,
     SymbolTable, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
 };
-use crate::process::{find_ruby_binary, read_maps};
+use crate::process::{find_ruby_binary, read_maps, Identity, Replaced};
 use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use rustc_hash::FxHashMap;
@@ -32,6 +32,8 @@ const MAX_EP_DEPTH: usize = 256;
 const MAX_VALUE_STACK: usize = 64 << 20;
 /// How long cached iseqs and method entries are trusted without reading their headers.
 const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often a spy makes sure its pid still holds the process it attached to.
+pub const IDENTITY_TTL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Most escaped environments cached between samples.
 const MAX_CACHED_ENVS: usize = 4096;
 /// Most distinct raw stacks remembered with their frames (see `Spy::memo`).
@@ -127,6 +129,9 @@ pub struct Spy<M: Memory = ProcessMemory> {
     not_methods: rustc_hash::FxHashSet<u64>,
     /// When cached iseqs and method entries were last all read again.
     validated_at: Option<std::time::Instant>,
+    /// The attached process's identity and when it was last checked (None for memory that
+    /// is not a live process's): see `check_identity`.
+    identity: Option<(Identity, std::time::Instant)>,
     /// Address of the list of every Ruby thread, and its last reading (spy_threads.rs).
     thread_list_head: u64,
     thread_list: threads::ThreadList,
@@ -186,6 +191,8 @@ impl Spy<ProcessMemory> {
                 "pid must be positive, got {pid}"
             )));
         }
+        // Taken first: whatever is read next belongs to this process or is noticed not to.
+        let identity = Identity::of(pid);
         let maps = read_maps(pid)?;
         let binary = find_ruby_binary(pid, &maps)?;
         let mem = ProcessMemory::new(pid);
@@ -257,6 +264,7 @@ impl Spy<ProcessMemory> {
             binary.symbol("ruby_global_symbols"),
         );
         spy.warning = warning;
+        spy.identity = identity.map(|i| (i, std::time::Instant::now()));
         spy.writable = binary.writable.clone();
         Ok(spy)
     }
@@ -363,6 +371,7 @@ impl<M: Memory> Spy<M> {
             heap_envs: FxHashMap::default(),
             not_methods: Default::default(),
             validated_at: None,
+            identity: None,
             thread_list_head: roots.thread_list,
             thread_list: threads::ThreadList::default(),
             memo: FxHashMap::default(),
@@ -376,6 +385,32 @@ impl<M: Memory> Spy<M> {
 
     pub fn pid(&self) -> i32 {
         self.pid
+    }
+
+    /// Err when the pid no longer holds the process attached to: gone (`ProcessExited`), or
+    /// `ProcessReplaced` when it ran exec or the pid was reused, so that nothing read from it
+    /// is taken for the old process's. Checked at most every [`IDENTITY_TTL`] (two small
+    /// /proc reads) unless `now`, which the read paths ask for after a failure.
+    pub fn check_identity(&mut self, now: bool) -> Result<()> {
+        let pid = self.pid;
+        let Some((identity, checked)) = &mut self.identity else {
+            return Ok(());
+        };
+        if !now && checked.elapsed() < IDENTITY_TTL {
+            return Ok(());
+        }
+        *checked = std::time::Instant::now();
+        let Some(current) = Identity::of(pid) else {
+            return Err(Error::ProcessExited { pid });
+        };
+        let detail = match identity.replaced_by(pid, &current) {
+            None => return Ok(()),
+            Some(Replaced::PidReused) => {
+                "exited and its pid now belongs to another process".to_string()
+            }
+            Some(Replaced::Exec(exe)) => format!("ran exec and now runs {exe}"),
+        };
+        Err(Error::ProcessReplaced { pid, detail })
     }
 
     /// The Ruby version the target reports (e.g. "3.1.2").
@@ -405,11 +440,15 @@ impl<M: Memory> Spy<M> {
     /// The stack of the thread holding the GVL (the main thread when none does), innermost
     /// frame first. Retries a bounded number of times if the stack changes while read.
     pub fn snapshot(&mut self) -> Result<Vec<Frame>> {
+        self.check_identity(false)?;
         let mut last = String::new();
         for _ in 0..SNAPSHOT_ATTEMPTS {
             match self.try_snapshot() {
                 Ok(stack) => return Ok(stack.frames.to_vec()),
-                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Fatal(e)) => {
+                    self.check_identity(true)?;
+                    return Err(e);
+                }
                 Err(Attempt::Changed(why)) => {
                     // Forget what may be what changed: the speculative thread and cached
                     // heap environments.
@@ -420,10 +459,12 @@ impl<M: Memory> Spy<M> {
                 }
             }
         }
-        // A process that vanished between attempts reports as exited, not as a moving stack.
+        // A process that vanished between attempts reports as exited, not as a moving stack;
+        // one that ran exec, or whose pid was taken by another, as replaced.
         if !std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
             return Err(Error::ProcessExited { pid: self.pid });
         }
+        self.check_identity(true)?;
         Err(Error::StackChanged {
             pid: self.pid,
             attempts: SNAPSHOT_ATTEMPTS,

@@ -225,6 +225,21 @@ impl<M: Memory> Spy<M> {
         &mut self,
         which: ThreadSelection,
     ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
+        self.check_identity(false)?;
+        match self.sample_threads_once(which) {
+            // A failed read may be the process gone or replaced (see `check_identity`).
+            Err(e) if !matches!(e, Error::PermissionDenied { .. }) => {
+                self.check_identity(true)?;
+                Err(e)
+            }
+            result => result,
+        }
+    }
+
+    fn sample_threads_once(
+        &mut self,
+        which: ThreadSelection,
+    ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
         self.fresh_thread_list()?;
         let l = self.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));

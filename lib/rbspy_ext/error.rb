@@ -21,6 +21,12 @@ module RubySpy
   # The target exited while it was being read.
   class ProcessExited < Error; end
 
+  # The pid no longer holds the process that was attached to: it ran exec (another program,
+  # or a fresh Ruby), or it exited and the pid was reused. Nothing read from it is reported as
+  # the old process's; attach again to read the new one. A ProcessExited, since the process
+  # that was attached to is gone.
+  class ProcessReplaced < ProcessExited; end
+
   # The target's stack kept changing while it was read, and a bounded number of retries did
   # not yield a consistent copy. Taking the snapshot again usually succeeds.
   class StackChanged < Error; end

@@ -17,6 +17,7 @@ pub fn to_ruby(ruby: &Ruby, e: CoreError) -> Error {
         CoreError::NotRuby { .. } => "NotRubyProcess",
         CoreError::UnsupportedVersion { .. } => "UnsupportedVersion",
         CoreError::ProcessExited { .. } => "ProcessExited",
+        CoreError::ProcessReplaced { .. } => "ProcessReplaced",
         CoreError::StackChanged { .. } => "StackChanged",
         CoreError::Corrupt { .. } | CoreError::Memory { .. } => "CorruptMemory",
         CoreError::InvalidArgument(_) => {
