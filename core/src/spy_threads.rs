@@ -412,6 +412,9 @@ impl<M: Memory> Spy<M> {
                 self.thread_list.ecs.insert(thread, ecs[i]);
             }
         }
+        // A thread that has not started running Ruby yet, or has finished, has no VM stack
+        // (null `vm_stack` and `cfp`): it has nothing to sample, which is not a dropped sample.
+        chosen.retain(|(i, _)| self.ec_fields(&heads[*i])[0] != 0);
         // One call for every chosen thread's frames; a thread whose stack moved is retried
         // alone, then counted as dropped.
         let contexts: Vec<[u64; 3]> = chosen
@@ -426,7 +429,7 @@ impl<M: Memory> Spy<M> {
         }
         let results = self.walk_many(&contexts, pre);
         let mut sampled = Vec::with_capacity(chosen.len());
-        let mut dropped = Vec::new();
+        let mut failed = Vec::new();
         for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
             let mut result = match first {
                 Ok(stack) => Some(stack),
@@ -469,11 +472,24 @@ impl<M: Memory> Spy<M> {
                         tags,
                     })
                 }
-                None => dropped.push("stack changed while read"),
+                None => failed.push(thread),
             }
         }
         for (_, bytes) in tag_reads.into_iter().flatten().filter_map(|t| t.last) {
             self.recycle(bytes);
+        }
+        // The thread list is re-read every LIST_TTL, so a thread that ended since is still in
+        // it, and its freed memory may hold anything by now. A thread whose stack did not read
+        // is dropped only if a fresh list still has it; one that ended had nothing to sample.
+        let mut dropped = Vec::new();
+        if !failed.is_empty() {
+            self.thread_list.read_at = None;
+            self.fresh_thread_list()?;
+            for thread in failed {
+                if self.thread_list.threads.iter().any(|(t, _)| *t == thread) {
+                    dropped.push("stack changed while read");
+                }
+            }
         }
         Ok((sampled, dropped))
     }
