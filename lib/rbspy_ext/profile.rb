@@ -12,12 +12,19 @@ module RubySpy
                    lines: "lines.txt", raw: "raw" }.freeze
 
     # Loads a raw profile written by +write(path, format: :raw)+, to render it again.
-    # @param path [String]
+    # @param path [String, #to_path]
     # @return [RubySpy::Profile]
     # @raise [RubySpy::InvalidProfile] for a truncated, corrupt or foreign file
-    # @raise [ArgumentError] when the file cannot be read at all
+    # @raise [TypeError] when +path+ is not a path
+    # @raise [SystemCallError] when the file cannot be read at all (+Errno::ENOENT+,
+    #   +Errno::EISDIR+, +Errno::EACCES+), naming it
     def self.load(path)
-      new(NativeProfile.load(path.to_s))
+      path = path.to_path if path.respond_to?(:to_path)
+      raise TypeError, "a profile path must be a String, got #{path.class}" unless path.is_a?(String)
+      raise Errno::EISDIR, path if File.directory?(path)
+
+      File.open(path, "rb") {} # the usual Errno for a missing or unreadable file
+      new(NativeProfile.load(path))
     end
 
     # @api private

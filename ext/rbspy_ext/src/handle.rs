@@ -46,7 +46,7 @@ fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
     if pid <= 0 || pid > i32::MAX as i64 {
         return Err(Error::new(
             ruby.exception_arg_error(),
-            format!("pid must be a positive process id, got {pid}"),
+            format!("pid must be a process id from 1 to {}, got {pid}", i32::MAX),
         ));
     }
     Ok(pid as i32)
