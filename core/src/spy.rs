@@ -38,6 +38,11 @@ pub const IDENTITY_TTL: std::time::Duration = std::time::Duration::from_millis(1
 const MAX_CACHED_ENVS: usize = 4096;
 /// Most distinct raw stacks remembered with their frames (see `Spy::memo`).
 const MAX_MEMO: usize = 16_384;
+/// And at most this many bytes of them (signatures and frames, roughly): a target that starts
+/// threads all the time puts every stack at new addresses, so the memo fills with stacks that
+/// never come back; deep stacks would make 16k of them ~100 MB, while a few thousand of the
+/// stacks a steady program repeats fit in 8 MB.
+const MAX_MEMO_BYTES: usize = 8 << 20;
 /// How often a snapshot is retried when the stack changes under it.
 pub const SNAPSHOT_ATTEMPTS: u32 = 8;
 
@@ -139,6 +144,8 @@ pub struct Spy<M: Memory = ProcessMemory> {
     /// current validation epoch is answered without resolving anything. The walker is a
     /// function of the raw words and of its caches, which are trusted for exactly as long.
     memo: FxHashMap<Box<[u64]>, Memo>,
+    /// What `memo` holds, roughly, in bytes.
+    memo_bytes: usize,
     /// Bumped whenever the caches behind `memo` are validated or dropped.
     epoch: u64,
     /// Last token handed out (`Stack::token`).
@@ -375,6 +382,7 @@ impl<M: Memory> Spy<M> {
             thread_list_head: roots.thread_list,
             thread_list: threads::ThreadList::default(),
             memo: FxHashMap::default(),
+            memo_bytes: 0,
             epoch: 0,
             tokens: 0,
             signature: Vec::new(),
@@ -762,8 +770,9 @@ impl<M: Memory> Spy<M> {
         let resolved: Arc<[Frame]> = self.resolve_frames(frames, envs)?.into();
         // `resolve_frames` may have started a new epoch (a full validation).
         let epoch = self.epoch;
-        if self.memo.len() >= MAX_MEMO {
+        if self.memo.len() >= MAX_MEMO || self.memo_bytes >= MAX_MEMO_BYTES {
             self.memo.clear();
+            self.memo_bytes = 0;
         }
         // Keep the token while the frames stay the same, so a stack keeps one name.
         let token = match self.memo.get(&self.signature[..]) {
@@ -777,6 +786,9 @@ impl<M: Memory> Spy<M> {
             frames: resolved,
             token,
         };
+        self.memo_bytes += self.signature.len() * 8
+            + stack.frames.len() * std::mem::size_of::<Frame>()
+            + std::mem::size_of::<Memo>();
         self.memo.insert(
             self.signature.as_slice().into(),
             Memo {
