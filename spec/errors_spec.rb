@@ -132,6 +132,28 @@ RSpec.describe "RubySpy errors" do
       expect(err).to include("ptrace_scope"), report
       expect_unharmed(target)
     end
+
+    it "rubyspy snapshot and record as nobody against a root process: exit 1, one line with the hint" do
+      skip "must run as root to start a reader as another user" unless Process.uid.zero?
+      runner = as_nobody or skip "neither setpriv nor su is available (or no user nobody)"
+
+      target = start_target("responder", stdio: true)
+      # exe/rubyspy loads ../lib, so both are copied where nobody can read them.
+      dir = Dir.mktmpdir("rbspy-cli-")
+      @cleanup_dirs << dir
+      FileUtils.cp_r(%w[lib exe].map { |d| File.join(RubySpyTest::ROOT, d) }, dir)
+      FileUtils.chmod_R("a+rX", dir)
+      exe = File.join(dir, "exe", "rubyspy")
+      [%w[snapshot], %w[record --duration 0.2 --output /dev/null]].each do |command|
+        argv = [RbConfig.ruby, exe, command.first, "--pid", target.pid.to_s, *command.drop(1)]
+        out, err, status = Open3.capture3(*runner.call(argv), chdir: dir)
+        report = "rubyspy #{command.first}\nexit: #{status.inspect}\nstdout: #{out}\nstderr: #{err}"
+        expect(status.exitstatus).to eq(1), report
+        expect(err.lines.size).to eq(1), report
+        expect(err).to match(/permission denied reading process #{target.pid}/).and(include("CAP_SYS_PTRACE")), report
+      end
+      expect_unharmed(target)
+    end
   end
 
   describe "a target that is gone" do

@@ -212,6 +212,10 @@ RSpec.describe RubySpy::Recorder do
       expect(profile.notes.join("\n")).to match(/process #{target.pid} exited/)
       expect(profile.render(:collapsed)).to match(method_label_pattern("Burner", "burn", target.ruby_version))
       expect(profile.threads.map { |t| t[:main] }).to eq([true])
+      # The recording ends when the target's memory is gone, which can be a moment before the
+      # kernel has finished the exit and made it a zombie.
+      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 2
+      sleep 0.01 while target.alive? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
       expect(target.alive?).to be(false)
     end
   end

@@ -109,6 +109,10 @@ pub struct Recorder {
     stop: Arc<AtomicBool>,
     progress: Arc<Mutex<Progress>>,
     thread: Option<JoinHandle<Profile>>,
+    /// The process that started the sampler thread. A child forked from it has a copy of
+    /// this value but no such thread (fork copies only the calling thread), and the progress
+    /// lock may have been copied held: it must neither lock nor join (see `in_forked_child`).
+    owner: u32,
 }
 
 impl Recorder {
@@ -133,10 +137,23 @@ impl Recorder {
             stop,
             progress,
             thread: Some(thread),
+            owner: std::process::id(),
         }
     }
 
+    /// True in a process forked from the one that started this recording: its sampler
+    /// thread runs on in the parent only.
+    pub fn in_forked_child(&self) -> bool {
+        std::process::id() != self.owner
+    }
+
     pub fn progress(&self) -> Progress {
+        if self.in_forked_child() {
+            return Progress {
+                finished: true,
+                ..Progress::default()
+            };
+        }
         self.progress.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
@@ -146,7 +163,21 @@ impl Recorder {
     }
 
     /// Stops (if still running) and returns the profile.
+    /// In a forked child it returns at once an empty profile that says why.
     pub fn stop(mut self) -> Profile {
+        if self.in_forked_child() {
+            self.forget_thread();
+            return Profile {
+                notes: vec![format!(
+                    "this recording was started in process {}, and process {} is a child \
+                     forked from it: the sampler runs on in the parent only, so this profile \
+                     is empty (start a new recording in the child to record it)",
+                    self.owner,
+                    std::process::id()
+                )],
+                ..Profile::default()
+            };
+        }
         self.stop.store(true, Ordering::Relaxed);
         let thread = self.thread.take().expect("stop is called once");
         thread.join().unwrap_or_else(|_| Profile {
@@ -156,8 +187,22 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// Drops the handle of a sampler thread this process does not have, without joining or
+    /// detaching it (either would act on a thread id that means nothing here).
+    fn forget_thread(&mut self) {
+        if let Some(t) = self.thread.take() {
+            std::mem::forget(t);
+        }
+    }
+}
+
 impl Drop for Recorder {
     fn drop(&mut self) {
+        if self.in_forked_child() {
+            self.forget_thread();
+            return;
+        }
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -197,5 +197,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         method!(Handle::profiler_state_offset, 0),
     )?;
     class.define_method("_thread_snapshots", method!(Handle::thread_snapshots, 0))?;
+    crate::resolve_class::<Handle>(ruby);
     Ok(())
 }

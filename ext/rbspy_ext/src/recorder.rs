@@ -304,5 +304,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("cost", method!(NativeProfile::cost, 0))?;
     prof.define_method("notes", method!(NativeProfile::notes, 0))?;
     prof.define_method("threads", method!(NativeProfile::threads, 0))?;
+    crate::resolve_class::<NativeRecorder>(ruby);
+    crate::resolve_class::<NativeProfile>(ruby);
     Ok(())
 }

@@ -358,5 +358,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
     class.define_method("table_address", method!(State::table_address, 0))?;
+    crate::resolve_class::<State>(ruby);
     Ok(())
 }
