@@ -146,7 +146,7 @@ impl<M: Memory> Spy<M> {
             return Tags::default();
         };
         let table = self.owned_table(thread, tp, offset);
-        self.decode_table(table)
+        self.tags_at(table)
     }
 
     /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
@@ -255,8 +255,9 @@ impl<M: Memory> Spy<M> {
         self.tag_source.last.clear();
     }
 
-    /// Decodes one `Ruby_Profiler_State` table (0: none).
-    pub(super) fn decode_table(&mut self, table: u64) -> Tags {
+    /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
+    /// reader that found a table pointer by itself. Empty when it does not read as a table.
+    pub fn tags_at(&mut self, table: u64) -> Tags {
         if table == 0 {
             return Tags::default();
         }

@@ -138,6 +138,46 @@ impl Image {
         id
     }
 
+    /// A `Ruby_Profiler_State` table holding `TAGS` (docs/profiler-state.md): size, capacity
+    /// (a power of two, twice the tags), then (ID, VALUE) pairs placed by linear probing from
+    /// `key & (capacity - 1)`. Before `symbol_table`, which must list its keys.
+    fn tag_table(&mut self) -> u64 {
+        let nil = if self.l.name.starts_with("2.")
+            || self.l.name.starts_with("3.0")
+            || self.l.name.starts_with("3.1")
+        {
+            0x08
+        } else {
+            0x04
+        };
+        let values = [
+            self.string(TAGS[0].1),
+            (42 << 1) | 1,
+            nil,
+            0x14,
+            (self.id(TAGS[4].1) << 8) | 0x0c,
+        ];
+        let capacity = 16u64;
+        let table = self.alloc(16 + 16 * capacity as usize);
+        self.put(table, TAGS.len() as u64);
+        self.put(table + 8, capacity);
+        for ((name, _), value) in TAGS.iter().zip(values) {
+            let key = self.id(name);
+            let mut slot = key & (capacity - 1);
+            while self.get(table + 16 + 16 * slot) != 0 {
+                slot = (slot + 1) & (capacity - 1);
+            }
+            self.put(table + 16 + 16 * slot, key);
+            self.put(table + 24 + 16 * slot, value);
+        }
+        table
+    }
+
+    fn get(&self, addr: u64) -> u64 {
+        let o = (addr - HEAP) as usize;
+        u64::from_le_bytes(self.bytes[o..o + 8].try_into().expect("8 bytes"))
+    }
+
     /// `rb_symbols_t`: `ids` is an array of chunks of `id_entry_unit` [string, symbol] pairs.
     fn symbol_table(&mut self) -> u64 {
         let l = self.l;
@@ -313,7 +353,18 @@ struct Handles {
     top_ep: u64,
     /// The method entry of `Array#each`.
     each_me: u64,
+    /// A `Ruby_Profiler_State` table with `TAGS`, as rbspy_ext publishes one.
+    tags: u64,
 }
+
+/// The tags of the synthetic image's table: a String, an Integer, nil, true and a Symbol.
+const TAGS: [(&str, &str); 5] = [
+    ("request_id", "abc-123"),
+    ("user", "42"),
+    ("note", "nil"),
+    ("admin", "true"),
+    ("endpoint", "build"),
+];
 
 fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64, Handles) {
     let mut im = Image::new(l);
@@ -344,6 +395,7 @@ fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64, Handles) {
     let total_me = im.method(invoice, "total", total);
     let each_me = im.method(array, "each", 0);
     let sleep_me = im.method(kernel, "sleep", 0);
+    let tags = im.tag_table();
     let symbols = im.symbol_table();
 
     let stack = [
@@ -406,6 +458,7 @@ fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64, Handles) {
     let handles = Handles {
         top_ep: *eps.last().expect("frames pushed"),
         each_me,
+        tags,
     };
     (mem, roots, symbols, handles)
 }
@@ -513,15 +566,20 @@ impl rbspy_ext_core::memory::Memory for Noting {
     }
 }
 
-/// The 8-byte-aligned words a clean snapshot and sample of `image` read.
-fn words_read(image: &MemoryImage, l: &'static Layout, roots: VmRoots, symbols: u64) -> Vec<u64> {
+/// The 8-byte-aligned words `reads` makes a spy over a clean `image` read.
+fn words_read(
+    image: &MemoryImage,
+    l: &'static Layout,
+    roots: VmRoots,
+    symbols: u64,
+    reads: &dyn Fn(&mut Spy<Noting>),
+) -> Vec<u64> {
     let noting = Noting {
         image: image.clone(),
         read: Default::default(),
     };
     let mut spy = Spy::with_memory(1, noting, l, l.name, roots, Some(symbols));
-    spy.snapshot().expect("the clean image walks");
-    let _ = spy.sample_threads(ThreadSelection::All);
+    reads(&mut spy);
     let mut words: Vec<u64> = spy
         .memory()
         .read
@@ -534,14 +592,19 @@ fn words_read(image: &MemoryImage, l: &'static Layout, roots: VmRoots, symbols: 
     words
 }
 
-/// Mutation fuzzing, bounded so it runs in every `cargo test`: the synthetic image of every
-/// layout with a few of the words a clean walk reads overwritten by garbage (random words, small integers, 0, all ones,
-/// pointers into other regions, a region's own start) is snapshotted and sampled. Nothing may
-/// panic, any one attempt must end within a second, and no allocation may exceed 64 MiB.
-/// `RBSPY_EXT_FUZZ_ITERATIONS` (per layout, default 400) and `RBSPY_EXT_FUZZ_SEED` run it
-/// longer or elsewhere; a failure names the layout, seed and iteration to replay.
-#[test]
-fn mutated_images_never_panic_hang_or_allocate_wildly() {
+/// Mutation fuzzing, bounded so it runs in every `cargo test`. For every layout's synthetic
+/// image, `reads` is first run on the clean image to learn which words it reads; then, for
+/// each iteration, a few of those words are overwritten by garbage (random words, small
+/// integers, 0, all ones, pointers into other regions, a region's own start) and `reads` runs
+/// again on a fresh spy. Nothing may panic, any one iteration must end within a second, and
+/// no allocation may exceed 64 MiB. `RBSPY_EXT_FUZZ_ITERATIONS` (per layout, default 400) and
+/// `RBSPY_EXT_FUZZ_SEED` run it longer or elsewhere; a failure names the layout, seed and
+/// iteration to replay. Returns (images read, how many of them `reads` called a success).
+fn fuzz(
+    what: &str,
+    reads: &dyn Fn(&mut Spy<Noting>, &Handles) -> bool,
+    clean: &dyn Fn(&mut Spy<Noting>, &Handles),
+) -> (u64, u64) {
     const MAX_ALLOCATION: usize = 64 << 20;
     let iterations: u64 = std::env::var("RBSPY_EXT_FUZZ_ITERATIONS")
         .ok()
@@ -551,11 +614,11 @@ fn mutated_images_never_panic_hang_or_allocate_wildly() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x5eed_1234_abcd_0001);
-    let (mut runs, mut walked) = (0u64, 0u64);
+    let (mut runs, mut succeeded) = (0u64, 0u64);
     for (n, l) in LAYOUTS.iter().enumerate() {
-        let (mem, roots, symbols, _) = build(l);
+        let (mem, roots, symbols, handles) = build(l);
         let regions = mem.regions();
-        let targets = words_read(&mem, l, roots, symbols);
+        let targets = words_read(&mem, l, roots, symbols, &|spy| clean(spy, &handles));
         for i in 0..iterations {
             let mixed = seed ^ ((n as u64) << 32) ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let mut rng = Rng(mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1);
@@ -579,18 +642,19 @@ fn mutated_images_never_panic_hang_or_allocate_wildly() {
                 image.write(at, &word.to_le_bytes());
             }
             let replay = format!(
-                "layout {}, RBSPY_EXT_FUZZ_SEED={seed}, iteration {i}",
+                "{what}: layout {}, RBSPY_EXT_FUZZ_SEED={seed}, iteration {i}",
                 l.name
             );
             let began = Instant::now();
-            let mut spy = Spy::with_memory(1, image, l, l.name, roots, Some(symbols));
+            let noting = Noting {
+                image,
+                read: Default::default(),
+            };
+            let mut spy = Spy::with_memory(1, noting, l, l.name, roots, Some(symbols));
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let ok = spy.snapshot().is_ok();
-                let _ = spy.sample_threads(ThreadSelection::All);
-                let _ = spy.sample_threads(ThreadSelection::GvlHolder);
-                ok
+                reads(&mut spy, &handles)
             }));
-            walked += u64::from(outcome.as_ref().is_ok_and(|ok| *ok));
+            succeeded += u64::from(outcome.as_ref().is_ok_and(|ok| *ok));
             assert!(outcome.is_ok(), "panicked: {replay}");
             assert!(
                 began.elapsed() < Duration::from_secs(1),
@@ -606,7 +670,60 @@ fn mutated_images_never_panic_hang_or_allocate_wildly() {
         }
     }
     println!(
-        "{runs} mutated images (seed {seed}) read without a panic, hang or oversized \
-         allocation ({walked} still gave a stack, the rest an error)"
+        "{what}: {runs} mutated images (seed {seed}) read without a panic, hang or oversized \
+         allocation ({succeeded} still read, the rest gave an error)"
     );
+    (runs, succeeded)
+}
+
+/// The stack walker and thread sampler on mutated images (see `fuzz`).
+#[test]
+fn mutated_images_never_panic_hang_or_allocate_wildly() {
+    fuzz(
+        "walker",
+        &|spy, _| {
+            let ok = spy.snapshot().is_ok();
+            let _ = spy.sample_threads(ThreadSelection::All);
+            let _ = spy.sample_threads(ThreadSelection::GvlHolder);
+            ok
+        },
+        &|spy, _| {
+            spy.snapshot().expect("the clean image walks");
+            let _ = spy.sample_threads(ThreadSelection::All);
+        },
+    );
+}
+
+/// The tag-table reader on mutated tables, keys, symbol table and String values (see `fuzz`):
+/// a decoding, when there is one, has at most as many tags as the table has slots.
+#[test]
+fn mutated_tag_tables_never_panic_hang_or_allocate_wildly() {
+    let (runs, decoded) = fuzz(
+        "tag tables",
+        &|spy, h| spy.tags_at(h.tags).len() <= 4096,
+        &|spy, h| assert_eq!(spy.tags_at(h.tags).len(), TAGS.len()),
+    );
+    assert!(decoded == runs, "a decoding had more tags than slots");
+}
+
+/// The tag table of every layout's image decodes to its tags, as text.
+#[test]
+fn every_layout_decodes_a_tag_table() {
+    for l in LAYOUTS {
+        let (mem, roots, symbols, h) = build(l);
+        let mut spy = Spy::with_memory(1, mem, l, l.name, roots, Some(symbols));
+        let mut got: Vec<(String, String)> = spy
+            .tags_at(h.tags)
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        got.sort();
+        let mut want: Vec<(String, String)> = TAGS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        want.sort();
+        assert_eq!(got, want, "layout {}", l.name);
+        assert!(spy.tags_at(0).is_empty());
+    }
 }
