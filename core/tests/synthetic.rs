@@ -4,7 +4,7 @@
 //! control frames, iseqs with labels and line tables, method entries, classes and the
 //! symbol table. The walk must name every frame as Ruby would.
 use rbspy_ext_bindings::{Layout, LAYOUTS};
-use rbspy_ext_core::memory::MemoryImage;
+use rbspy_ext_core::memory::{Memory, MemoryImage};
 use rbspy_ext_core::objects::{T_ARRAY, T_CLASS, T_IMEMO, T_MODULE, T_STRING};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::vm::VmRoots;
@@ -725,5 +725,43 @@ fn every_layout_decodes_a_tag_table() {
         want.sort();
         assert_eq!(got, want, "layout {}", l.name);
         assert!(spy.tags_at(0).is_empty());
+    }
+}
+
+/// The corpus of what the fuzz tests found, rebuilt by hand so each stays fixed whatever the
+/// fuzz tests' seeds: each case rewrites one word of every layout's image, and the walk and
+/// the sampler must give an error or a stack, not panic or allocate wildly.
+#[test]
+fn found_crashes_stay_fixed() {
+    // (what was found, where: the innermost control frame's field at this offset, value)
+    let cases: [(&str, fn(&Layout) -> usize, u64); 3] = [
+        // c61e454: an `ep` near the top of the address space made the value-stack length
+        // wrap into a capacity overflow (a panic), later a huge allocation.
+        ("ep near u64::MAX", |l| l.cfp_ep, u64::MAX - 7),
+        ("ep far above the stack", |l| l.cfp_ep, 1 << 46),
+        // Address arithmetic on words read from the target overflowed in debug builds.
+        ("iseq near u64::MAX", |l| l.cfp_iseq, u64::MAX - 15),
+    ];
+    for l in LAYOUTS {
+        let (mem, roots, symbols, _) = build(l);
+        let ec = mem
+            .read_u64(roots.main_thread + l.thread_ec as u64)
+            .expect("thread");
+        let cfp = mem.read_u64(ec + l.ec_cfp as u64).expect("ec");
+        for (what, field, value) in cases {
+            let mut image = mem.clone();
+            image.write(cfp + field(l) as u64, &value.to_le_bytes());
+            let mut spy = Spy::with_memory(1, image, l, l.name, roots, Some(symbols));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = spy.snapshot();
+                let _ = spy.sample_threads(ThreadSelection::All);
+            }));
+            assert!(outcome.is_ok(), "{what}: panicked on layout {}", l.name);
+            assert!(
+                LARGEST.load(Ordering::Relaxed) <= 64 << 20,
+                "{what}: oversized allocation on layout {}",
+                l.name
+            );
+        }
     }
 }
