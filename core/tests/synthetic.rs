@@ -733,8 +733,9 @@ fn every_layout_decodes_a_tag_table() {
 /// the sampler must give an error or a stack, not panic or allocate wildly.
 #[test]
 fn found_crashes_stay_fixed() {
-    // (what was found, where: the innermost control frame's field at this offset, value)
-    let cases: [(&str, fn(&Layout) -> usize, u64); 3] = [
+    /// What was found, which field of the innermost control frame, and the value written.
+    type Case = (&'static str, fn(&Layout) -> usize, u64);
+    let cases: [Case; 3] = [
         // c61e454: an `ep` near the top of the address space made the value-stack length
         // wrap into a capacity overflow (a panic), later a huge allocation.
         ("ep near u64::MAX", |l| l.cfp_ep, u64::MAX - 7),
