@@ -12,6 +12,8 @@ require "rbspy_ext"
 # `require "rbspy_ext/rspec"`: real RSpec runs of the project in spec/fixtures/rspec_project,
 # each in a subprocess inside a copy of the project, and the files they leave behind.
 RSpec.describe "the RSpec integration" do
+  include RubySpyTest::Recording
+
   PROJECT = File.join(RubySpyTest::ROOT, "spec", "fixtures", "rspec_project")
   RUNNER = 'require "rspec/core"; exit RSpec::Core::Runner.run(ARGV)'
 
@@ -60,16 +62,6 @@ RSpec.describe "the RSpec integration" do
 
   def speedscope_frames(file)
     JSON.parse(File.read(file)).fetch("shared").fetch("frames").map { |f| f.fetch("name") }
-  end
-
-  # Function names in a gzipped pprof profile (Profile.function: field 5, name: field 2).
-  def pprof_functions(file)
-    wire = RubySpyTest::Recording::ProtobufWire
-    fields = wire.fields(Zlib.gunzip(File.binread(file)))
-    strings = fields.select { |n, t, _| n == 6 && t == 2 }.map { |_, _, v| v.force_encoding("UTF-8") }
-    fields.select { |n, _, _| n == 5 }.map do |_, _, function|
-      strings[wire.fields(function).to_h { |n, _, v| [n, v] }.fetch(2).to_i]
-    end
   end
 
   it "does nothing unless asked: no files, no extension loaded" do

@@ -18,19 +18,6 @@ RSpec.describe "tags read from outside" do
     skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?
   end
 
-  # [key, value] of every string label on every sample of a pprof file.
-  def pprof_labels(path)
-    wire = RubySpyTest::Recording::ProtobufWire
-    fields = wire.fields(Zlib.gunzip(File.binread(path)))
-    strings = fields.select { |n, t, _| n == 6 && t == 2 }.map { |_, _, v| v.force_encoding("UTF-8") }
-    fields.select { |n, _, _| n == 2 }.flat_map do |_, _, sample|
-      wire.fields(sample).select { |n, _, _| n == 3 }.map do |_, _, label|
-        l = wire.fields(label).to_h { |n, _, v| [n, v] }
-        [strings[l[1].to_i], strings[l[2].to_i]]
-      end
-    end.uniq
-  end
-
   def expected(target, key)
     target.info.fetch(key).transform_keys(&:to_sym)
   end

@@ -60,11 +60,13 @@ pub(super) struct TagRead {
     /// The native thread `slot` is on (0 before 3.2) and the published offset.
     pub nt: u64,
     pub offset: i64,
+    /// That native thread's `ruby_profiler_state` (read into `pointer`); None while the
+    /// thread's native thread is not known yet.
+    pub slot: Option<u64>,
     /// Where that native thread's `ruby_profiler_state_owner` is (read into `owner`, before
     /// `slot`), when the extension publishes it.
     pub owner_slot: Option<u64>,
     pub owner: [u8; 8],
-    pub slot: u64,
     pub pointer: [u8; 8],
     pub last: Option<(u64, Vec<u8>)>,
 }
@@ -164,16 +166,24 @@ impl<M: Memory> Spy<M> {
     }
 
     /// What to read for a thread's tags along with the rest of a sample, given the target's
-    /// `profiler_state_offset`: the pointer on the native thread the Ruby thread was on last
-    /// time (the sample also reads `th->nt`, and `sampled_tags` checks it is still the same).
-    /// None when the thread's native thread is unknown. The buffer for the last table comes
-    /// from the pool.
-    pub(super) fn tag_read(&mut self, thread: u64, offset: i64) -> Option<TagRead> {
-        let nt = match self.tag_source.pointers.get(&thread) {
-            Some((nt, _)) => *nt,
-            None => self.native_thread(thread),
+    /// `profiler_state_offset`: the owner and pointer on the native thread the Ruby thread was
+    /// on last time (the sample also reads `th->nt`, and `sampled_tags` checks it is still the
+    /// same), and the table it had then. Nothing to read for a thread not seen on a native
+    /// thread yet: `sampled_tags` finds its pointer from the `th->nt` the sample read, so the
+    /// sample's one call is never preceded by a read of its own. The buffer for the last
+    /// table comes from the pool.
+    pub(super) fn tag_read(&mut self, thread: u64, offset: i64) -> TagRead {
+        let Some(&(nt, tp)) = self.tag_source.pointers.get(&thread) else {
+            return TagRead {
+                nt: 0,
+                offset,
+                slot: None,
+                owner_slot: None,
+                owner: [0; 8],
+                pointer: [0; 8],
+                last: None,
+            };
         };
-        let tp = self.thread_pointer_on(thread, nt)?;
         let last = self
             .tag_source
             .last
@@ -183,15 +193,15 @@ impl<M: Memory> Spy<M> {
             .tag_source
             .owner_offset
             .map(|o| tp.wrapping_add(o as u64));
-        Some(TagRead {
+        TagRead {
             nt,
             offset,
+            slot: Some(tp.wrapping_add(offset as u64)),
             owner_slot,
             owner: [0; 8],
-            slot: tp.wrapping_add(offset as u64),
             pointer: [0; 8],
             last: last.map(|(table, len)| (table, self.buffer(len))),
-        })
+        }
     }
 
     /// A thread's tags from what the sample read, `nt` being its `th->nt` in that same read
@@ -205,7 +215,7 @@ impl<M: Memory> Spy<M> {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
         }
         let mut bytes = read.last.map(|(_, bytes)| bytes);
-        if nt != read.nt {
+        if read.slot.is_none() || nt != read.nt {
             if let Some(bytes) = bytes.take() {
                 self.recycle(bytes);
             }

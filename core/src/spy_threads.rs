@@ -289,7 +289,7 @@ impl<M: Memory> Spy<M> {
             let thread = self.thread_list.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
             tag_reads.push(match tag_offset {
-                Some(offset) if wanted => self.tag_read(thread, offset),
+                Some(offset) if wanted => Some(self.tag_read(thread, offset)),
                 _ => None,
             });
             let pre = match self.thread_list.stacks.get(&thread).copied() {
@@ -324,7 +324,9 @@ impl<M: Memory> Spy<M> {
                     if let Some(owner_slot) = tag.owner_slot {
                         requests.push((owner_slot, &mut tag.owner[..]));
                     }
-                    requests.push((tag.slot, &mut tag.pointer[..]));
+                    if let Some(slot) = tag.slot {
+                        requests.push((slot, &mut tag.pointer[..]));
+                    }
                     if let Some((table, bytes)) = &mut tag.last {
                         requests.push((*table, &mut bytes[..]));
                     }

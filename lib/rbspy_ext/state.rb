@@ -88,27 +88,27 @@ module RubySpy
   # Starts a new fiber or thread with the tags current where it was created (Ruby's
   # fiber-locals start empty).
   module InheritTags
-    def initialize(*args, **kwargs, &block)
+    # +block+ made to apply the creating fiber's state before it runs; +block+ itself when
+    # there is no state (or no block).
+    def self.wrap(block)
       state = State.current
-      return super unless state && block
+      return block unless state && block
 
-      super(*args, **kwargs) do |*a, **k|
+      proc do |*a, **k|
         State.apply(state)
         block.call(*a, **k)
       end
+    end
+
+    def initialize(*args, **kwargs, &block)
+      super(*args, **kwargs, &InheritTags.wrap(block))
     end
   end
   # Thread.start and Thread.fork create a thread without calling #initialize.
   module InheritTagsOnStart
     %i[start fork].each do |name|
       define_method(name) do |*args, **kwargs, &block|
-        state = State.current
-        return super(*args, **kwargs, &block) unless state && block
-
-        super(*args, **kwargs) do |*a, **k|
-          State.apply(state)
-          block.call(*a, **k)
-        end
+        super(*args, **kwargs, &InheritTags.wrap(block))
       end
     end
   end

@@ -1,5 +1,7 @@
 # frozen_string_literal: true
 
+require "zlib"
+
 module RubySpyTest
   # Helpers for the recorder and CLI specs.
   module Recording
@@ -36,6 +38,33 @@ module RubySpyTest
       rescue SystemCallError
         nil
       end.compact
+    end
+
+    # Function names in a gzipped pprof file (Profile.function: field 5, its name: field 2).
+    def pprof_functions(path)
+      fields, strings = pprof_fields(path)
+      fields.select { |n, _, _| n == 5 }.map do |_, _, function|
+        strings[ProtobufWire.fields(function).to_h { |n, _, v| [n, v] }.fetch(2).to_i]
+      end
+    end
+
+    # [key, value] of every string label on every sample of a gzipped pprof file (Sample:
+    # field 2, its labels: field 3, a label's key and str: fields 1 and 2).
+    def pprof_labels(path)
+      fields, strings = pprof_fields(path)
+      fields.select { |n, _, _| n == 2 }.flat_map do |_, _, sample|
+        ProtobufWire.fields(sample).select { |n, _, _| n == 3 }.map do |_, _, label|
+          l = ProtobufWire.fields(label).to_h { |n, _, v| [n, v] }
+          [strings[l[1].to_i], strings[l[2].to_i]]
+        end
+      end.uniq
+    end
+
+    # The top-level fields of a gzipped pprof file and its string table (field 6).
+    def pprof_fields(path)
+      fields = ProtobufWire.fields(Zlib.gunzip(File.binread(path)))
+      strings = fields.select { |n, t, _| n == 6 && t == 2 }.map { |_, _, v| v.force_encoding("UTF-8") }
+      [fields, strings]
     end
 
     # A minimal protocol buffers wire-format reader: enough to check that bytes are a
