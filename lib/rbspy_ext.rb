@@ -4,16 +4,11 @@ require_relative "rbspy_ext/version"
 require_relative "rbspy_ext/error"
 require_relative "rbspy_ext/frame"
 
-# The compiled extension defines RubySpy::Handle (a live view of one process's Ruby VM).
-# `rake compile` and `gem install` both place it at lib/rbspy_ext/rbspy_ext.so; one built for
-# another Ruby series (`script/rubies ext`, for the chroot Rubies the specs run) sits in
-# lib/rbspy_ext/X.Y/ and is preferred by that Ruby.
-series_extension = File.join(__dir__, "rbspy_ext", RUBY_VERSION[/\A\d+\.\d+/], "rbspy_ext.so")
-if File.exist?(series_extension)
-  require series_extension
-else
-  require_relative "rbspy_ext/rbspy_ext"
-end
+# The compiled extension defines RubySpy::Handle (a live view of one process's Ruby VM), the
+# recorder and tag states; rbspy_ext/native.rb finds the one for this Ruby (or, where the spy
+# cannot run, loads inert stand-ins).
+require_relative "rbspy_ext/native"
+RubySpy::Native.load!
 require_relative "rbspy_ext/handle"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"

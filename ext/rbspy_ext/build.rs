@@ -4,12 +4,20 @@
 //! version script is merged with it.
 //!
 //! It also turns the Ruby version being built for into `ruby_gte_X_Y` cfgs (rb-sys-env), for
-//! the C API that only newer Rubies have (the thread event hook of 3.3+, state.rs).
+//! the C API that only newer Rubies have (the thread event hook of 3.3+, state.rs), and into
+//! `RBSPY_EXT_RUBY_SERIES` ("3.1"), which the extension checks against the Ruby loading it.
 fn main() {
     // rb-sys's build script publishes the Ruby it builds for; without it (no Ruby) the cfgs
     // are simply absent and the 3.3+ code is left out.
-    if let Err(e) = rb_sys_env::activate() {
-        println!("cargo:warning=rbspy_ext: no Ruby version cfgs: {e}");
+    match rb_sys_env::activate() {
+        Ok(env) => {
+            let (major, minor) = env.ruby_major_minor();
+            println!("cargo:rustc-env=RBSPY_EXT_RUBY_SERIES={major}.{minor}");
+        }
+        Err(e) => {
+            println!("cargo:warning=rbspy_ext: no Ruby version cfgs: {e}");
+            println!("cargo:rustc-env=RBSPY_EXT_RUBY_SERIES=unknown");
+        }
     }
     cc::Build::new()
         .file("src/profiler_state.c")

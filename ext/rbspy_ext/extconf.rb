@@ -1,7 +1,17 @@
 # frozen_string_literal: true
 
 # Writes the Makefile that builds the Rust extension and installs it as
-# rbspy_ext/rbspy_ext.so (lib/rbspy_ext.rb does `require_relative "rbspy_ext/rbspy_ext"`).
+# rbspy_ext/rbspy_ext.so (lib/rbspy_ext/native.rb finds it there).
+#
+# Before anything is compiled it decides two things, in plain Ruby (mkmf itself aborts when
+# Ruby's headers are missing, with a message about those alone):
+# - Where the spy cannot run (not Linux, a kernel without process_vm_readv, or
+#   RBSPY_EXT_STUB=1 at install time, which makes this path testable on Linux), it compiles
+#   nothing: the Makefile installs rbspy_ext/unsupported_platform.rb, which holds the reason,
+#   and the gem loads inert stand-ins (lib/rbspy_ext/unsupported.rb). `gem install` and the
+#   application's boot succeed.
+# - Where it can run but cargo, a C compiler, libclang or Ruby's headers are missing, it stops
+#   with one message naming each and how to install it, instead of cargo's or bindgen's output.
 #
 # With the rb_sys gem available we hand over to its create_rust_makefile. Debian's packaged
 # Ruby has neither rb_sys nor rake-compiler, so otherwise we write a small Makefile that
@@ -9,6 +19,169 @@
 # `make clean`, `make`, `make install` (with `DESTDIR=` and sitearchdir pointed at a
 # temporary directory through a siteconf file; RubyGems then copies what was installed there
 # into the gem's lib/ and its extension dir).
+
+require "rbconfig"
+
+# The checks, kept apart from the Makefile writing below.
+module RbspyExtConf
+  # What a user who cannot compile installs instead (on the platforms rake native builds for).
+  PRECOMPILED = "gem install rbspy_ext --platform x86_64-linux"
+
+  module_function
+
+  # Why the spy cannot run here, or nil.
+  def unsupported_reason
+    switch = ENV.fetch("RBSPY_EXT_STUB", "")
+    return "it was installed with RBSPY_EXT_STUB=#{switch}" unless ["", "0"].include?(switch)
+    unless RbConfig::CONFIG.fetch("host_os").include?("linux")
+      return "it reads process memory with Linux's process_vm_readv, and this is " \
+             "#{RbConfig::CONFIG.fetch('host_os')}"
+    end
+
+    process_vm_readv_missing
+  end
+
+  # Reads 8 bytes of this very process with process_vm_readv, through Fiddle (no compiler
+  # needed yet). Only ENOSYS (a kernel built without it) or a C library without the function
+  # means the spy cannot run here; anything else, or no Fiddle, is left for run time to tell,
+  # since the machine that installs is not always the one that runs (a seccomp policy of a
+  # build container says nothing about production).
+  def process_vm_readv_missing
+    require "fiddle"
+    fn = begin
+      Fiddle::Handle::DEFAULT["process_vm_readv"]
+    rescue Fiddle::DLError
+      return "the C library has no process_vm_readv"
+    end
+    bytes = 8
+    source = Fiddle::Pointer.malloc(bytes)
+    dest = Fiddle::Pointer.malloc(bytes)
+    iov = ->(buf) { Fiddle::Pointer[[buf.to_i, bytes].pack("J2")] }
+    local = iov.call(dest)
+    remote = iov.call(source)
+    # Unsigned longs passed as longs: older Fiddles have no TYPE_ULONG, and the values are small.
+    call = Fiddle::Function.new(fn, [Fiddle::TYPE_INT, Fiddle::TYPE_VOIDP, Fiddle::TYPE_LONG,
+                                     Fiddle::TYPE_VOIDP, Fiddle::TYPE_LONG, Fiddle::TYPE_LONG],
+                                Fiddle::TYPE_LONG)
+    return nil if call.call(Process.pid, local, 1, remote, 1, 0) == bytes
+    return nil unless Fiddle.last_error == Errno::ENOSYS::Errno
+
+    "this kernel has no process_vm_readv (ENOSYS)"
+  rescue LoadError, StandardError
+    nil
+  end
+
+  # One line per missing piece of the toolchain, saying how to get it.
+  def missing_tools
+    missing = []
+    missing << "cargo, Rust's build tool: install Rust with https://rustup.rs" unless cargo
+    cc = ENV.fetch("CC", "cc").split.first
+    unless executable(cc) && executable("cc")
+      missing << "a C compiler (#{cc}; rustc links with cc): Debian/Ubuntu apt-get install gcc, " \
+                 "Fedora dnf install gcc, Alpine apk add build-base"
+    end
+    unless libclang
+      where = ENV["LIBCLANG_PATH"] ? " (LIBCLANG_PATH=#{ENV['LIBCLANG_PATH']} holds none)" : ""
+      missing << "libclang, which reads Ruby's C headers#{where}: Debian/Ubuntu apt-get install " \
+                 "libclang-dev, Fedora dnf install clang-devel, Alpine apk add clang-dev; or set " \
+                 "LIBCLANG_PATH to the directory holding libclang.so"
+    end
+    unless headers?
+      missing << "the C headers of Ruby #{RUBY_VERSION} (no #{File.join(RbConfig::CONFIG['rubyhdrdir'], 'ruby.h')}): " \
+                 "Debian/Ubuntu apt-get install ruby-dev (or ruby#{RUBY_VERSION[/\A\d+\.\d+/]}-dev), " \
+                 "Fedora dnf install ruby-devel"
+    end
+    missing
+  end
+
+  # The cargo to build with: $CARGO, cargo on PATH, or rustup's default place (which
+  # non-login shells often leave off PATH).
+  def cargo
+    [ENV.fetch("CARGO", nil), executable("cargo"), File.join(Dir.home, ".cargo", "bin", "cargo")]
+      .compact.find { |c| File.file?(c) && File.executable?(c) }
+  rescue ArgumentError # no home directory
+    executable("cargo")
+  end
+
+  def executable(name)
+    return name if name.include?("/") && File.executable?(name)
+
+    ENV.fetch("PATH", "").split(File::PATH_SEPARATOR).map { |d| File.join(d, name) }
+       .find { |f| File.file?(f) && File.executable?(f) }
+  end
+
+  # Where clang-sys (bindgen's loader) looks: only LIBCLANG_PATH when it is set, otherwise
+  # llvm-config's prefix, LD_LIBRARY_PATH and the usual library directories.
+  def libclang
+    names = ["libclang.so", "libclang-*.so", "libclang.so.*", "libclang-*.so.*"]
+    dirs = if ENV["LIBCLANG_PATH"]
+             path = ENV["LIBCLANG_PATH"]
+             return path if File.file?(path) && File.basename(path).start_with?("libclang")
+
+             [path]
+           else
+             prefix = begin
+               `llvm-config --prefix 2>/dev/null`.strip
+             rescue SystemCallError
+               ""
+             end
+             [*(%w[lib lib64].map { |d| File.join(prefix, d) } unless prefix.empty?),
+              *ENV.fetch("LD_LIBRARY_PATH", "").split(":").reject(&:empty?),
+              *Dir["/usr/lib/llvm*/lib", "/usr/lib64/llvm*/lib", "/usr/local/llvm*/lib", "/opt/llvm*/lib"],
+              "/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/local/lib64", *Dir["/usr/lib/*-linux-*"]]
+           end
+    dirs.flat_map { |d| names.flat_map { |n| Dir[File.join(d, n)] } }.first
+  end
+
+  def headers?
+    File.file?(File.join(RbConfig::CONFIG.fetch("rubyhdrdir"), "ruby.h")) &&
+      File.file?(File.join(RbConfig::CONFIG.fetch("rubyarchhdrdir"), "ruby", "config.h"))
+  end
+end
+
+# The siteconf RubyGems passes makes sitearchdir a path relative to this directory; mkmf
+# prefixes it with $(DESTDIR) the same way.
+sitearchdir = RbConfig::CONFIG.fetch("sitearchdir")
+
+if (reason = RbspyExtConf.unsupported_reason)
+  File.write("unsupported_platform.rb", <<~RUBY)
+    # frozen_string_literal: true
+
+    # Written by rbspy_ext's extconf.rb, which compiled nothing: the spy cannot run here.
+    RubySpy::Native::UNSUPPORTED_REASON = #{reason.dump}
+  RUBY
+  File.write("Makefile", <<~MAKE)
+    # Generated by #{File.expand_path(__FILE__)}: nothing to compile (#{reason}).
+    SHELL = /bin/sh
+    DESTDIR =
+    sitearchdir = $(DESTDIR)#{sitearchdir}
+    RUBYARCHDIR = $(sitearchdir)/rbspy_ext
+
+    all:
+
+    install:
+    	mkdir -p $(RUBYARCHDIR)
+    	cp unsupported_platform.rb $(RUBYARCHDIR)/unsupported_platform.rb
+
+    clean:
+
+    distclean:
+    	rm -f Makefile unsupported_platform.rb
+
+    .PHONY: all install clean distclean
+  MAKE
+  puts "rbspy_ext: installing without native code: #{reason}"
+  exit
+end
+
+missing = RbspyExtConf.missing_tools
+unless missing.empty?
+  abort(<<~MESSAGE)
+    rbspy_ext: cannot compile its native extension for Ruby #{RUBY_VERSION}; missing:
+    #{missing.map { |m| "  - #{m}" }.join("\n")}
+    On x86_64 Linux the precompiled gem needs none of these: #{RbspyExtConf::PRECOMPILED}
+  MESSAGE
+end
 
 require "mkmf" # first: rake-compiler and rb_sys hook into it
 
@@ -33,9 +206,6 @@ target_dir = ENV.fetch("CARGO_TARGET_DIR", File.join(workspace, "target"))
 # library is installed (plus the build copy of the .so): it is several hundred MB and is
 # never reused there.
 clean_target = !ENV.key?("CARGO_TARGET_DIR") && !File.exist?(File.join(workspace, ".git"))
-# The siteconf RubyGems passes makes sitearchdir a path relative to this directory; mkmf
-# prefixes it with $(DESTDIR) the same way.
-sitearchdir = RbConfig::CONFIG.fetch("sitearchdir")
 
 File.write("Makefile", <<~MAKE)
   # Generated by #{File.expand_path(__FILE__)} (no rb_sys gem found). Drives cargo directly.
@@ -47,7 +217,7 @@ File.write("Makefile", <<~MAKE)
   DLLIB = rbspy_ext.#{RbConfig::CONFIG.fetch("DLEXT")}
   WORKSPACE = #{workspace}
   # Both can be overridden from the environment at make time.
-  CARGO ?= cargo
+  CARGO ?= #{RbspyExtConf.cargo}
   CARGO_TARGET_DIR ?= #{target_dir}
   CLEAN_TARGET_AFTER_INSTALL = #{clean_target ? "yes" : "no"}
   RUSTLIB = $(CARGO_TARGET_DIR)/release/librbspy_ext.#{RbConfig::CONFIG.fetch("SOEXT")}

@@ -37,4 +37,10 @@ module RubySpy
   # Memory that should hold a Ruby structure did not look like one (an internal
   # inconsistency or a layout mismatch); the message names the structure.
   class CorruptMemory < Error; end
+
+  # The spy cannot run on this machine (not Linux, or a kernel without process_vm_readv), so
+  # the gem was installed without its native code. Raised by everything that reads a process
+  # or a profile; {RubySpy.tag} still runs its block, so code that tags runs unchanged. The
+  # message names the platform and why.
+  class UnsupportedPlatform < Error; end
 end

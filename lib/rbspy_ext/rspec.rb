@@ -3,6 +3,7 @@
 require "fileutils"
 # Plain Ruby (no extension): the format names and the error classes.
 require_relative "error"
+require_relative "native"
 require_relative "profile"
 
 module RubySpy
@@ -80,6 +81,12 @@ module RubySpy
       # @return [void]
       def install(config, settings = self.settings)
         config.include(Matchers)
+        # Where the gem was installed without native code, the suite runs as if the
+        # integration were absent, and the matcher skips its examples.
+        if (reason = RubySpy::Native.unsupported_reason)
+          return warn_once("not profiling: rbspy_ext cannot read processes on #{RUBY_PLATFORM} (#{reason})")
+        end
+
         run = Run.new(settings, config)
         run.start_boot if settings.mode == :boot
         config.before(:suite) { run.before_suite }
@@ -413,6 +420,13 @@ module RubySpy
       def measure(block)
         raise ArgumentError, "spend_at_most(...) needs .percent_in(function)" unless @function
         raise ArgumentError, "spend_at_most needs a block: expect { ... }.to spend_at_most(...)" unless block.is_a?(Proc)
+
+        if (reason = RubySpy::Native.unsupported_reason)
+          # What `skip` does inside an example: mark it, then end it.
+          message = "spend_at_most cannot measure on #{RUBY_PLATFORM}: #{reason}"
+          ::RSpec::Core::Pending.mark_skipped!(::RSpec.current_example, message)
+          raise ::RSpec::Core::Pending::SkipDeclaredInExample, message
+        end
 
         RSpec.load_core
         key = "matcher-#{object_id}-#{Process.clock_gettime(Process::CLOCK_MONOTONIC, :nanosecond)}"

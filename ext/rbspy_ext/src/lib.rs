@@ -17,8 +17,32 @@ pub(crate) fn resolve_class<T: magnus::TypedData>(ruby: &Ruby) {
     let _ = T::class(ruby);
 }
 
+/// The Ruby series ("3.1") this library was compiled for (build.rs).
+const BUILT_FOR: &str = env!("RBSPY_EXT_RUBY_SERIES");
+
+/// A library compiled against one Ruby's headers and loaded by another could misread that
+/// Ruby's structs and crash it: refuse with a LoadError that says what to do
+/// (lib/rbspy_ext/native.rb adds the path). A fat gem keeps one library per series, and a
+/// copied or misplaced one must not load.
+fn check_series(ruby: &Ruby) -> Result<(), Error> {
+    let running: String = ruby.eval("RUBY_VERSION")?;
+    let series = running.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
+    if series == BUILT_FOR {
+        return Ok(());
+    }
+    Err(Error::new(
+        ruby.exception_load_error(),
+        format!(
+            "this rbspy_ext.so was compiled for Ruby {BUILT_FOR} and cannot run in Ruby \
+             {running}; reinstall rbspy_ext for this Ruby (gem install rbspy_ext, or rake \
+             compile in a checkout)"
+        ),
+    ))
+}
+
 #[magnus::init]
 fn init(ruby: &Ruby) -> Result<(), Error> {
+    check_series(ruby)?;
     handle::init(ruby)?;
     state::init(ruby)?;
     recorder::init(ruby)

@@ -1,0 +1,75 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # Stand-ins for what the extension defines, loaded instead of it where the spy cannot run
+  # (see {RubySpy::Native}). Each entry point into native code raises
+  # {RubySpy::UnsupportedPlatform}; tags are accepted and dropped, so an application that tags
+  # its work boots and runs unchanged.
+  # @api private
+  module Unsupported
+    def self.raise_error
+      raise UnsupportedPlatform, Native.unsupported_message
+    end
+  end
+
+  class Handle
+    # @api private
+    def self._new(*)
+      Unsupported.raise_error
+    end
+  end
+
+  class NativeRecorder
+    # @api private
+    def self.start(*)
+      Unsupported.raise_error
+    end
+  end
+
+  class NativeProfile
+    # @api private
+    def self.load(*)
+      Unsupported.raise_error
+    end
+  end
+
+  # A state that is never published: {State.current} stays nil, so {RubySpy.tags} is empty.
+  class State
+    class << self
+      # @api private
+      def build(pairs)
+        bad = pairs.keys.reject { |k| k.is_a?(Symbol) }
+        raise TypeError, "tag keys must be Symbols, got #{bad.map(&:inspect).join(', ')}" unless bad.empty?
+
+        state = allocate
+        state.instance_variable_set(:@pairs, pairs.dup.freeze)
+        state
+      end
+
+      # @api private
+      def current
+        nil
+      end
+
+      # @api private
+      def apply(_state)
+        nil
+      end
+    end
+
+    # @api private
+    def with_hash(pairs)
+      State.build(@pairs.merge(pairs))
+    end
+
+    # @api private
+    def to_h
+      @pairs.dup
+    end
+
+    # @api private
+    def size
+      @pairs.size
+    end
+  end
+end
