@@ -25,9 +25,6 @@ const TAGS_TTL: Duration = Duration::from_millis(100);
 const FIRST_SLOTS: usize = 8;
 /// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
 const T_SYMBOL: u64 = 0x14;
-/// A free heap slot, and one whose object GC.compact moved away.
-const T_NONE: u64 = 0x00;
-const T_MOVED: u64 = 0x1e;
 /// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
 const RSYMBOL_FSTR: u64 = 24;
 
@@ -218,14 +215,11 @@ impl<M: Memory> Spy<M> {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
         }
         let mut bytes = read.last.map(|(_, bytes)| bytes);
-        let mut slot = read.slot;
         if read.slot.is_none() || nt != read.nt {
             if let Some(bytes) = bytes.take() {
                 self.recycle(bytes);
             }
-            let tp = self.thread_pointer_on(thread, nt);
-            slot = tp.map(|tp| tp.wrapping_add(read.offset as u64));
-            table = match tp {
+            table = match self.thread_pointer_on(thread, nt) {
                 Some(tp) => self.owned_table(thread, tp, read.offset),
                 None => 0, // waiting for a native thread: its tags are on none
             };
@@ -252,15 +246,6 @@ impl<M: Memory> Spy<M> {
             self.tag_source.last.remove(&thread);
             return Tags::default();
         };
-        // The table was found through a pointer read earlier in the sample; the thread may
-        // have moved on since and its state been freed, the memory reused by anything (seen
-        // under GC.stress: a String tag read as "Array"). Only a table the thread still
-        // publishes is its own. This costs a read only when a table is decoded afresh.
-        let still = slot.and_then(|slot| self.mem.read_u64(slot).ok());
-        if still != Some(table) {
-            self.tag_source.last.remove(&thread);
-            return Tags::default();
-        }
         if self.tag_source.last.len() >= 4096 {
             self.tag_source.last.clear();
         }
@@ -323,10 +308,7 @@ impl<M: Memory> Spy<M> {
             let Some(name) = self.id_name(key) else {
                 return None; // not an ID of this process: the table changed under us
             };
-            // A word that is no live VALUE: the table was freed or rewritten while read (a
-            // state dies as soon as its block ends, and GC.stress reuses its memory at once).
-            // The sample gets no tags rather than a made-up one.
-            let text = self.value_text(value)?;
+            let text = self.value_text(value);
             out.push((name, text));
         }
         Some((raw, out.into()))
@@ -341,36 +323,32 @@ impl<M: Memory> Spy<M> {
 
     /// A VALUE as text: Strings, Symbols, Integers, Floats, true/false/nil as themselves,
     /// anything else as its class name.
-    /// None for a word that cannot be a live VALUE (not an immediate, not an object, or a
-    /// freed or moved slot: tag values are pinned).
-    fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
+    fn value_text(&mut self, v: u64) -> Arc<str> {
         let l = self.layout;
         match v {
-            0x00 => return Some("false".into()),
+            0x00 => return "false".into(),
             // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value
             // is anything else under the other scheme.
-            0x04 | 0x08 => return Some("nil".into()),
-            0x14 => return Some("true".into()),
+            0x04 | 0x08 => return "nil".into(),
+            0x14 => return "true".into(),
             _ => {}
         }
         if v & 1 == 1 {
-            return Some(((v as i64) >> 1).to_string().into());
+            return ((v as i64) >> 1).to_string().into();
         }
         if v & 3 == 2 {
-            return Some(flonum(v).to_string().into());
+            return flonum(v).to_string().into();
         }
         if v & 0xff == 0x0c {
-            return Some(self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol")));
+            return self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol"));
         }
         if !is_heap_object(v) {
-            return None;
+            return "?".into();
         }
-        let flags = self
-            .mem
-            .read_u64(v.wrapping_add(l.rbasic_flags as u64))
-            .ok()?;
-        Some(match flags & T_MASK {
-            T_NONE | T_MOVED => return None,
+        let Ok(flags) = self.mem.read_u64(v.wrapping_add(l.rbasic_flags as u64)) else {
+            return "?".into();
+        };
+        match flags & T_MASK {
             T_STRING => read_string(&self.mem, l, v)
                 .map(Arc::from)
                 .unwrap_or_else(|_| Arc::from("String")),
@@ -384,16 +362,16 @@ impl<M: Memory> Spy<M> {
             _ => {
                 let class = self.mem.read_u64(v + 8).unwrap_or(0);
                 if self.symbols().is_err() {
-                    return Some("?".into());
+                    return "?".into();
                 }
                 let Some(symbols) = self.symbols.as_mut() else {
-                    return Some("?".into());
+                    return "?".into();
                 };
                 self.classes
                     .class_name(&self.mem, l, symbols, class)
                     .unwrap_or_else(|| Arc::from("Object"))
             }
-        })
+        }
     }
 }
 
