@@ -7,7 +7,10 @@
 # - a Fiber resume/yield loop in a fresh Ruby: without rbspy_ext; with an empty
 #   RUBY_EVENT_FIBER_SWITCH hook (bench/empty_hook, built here with mkmf: the floor any such
 #   hook pays for Ruby calling it); with rbspy_ext loaded but never tagged (no hook yet); with
-#   its hook installed and the fiber untagged; and with the fiber tagged. The cases alternate
+#   its hook installed and the fiber untagged; with the fiber tagged (the same tags as the
+#   main fiber: the hook finds the table unchanged); and with the two fibers tagged apart, so
+#   every switch publishes another table and retires the one before (state.rs keeps retired
+#   tables alive for readers a while). The cases alternate
 #   ROUNDS times, each in a fresh process, and each figure is the best round: on the VM this
 #   was written on the same loop runs at either ~60 or ~92 ns per switch depending on the
 #   process (bimodal, whatever the case), so a median mixes the two modes and the best
@@ -21,10 +24,10 @@ LIB = File.expand_path("../lib", __dir__)
 SWITCHES = Integer(ENV.fetch("SWITCHES", 2_000_000))
 ROUNDS = Integer(ENV.fetch("ROUNDS", 7))
 
-def fiber_loop(setup, load_path = LIB)
+def fiber_loop(setup, load_path = LIB, inner: "")
   code = <<~RUBY
     #{setup}
-    f = Fiber.new { loop { Fiber.yield } }
+    f = Fiber.new { #{inner}; loop { Fiber.yield } }
     run = -> { t = Process.clock_gettime(Process::CLOCK_MONOTONIC); #{SWITCHES / 2}.times { f.resume }; Process.clock_gettime(Process::CLOCK_MONOTONIC) - t }
     run.call
     best = Array.new(5) { run.call }.min
@@ -49,9 +52,11 @@ CASES = {
            "rbspy_ext hook, fiber untagged"],
   tagged: ['require "rbspy_ext"; RubySpy::State.new(request_id: "abc", user: 42).apply!',
            "rbspy_ext hook, fiber tagged"],
+  apart: ['require "rbspy_ext"; RubySpy::State.new(request_id: "abc", user: 42).apply!',
+          "rbspy_ext hook, fibers tagged apart", 'RubySpy::State.new(request_id: "def", user: 7).apply!'],
 }.freeze
 times = Hash.new { |h, k| h[k] = [] }
-ROUNDS.times { CASES.each { |name, (setup, _)| times[name] << fiber_loop(setup, hook_dir) } }
+ROUNDS.times { CASES.each { |name, (setup, _, inner)| times[name] << fiber_loop(setup, hook_dir, inner: inner.to_s) } }
 best = times.transform_values(&:min)
 ns = ->(s) { s * 1e9 / SWITCHES }
 CASES.each do |name, (_, title)|

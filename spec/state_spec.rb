@@ -162,6 +162,44 @@ RSpec.describe "RubySpy.tag and RubySpy::State" do
   end
 
   describe "values under the GC" do
+    # Applies and then drops +count+ states with String values (one per fresh state), so the
+    # only thing that may keep them is the extension; returns [weak refs, table addresses].
+    def retire_states(count)
+      refs = []
+      addresses = []
+      count.times do |i|
+        state = RubySpy::State.new(note: "retired-#{i}-" + "x" * 40)
+        addresses << state.table_address
+        state.apply!
+        RubySpy::State.apply(nil)
+        refs << WeakRef.new(state)
+      end
+      [refs, addresses]
+    end
+
+    # The table at +address+ in this process, read the way a reader outside does.
+    def table_size_at(address)
+      File.open("/proc/self/mem", "rb") do |mem|
+        mem.seek(address)
+        mem.read(16).unpack("Q<Q<")
+      end
+    end
+
+    it "keeps a table it stopped publishing, and its values, for 10 ms, then lets the GC have it" do
+      require "weakref"
+      refs, addresses = retire_states(20)
+      GC.start(full_mark: true, immediate_sweep: true)
+      # A reader that read the pointer just before it changed still finds the same table.
+      expect(refs.count(&:weakref_alive?)).to eq(20)
+      expect(addresses.map { |a| table_size_at(a) }).to all(eq([1, 2]))
+      expect(refs.map { |r| r.to_h[:note] }).to eq(Array.new(20) { |i| "retired-#{i}-" + "x" * 40 })
+      sleep 0.05
+      RubySpy.tag(later: 1) {} # retiring another state ends the grace of the older ones
+      GC.start(full_mark: true, immediate_sweep: true)
+      # Ruby's conservative stack scan may keep one alive by chance; the grace keeps none.
+      expect(refs.count(&:weakref_alive?)).to be <= 1
+    end
+
     it "keeps tag values alive and in place through GC.compact" do
       RubySpy.tag(payload: "x" * 100, list: [1, 2, 3]) do
         ids = RubySpy.tags.transform_values(&:object_id)

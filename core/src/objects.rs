@@ -122,15 +122,26 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
 /// Length of a T_ARRAY.
 pub fn read_array_len<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<u64> {
     let mut head = [0u8; 48];
-    mem.read(value, &mut head[..l.rarray_heap_ptr + 8])?;
-    let flags = word(&head, l.rbasic_flags);
+    mem.read(value, &mut head[..array_head_len(l)])?;
+    array_len(l, &head).ok_or(ObjectError::Shape("Array", value))
+}
+
+/// How many bytes of a T_ARRAY `array_len` needs.
+pub fn array_head_len(l: &Layout) -> usize {
+    l.rarray_heap_ptr + 8
+}
+
+/// The length of the T_ARRAY whose first `array_head_len` bytes are `head`; None for any
+/// other object.
+pub fn array_len(l: &Layout, head: &[u8]) -> Option<u64> {
+    let flags = word(head, l.rbasic_flags);
     if flags & T_MASK != T_ARRAY {
-        return Err(ObjectError::Shape("Array", value));
+        return None;
     }
-    Ok(if flags & l.rarray_embed_flag != 0 {
+    Some(if flags & l.rarray_embed_flag != 0 {
         (flags & l.rarray_embed_len_mask) >> l.rarray_embed_len_shift
     } else {
-        word(&head, l.rarray_heap_len)
+        word(head, l.rarray_heap_len)
     })
 }
 
@@ -151,16 +162,20 @@ impl SymbolTable {
         }
     }
 
-    /// True if `candidate` holds a plausible `rb_symbols_t`: a small last_id and an `ids`
-    /// array with exactly one chunk per `id_entry_unit` IDs. Used to find the table in a
-    /// stripped libruby by scanning its writable data.
-    pub fn validate<M: Memory>(mem: &M, l: &Layout, bytes: &[u8]) -> bool {
+    /// The `last_id` and `ids` of `bytes` if they could be an `rb_symbols_t` (a small last_id,
+    /// `ids` shaped like a heap object), judged without reading anything. Used to find the
+    /// table in a stripped libruby by scanning its writable data; `confirms` decides.
+    pub fn candidate(l: &Layout, bytes: &[u8]) -> Option<(u64, u64)> {
         let last_id = word32(bytes, l.symbols_last_id) as u64;
         let ids = word(bytes, l.symbols_ids);
-        if !(l.last_op_id..1 << 28).contains(&last_id) || !is_heap_object(ids) {
-            return false;
-        }
-        matches!(read_array_len(mem, l, ids), Ok(n) if n == last_id / l.id_entry_unit + 1)
+        ((l.last_op_id..1 << 28).contains(&last_id) && is_heap_object(ids))
+            .then_some((last_id, ids))
+    }
+
+    /// Whether `head` (`array_head_len` bytes read at a candidate's `ids`) is an Array with
+    /// exactly one chunk per `id_entry_unit` IDs up to `last_id`.
+    pub fn confirms(l: &Layout, last_id: u64, head: &[u8]) -> bool {
+        array_len(l, head) == Some(last_id / l.id_entry_unit + 1)
     }
 
     /// The name of `id`, e.g. "each" or "__classpath__".

@@ -1334,7 +1334,9 @@ impl<M: Memory> Spy<M> {
     }
 
     /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
-    /// segments for a struct that validates through its `ids` array.
+    /// segments for a struct that validates through its `ids` array. Words that merely look
+    /// like one are common (thousands in some runs, as ASLR places things), so every
+    /// candidate's `ids` header is read in one batch per segment, not one call each.
     fn find_symbol_table(&self) -> Option<u64> {
         let l = self.layout;
         for &(start, end) in &self.writable {
@@ -1342,13 +1344,29 @@ impl<M: Memory> Spy<M> {
             let Ok(data) = self.mem.read_vec(start, len) else {
                 continue;
             };
-            let mut off = 0;
-            while off + l.symbols_size <= data.len() {
-                let bytes = &data[off..off + l.symbols_size];
-                if SymbolTable::validate(&self.mem, l, bytes) {
-                    return Some(start.wrapping_add(off as u64));
-                }
-                off += 8;
+            let candidates: Vec<(usize, u64, u64)> = (0..data.len().saturating_sub(l.symbols_size)
+                + 1)
+                .step_by(8)
+                .filter_map(|off| {
+                    let bytes = data.get(off..off + l.symbols_size)?;
+                    SymbolTable::candidate(l, bytes).map(|(last_id, ids)| (off, last_id, ids))
+                })
+                .collect();
+            let head_len = crate::objects::array_head_len(l);
+            let mut heads = vec![0u8; candidates.len() * head_len];
+            let mut requests: Vec<(u64, &mut [u8])> = candidates
+                .iter()
+                .zip(heads.chunks_exact_mut(head_len))
+                .map(|((_, _, ids), head)| (*ids, head))
+                .collect();
+            let read = self.mem.read_each(&mut requests);
+            let found = candidates
+                .iter()
+                .zip(&requests)
+                .zip(read)
+                .find(|((c, (_, head)), ok)| *ok && SymbolTable::confirms(l, c.1, head));
+            if let Some((((off, _, _), _), _)) = found {
+                return Some(start.wrapping_add(*off as u64));
             }
         }
         None

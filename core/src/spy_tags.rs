@@ -6,7 +6,7 @@
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::{word, Memory, Spy};
-use crate::objects::{is_heap_object, read_string, T_MASK, T_STRING};
+use crate::objects::{is_heap_object, read_string, ObjResult, ObjectError, T_MASK, T_STRING};
 use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,6 +23,13 @@ const RECHECK: Duration = Duration::from_secs(1);
 const TAGS_TTL: Duration = Duration::from_millis(100);
 /// Slots read with a table's header on the first try: tables of up to 4 tags in one read.
 const FIRST_SLOTS: usize = 8;
+/// How soon after reading a table's pointer the table must have been read and decoded. The
+/// extension keeps a table it stopped publishing, and the values it holds, alive for at
+/// least 10 ms (docs/profiler-state.md), so a table decoded within this window of reading
+/// its pointer is the one that was published, never freed memory. A sample takes well under
+/// a millisecond; one whose reader was held up longer (descheduled) gets no tags for that
+/// thread rather than doubtful ones.
+const TABLE_WINDOW: Duration = Duration::from_millis(8);
 /// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
 const T_SYMBOL: u64 = 0x14;
 /// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
@@ -147,8 +154,14 @@ impl<M: Memory> Spy<M> {
         let Some(tp) = self.thread_pointer_on(thread, nt) else {
             return Tags::default();
         };
+        let pointer_read_at = Instant::now();
         let table = self.owned_table(thread, tp, offset);
-        self.tags_at(table)
+        if table == 0 {
+            return Tags::default();
+        }
+        self.read_table(table, pointer_read_at)
+            .map(|(_, tags)| tags)
+            .unwrap_or_default()
     }
 
     /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
@@ -205,11 +218,19 @@ impl<M: Memory> Spy<M> {
     }
 
     /// A thread's tags from what the sample read, `nt` being its `th->nt` in that same read
-    /// (0 before 3.2). When the pointer still holds the table of last time and that table's
-    /// bytes read the same (and were decoded lately), the last decoding stands and the sample
-    /// needed no read of its own for tags; otherwise the table is read and decoded now. A
-    /// thread that moved to another native thread (M:N threads) has its pointer read there.
-    pub(super) fn sampled_tags(&mut self, thread: u64, nt: u64, read: TagRead) -> Tags {
+    /// (0 before 3.2) and `called` when that read began. When the pointer still holds the
+    /// table of last time and that table's bytes read the same (and were decoded lately), the
+    /// last decoding stands and the sample needed no read of its own for tags; otherwise the
+    /// table is read and decoded now. A thread that moved to another native thread (M:N
+    /// threads) has its pointer read there.
+    pub(super) fn sampled_tags(
+        &mut self,
+        thread: u64,
+        nt: u64,
+        read: TagRead,
+        called: Instant,
+    ) -> Tags {
+        let mut pointer_read_at = called;
         let mut table = word(&read.pointer, 0);
         if read.owner_slot.is_some() && word(&read.owner, 0) != thread {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
@@ -219,30 +240,35 @@ impl<M: Memory> Spy<M> {
             if let Some(bytes) = bytes.take() {
                 self.recycle(bytes);
             }
+            pointer_read_at = Instant::now();
             table = match self.thread_pointer_on(thread, nt) {
                 Some(tp) => self.owned_table(thread, tp, read.offset),
                 None => 0, // waiting for a native thread: its tags are on none
             };
         }
-        let kept = match (&bytes, self.tag_source.last.get(&thread)) {
-            (Some(bytes), Some(last))
-                if last.table == table && *bytes == last.raw && last.at.elapsed() < TAGS_TTL =>
-            {
-                Some(last.tags.clone())
+        // The table of last time, unchanged: its decoding stands while fresh, and stands in
+        // for a decoding that fails now (a value on a page Ruby 3.0/3.1's GC.compact has
+        // protected for the moment).
+        let same = match (&bytes, self.tag_source.last.get(&thread)) {
+            (Some(bytes), Some(last)) if last.table == table && *bytes == last.raw => {
+                Some((last.tags.clone(), last.at.elapsed() < TAGS_TTL))
             }
             _ => None,
         };
         if let Some(bytes) = bytes {
             self.recycle(bytes);
         }
-        if let Some(tags) = kept {
+        if let Some((tags, true)) = same {
             return tags;
         }
         if table == 0 {
             self.tag_source.last.remove(&thread);
             return Tags::default();
         }
-        let Some((raw, tags)) = self.read_table(table) else {
+        let Some((raw, tags)) = self.read_table(table, pointer_read_at) else {
+            if let Some((tags, _)) = same {
+                return tags;
+            }
             self.tag_source.last.remove(&thread);
             return Tags::default();
         };
@@ -271,14 +297,16 @@ impl<M: Memory> Spy<M> {
         if table == 0 {
             return Tags::default();
         }
-        self.read_table(table)
+        self.read_table(table, Instant::now())
             .map(|(_, tags)| tags)
             .unwrap_or_default()
     }
 
-    /// Reads and decodes the table at `table`: its bytes (header and every slot) and its
-    /// tags, or None when it does not read as a table. Small tables take one read.
-    fn read_table(&mut self, table: u64) -> Option<(Vec<u8>, Tags)> {
+    /// Reads and decodes the table at `table`, whose pointer was read at `pointer_read_at`:
+    /// its bytes (header and every slot) and its tags. None when it does not read as a
+    /// table, when a value cannot be read now, or when the decoding ended outside
+    /// `TABLE_WINDOW`. Small tables take one read.
+    fn read_table(&mut self, table: u64, pointer_read_at: Instant) -> Option<(Vec<u8>, Tags)> {
         let mut raw = vec![0u8; 16 + 16 * FIRST_SLOTS];
         if self.mem.read(table, &mut raw).is_err() {
             // Maybe a small table near the end of a mapping: the header alone.
@@ -308,8 +336,11 @@ impl<M: Memory> Spy<M> {
             let Some(name) = self.id_name(key) else {
                 return None; // not an ID of this process: the table changed under us
             };
-            let text = self.value_text(value);
+            let text = self.value_text(value)?;
             out.push((name, text));
+        }
+        if pointer_read_at.elapsed() > TABLE_WINDOW {
+            return None; // the table may have been freed and reused meanwhile
         }
         Some((raw, out.into()))
     }
@@ -322,56 +353,60 @@ impl<M: Memory> Spy<M> {
     }
 
     /// A VALUE as text: Strings, Symbols, Integers, Floats, true/false/nil as themselves,
-    /// anything else as its class name.
-    fn value_text(&mut self, v: u64) -> Arc<str> {
+    /// anything else as its class name. None when the object cannot be read now: a live
+    /// value can sit on a page that Ruby 3.0/3.1's `GC.compact` has made unreadable
+    /// (PROT_NONE) while it compacts, and a placeholder would be an invented tag.
+    fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
         let l = self.layout;
         match v {
-            0x00 => return "false".into(),
+            0x00 => return Some("false".into()),
             // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value
             // is anything else under the other scheme.
-            0x04 | 0x08 => return "nil".into(),
-            0x14 => return "true".into(),
+            0x04 | 0x08 => return Some("nil".into()),
+            0x14 => return Some("true".into()),
             _ => {}
         }
         if v & 1 == 1 {
-            return ((v as i64) >> 1).to_string().into();
+            return Some(((v as i64) >> 1).to_string().into());
         }
         if v & 3 == 2 {
-            return flonum(v).to_string().into();
+            return Some(flonum(v).to_string().into());
         }
         if v & 0xff == 0x0c {
-            return self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol"));
+            return Some(self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol")));
         }
         if !is_heap_object(v) {
-            return "?".into();
+            return None; // no VALUE a table holds: the table changed under us
         }
-        let Ok(flags) = self.mem.read_u64(v.wrapping_add(l.rbasic_flags as u64)) else {
-            return "?".into();
-        };
-        match flags & T_MASK {
-            T_STRING => read_string(&self.mem, l, v)
-                .map(Arc::from)
-                .unwrap_or_else(|_| Arc::from("String")),
-            T_SYMBOL => self
-                .mem
-                .read_u64(v + RSYMBOL_FSTR)
-                .ok()
-                .and_then(|fstr| read_string(&self.mem, l, fstr).ok())
-                .map(Arc::from)
-                .unwrap_or_else(|| Arc::from("Symbol")),
+        let flags = self
+            .mem
+            .read_u64(v.wrapping_add(l.rbasic_flags as u64))
+            .ok()?;
+        Some(match flags & T_MASK {
+            T_STRING => string_or(read_string(&self.mem, l, v), "String")?,
+            T_SYMBOL => {
+                let fstr = self.mem.read_u64(v + RSYMBOL_FSTR).ok()?;
+                string_or(read_string(&self.mem, l, fstr), "Symbol")?
+            }
             _ => {
-                let class = self.mem.read_u64(v + 8).unwrap_or(0);
-                if self.symbols().is_err() {
-                    return "?".into();
-                }
-                let Some(symbols) = self.symbols.as_mut() else {
-                    return "?".into();
-                };
+                let class = self.mem.read_u64(v + 8).ok()?;
+                self.symbols().ok()?;
+                let symbols = self.symbols.as_mut()?;
                 self.classes
                     .class_name(&self.mem, l, symbols, class)
                     .unwrap_or_else(|| Arc::from("Object"))
             }
-        }
+        })
+    }
+}
+
+/// A String's text; `shape` when it is too long or not a String after all; None when its
+/// memory cannot be read now.
+fn string_or(read: ObjResult<String>, shape: &str) -> Option<Arc<str>> {
+    match read {
+        Ok(text) => Some(text.into()),
+        Err(ObjectError::Shape(..)) => Some(shape.into()),
+        Err(ObjectError::Memory(_)) => None,
     }
 }
 

@@ -303,6 +303,8 @@ impl<M: Memory> Spy<M> {
             };
             prefetched.push(pre);
         }
+        // When the call reading the tag pointers began (see spy_tags.rs, TABLE_WINDOW).
+        let called;
         {
             let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
             if is_heap_object(objspace) {
@@ -342,6 +344,7 @@ impl<M: Memory> Spy<M> {
                     }
                 }
             }
+            called = Instant::now();
             if let Err(e) = self.mem.read_many(&mut requests) {
                 for pre in prefetched.into_iter().flatten() {
                     self.recycle(pre.frames);
@@ -462,7 +465,7 @@ impl<M: Memory> Spy<M> {
                     let tags = match tag_reads[i].take() {
                         Some(read) => {
                             let nt = l.thread_nt.map_or(0, |off| word(field(i, off), 0));
-                            self.sampled_tags(thread, nt, read)
+                            self.sampled_tags(thread, nt, read, called)
                         }
                         None => super::Tags::default(),
                     };

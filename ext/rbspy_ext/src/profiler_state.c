@@ -71,13 +71,27 @@ long rbspy_ext_state_init(void) {
 }
 
 /*
+ * The `RubySpy::State` object whose table this native thread publishes (0 for none): private,
+ * so state.rs learns which table stops being published here and can keep it alive a while
+ * for readers that read the pointer just before it changed.
+ */
+__attribute__((tls_model("initial-exec"))) static __thread unsigned long published_object = 0;
+
+/*
+ * Publishes `state` (the table of the State object `object`, or NULL and 0) for the Ruby
+ * thread `owner`, and returns the State object published here until now.
+ *
  * The table first, then its owner: a reader that reads the owner before the table and finds
  * its thread there is then sure to read that thread's table (or a later one of the same
  * thread). The release store keeps the two in that order for any observer.
  */
-void rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner) {
+unsigned long rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner,
+                                  unsigned long object) {
+    unsigned long previous = published_object;
+    published_object = object;
     ruby_profiler_state = state;
     __atomic_store_n(&ruby_profiler_state_owner, owner, __ATOMIC_RELEASE);
+    return previous;
 }
 
 struct Ruby_Profiler_State *rbspy_ext_state_get(void) {

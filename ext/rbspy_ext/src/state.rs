@@ -9,13 +9,22 @@
 //! once and never changed, so a reader that interrupts the thread anywhere sees a whole one.
 //! The Ruby API (`RubySpy.tag`, `RubySpy.tags`, inheritance into new fibers and threads) is
 //! lib/rbspy_ext/state.rb.
+//!
+//! A reader outside reads a thread's pointer, then the table it points at: if the table were
+//! freed in between, it would decode freed memory (and a reused slot as someone else's
+//! tags). So a table that stops being published stays alive, with its values, for a grace
+//! period (`Published`): readers that read the table within `READABLE_US` of its pointer
+//! read the one that was published (docs/profiler-state.md).
 use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{
     function, gc, method, prelude::*, value::ReprValue, DataTypeFunctions, Error, RClass, RHash,
     Ruby, Symbol, TypedData, Value,
 };
 use rb_sys::{ID, VALUE};
+use std::collections::VecDeque;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Most tags one state may hold: readers walk every slot, and BPF programs must bound
 /// their loops.
@@ -23,7 +32,7 @@ pub const MAX_TAGS: usize = 1024;
 
 extern "C" {
     fn rbspy_ext_state_init() -> std::os::raw::c_long;
-    fn rbspy_ext_state_set(state: *const c_void, owner: *const c_void);
+    fn rbspy_ext_state_set(state: *const c_void, owner: *const c_void, object: VALUE) -> VALUE;
 }
 
 /// The fiber-local variable holding the current fiber's `RubySpy::State`.
@@ -37,6 +46,8 @@ pub struct State {
     table: Box<[u64]>,
     /// (ID, VALUE) in the order given, for `to_h`; the values are marked (pinned) by `mark`.
     pairs: Vec<(ID, VALUE)>,
+    /// When this state last entered `Published::retired` (`now_us`; 0 never).
+    retired_at: AtomicU64,
 }
 
 impl DataTypeFunctions for State {
@@ -67,7 +78,11 @@ impl State {
             table[2 + 2 * slot] = *key;
             table[3 + 2 * slot] = *value;
         }
-        State { table, pairs }
+        State {
+            table,
+            pairs,
+            retired_at: AtomicU64::new(0),
+        }
     }
 
     /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
@@ -152,8 +167,16 @@ fn fiber_local_id() -> ID {
 /// through `rb_check_typeddata`: cheaper, and never raises. Anything else (nil, or an object
 /// someone stored under the fiber-local's name with `Thread#[]=`) publishes no table.
 fn table_of(state: VALUE) -> *const c_void {
+    match state_of(state) {
+        Some(s) => s.table.as_ptr().cast(),
+        None => std::ptr::null(),
+    }
+}
+
+/// The `State` inside `state` if it is a `RubySpy::State` (see `table_of`).
+fn state_of<'a>(state: VALUE) -> Option<&'a State> {
     if rb_sys::SPECIAL_CONST_P(state) {
-        return std::ptr::null();
+        return None;
     }
     let ours = <State as TypedData>::data_type() as *const magnus::DataType
         as *const rb_sys::rb_data_type_t;
@@ -165,13 +188,9 @@ fn table_of(state: VALUE) -> *const c_void {
             || !rb_sys::RTYPEDDATA_P(state)
             || rb_sys::RTYPEDDATA_TYPE(state) != ours
         {
-            return std::ptr::null();
+            return None;
         }
-        let data = rb_sys::RTYPEDDATA_GET_DATA(state) as *const State;
-        if data.is_null() {
-            return std::ptr::null();
-        }
-        (*data).table.as_ptr().cast()
+        (rb_sys::RTYPEDDATA_GET_DATA(state) as *const State).as_ref()
     }
 }
 
@@ -179,13 +198,180 @@ fn table_of(state: VALUE) -> *const c_void {
 /// current state of Ruby thread `thread` (a Thread), and `ruby_profiler_state_owner` at
 /// that thread's `rb_thread_t`, which is what readers outside find in Ruby's thread list.
 fn publish(state: VALUE, thread: VALUE) {
+    let table = table_of(state);
+    let object = if table.is_null() { 0 } else { state };
     // SAFETY: a Thread is typed data whose data pointer is its rb_thread_t. This sets this
-    // native thread's pointers; the table lives as long as `state`, which the current
-    // fiber's locals keep alive.
-    unsafe {
+    // native thread's pointers and learns which State they held until now.
+    let previous = unsafe {
         let owner = rb_sys::RTYPEDDATA_GET_DATA(thread) as *const c_void;
-        rbspy_ext_state_set(table_of(state), owner)
+        rbspy_ext_state_set(table, owner, object)
     };
+    if previous != object {
+        // The common case, a fiber switch between fibers with the same tags, ends above.
+        // Fails only during this native thread's exit, after its slot is gone.
+        let _ = PUBLISHED_HERE.try_with(|slot| slot.replace(object));
+    }
+}
+
+/// Microseconds of CLOCK_MONOTONIC_COARSE: read whenever a thread's table changes, which a
+/// fiber switch between fibers tagged apart does every time; it costs a few ns where the
+/// precise clock costs some 20 (`ruby bench/tags.rb`, "fibers tagged apart").
+fn now_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
+}
+
+/// How long, at least, a table that stopped being published stays readable: the promise to
+/// readers in docs/profiler-state.md (a reader needs microseconds; rbspy_ext's own gives up
+/// on a table after 8 ms).
+const READABLE_US: u64 = 10_000;
+
+/// How long a State is queued after it stops being published: `2 * (READABLE_US + the coarse
+/// clock's resolution)` (set by `init`; 28 ms at the usual 4 ms). A State retired again
+/// within half of it is not queued twice, and a coarse reading lags by up to one resolution,
+/// so each stays at least `READABLE_US`. Short because a tight tagging loop keeps the States
+/// of the last `GRACE_US` alive: 600 000 `RubySpy.tag` blocks a second hold some 8 MB.
+static GRACE_US: AtomicU64 = AtomicU64::new(2 * (READABLE_US + 10_000));
+
+fn grace_us() -> u64 {
+    GRACE_US.load(Ordering::Relaxed)
+}
+
+/// Sets `GRACE_US` from the coarse clock's resolution (1 to 10 ms, by the kernel's HZ).
+fn set_grace() {
+    let mut res = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes the timespec it is given.
+    if unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut res) } == 0 {
+        let res_us = (res.tv_sec as u64 * 1_000_000 + res.tv_nsec as u64 / 1000).min(100_000);
+        GRACE_US.store(2 * (READABLE_US + res_us), Ordering::Relaxed);
+    }
+}
+
+/// What keeps published tables readable: the State each native thread publishes now (one
+/// slot per native thread that ever published one) and the States retired within the last
+/// `GRACE_US`, oldest first. Both are marked (pinned) by `mark_published`, so none of these
+/// States, their tables or their values is freed or moved while a reader may be reading it.
+struct Published {
+    slots: Vec<Arc<AtomicU64>>,
+    retired: VecDeque<(VALUE, u64)>,
+}
+
+static PUBLISHED: Mutex<Published> = Mutex::new(Published {
+    slots: Vec::new(),
+    retired: VecDeque::new(),
+});
+
+fn published() -> std::sync::MutexGuard<'static, Published> {
+    // Nothing panics while holding it, but a poisoned lock must not stop marking.
+    PUBLISHED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// When to queue `object`, a State that stopped being published just now, or None if it
+/// needs no queueing: not a State, or queued within the last `grace_us() / 2` and so still
+/// queued for at least that long (a fiber switching between two tagged fibers retires both
+/// over and over). Called while `object` is still known alive: with the GVL right after it
+/// left its slot (no GC can run in between), or under the lock.
+fn queue_time(object: VALUE) -> Option<u64> {
+    let state = state_of(object)?;
+    let now = now_us();
+    let last = state.retired_at.load(Ordering::Relaxed);
+    if last != 0 && now.saturating_sub(last) < grace_us() / 2 {
+        return None;
+    }
+    state.retired_at.store(now, Ordering::Relaxed);
+    Some(now)
+}
+
+impl Published {
+    /// Queues `object` (a State) for `GRACE_US` from `now`, dropping what has waited longer.
+    fn queue(&mut self, object: VALUE, now: u64) {
+        while let Some(&(_, at)) = self.retired.front() {
+            if now.saturating_sub(at) <= grace_us() {
+                break;
+            }
+            self.retired.pop_front();
+        }
+        self.retired.push_back((object, now));
+    }
+}
+
+/// This native thread's slot in `Published::slots`; dropped when the native thread exits,
+/// which retires what it published last (a thread that ended tagged must not keep its State
+/// forever, nor lose it while a reader reads).
+struct PublishedHere(Arc<AtomicU64>);
+
+impl PublishedHere {
+    fn new() -> PublishedHere {
+        let slot = Arc::new(AtomicU64::new(0));
+        published().slots.push(slot.clone());
+        PublishedHere(slot)
+    }
+
+    /// Makes `object` this native thread's published State and retires the one before. With
+    /// the GVL: marking, which holds it too, never sees the State in neither place.
+    fn replace(&self, object: VALUE) {
+        let previous = self.0.swap(object, Ordering::Relaxed) as VALUE;
+        if let Some(now) = queue_time(previous) {
+            published().queue(previous, now);
+        }
+    }
+}
+
+impl Drop for PublishedHere {
+    fn drop(&mut self) {
+        // At native-thread exit, without the GVL: under the lock, so marking sees the State
+        // in the slot or in the queue.
+        let mut published = published();
+        let previous = self.0.swap(0, Ordering::Relaxed) as VALUE;
+        published.slots.retain(|s| !Arc::ptr_eq(s, &self.0));
+        if let Some(now) = queue_time(previous) {
+            published.queue(previous, now);
+        }
+    }
+}
+
+thread_local! {
+    static PUBLISHED_HERE: PublishedHere = PublishedHere::new();
+}
+
+/// Marks `PUBLISHED`: the mark function of a hidden object (no class, so no Ruby code can
+/// see it) that a registered address keeps alive.
+unsafe extern "C" fn mark_published(_data: *mut c_void) {
+    let published = published();
+    let slots = published.slots.iter().map(|s| s.load(Ordering::Relaxed));
+    for object in slots.chain(published.retired.iter().map(|(o, _)| *o)) {
+        if object != 0 {
+            // SAFETY: in the mark phase; each is a live State (see `Published`). rb_gc_mark
+            // pins, so GC.compact moves none of them.
+            unsafe { rb_sys::rb_gc_mark(object as VALUE) };
+        }
+    }
+}
+
+/// Creates the object whose mark function marks `PUBLISHED`, rooted for good.
+fn root_published() {
+    // SAFETY: a zeroed rb_data_type_t is a valid one with no functions; the fields set are
+    // the name and the mark function, leaked along with it so they outlive the object. The
+    // object is hidden (class 0). Its data pointer must not be null, or Ruby skips the mark
+    // function; it points at the data type itself, and there is nothing to free.
+    unsafe {
+        let mut data_type: rb_sys::rb_data_type_t = std::mem::zeroed();
+        data_type.wrap_struct_name = c"rbspy_ext published tables".as_ptr();
+        data_type.function.dmark = Some(mark_published);
+        let data_type: &'static rb_sys::rb_data_type_t = Box::leak(Box::new(data_type));
+        let data = data_type as *const rb_sys::rb_data_type_t as *mut c_void;
+        let root = rb_sys::rb_data_typed_object_wrap(0, data, data_type);
+        let slot: &'static mut VALUE = Box::leak(Box::new(root));
+        rb_sys::rb_gc_register_address(slot);
+    }
 }
 
 /// Makes `state` (a `RubySpy::State`, or nil for none) the current fiber's state.
@@ -200,11 +386,11 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
     }
     // SAFETY: plain C API calls on the current thread, with the GVL.
     let thread = unsafe { rb_sys::rb_thread_current() };
-    unsafe { rb_sys::rb_thread_local_aset(thread, fiber_local_id(), state.as_raw()) };
     if !state.is_nil() {
         install_hook();
     }
     publish(state.as_raw(), thread);
+    unsafe { rb_sys::rb_thread_local_aset(thread, fiber_local_id(), state.as_raw()) };
     Ok(state)
 }
 
@@ -359,5 +545,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("size", method!(State::size, 0))?;
     class.define_method("table_address", method!(State::table_address, 0))?;
     crate::resolve_class::<State>(ruby);
+    set_grace();
+    root_published();
     Ok(())
 }
