@@ -104,6 +104,14 @@ pub struct Progress {
     pub top: Vec<(String, u64)>,
 }
 
+impl Progress {
+    fn update(&mut self, profile: &Profile, started: Instant) {
+        self.elapsed = started.elapsed();
+        self.ticks = profile.ticks;
+        self.samples = profile.samples;
+    }
+}
+
 /// A recording in progress. Dropping it stops the sampler thread.
 pub struct Recorder {
     stop: Arc<AtomicBool>,
@@ -340,11 +348,8 @@ fn run<M: Memory>(
     let started = Instant::now();
     let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
     let mut next = started;
-    // Ruby child processes (subprocesses: true), and children found not to be Ruby.
-    let mut children: Vec<Spy> = Vec::new();
-    let mut not_ruby: rustc_hash::FxHashMap<i32, u32> = Default::default();
+    let mut children = Children::default();
     let mut last_scan: Option<Instant> = None;
-    let mut child_calls = 0u64;
     let (mut work_ns, mut work_ticks) = (0u64, 0u64);
     loop {
         if stop.load(Ordering::Relaxed) {
@@ -359,37 +364,13 @@ fn run<M: Memory>(
         if last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
             last_scan = Some(Instant::now());
             if config.subprocesses {
-                for child in descendants(pid) {
-                    let tries = not_ruby.get(&child).copied().unwrap_or(0);
-                    if tries >= CHILD_ATTEMPTS || children.iter().any(|c| c.pid() == child) {
-                        continue;
-                    }
-                    match Spy::attach_with(child, &config.spy) {
-                        Ok(c) => {
-                            agg.note(format!(
-                                "child process {child} (Ruby {}) recorded from {:.1} s",
-                                c.version(),
-                                started.elapsed().as_secs_f64()
-                            ));
-                            children.push(c);
-                        }
-                        Err(_) => {
-                            not_ruby.insert(child, tries + 1);
-                        }
-                    }
-                }
+                children.attach_new(pid, &config, &mut agg, started);
             }
             if let Ok(mut p) = progress.lock() {
                 p.top = top_functions(agg.profile());
             }
         }
-        if next > now {
-            std::thread::sleep(next - now);
-        } else if now.duration_since(next) > Duration::from_millis(100) {
-            // Far behind (the machine was busy): skip ahead rather than burst.
-            next = now;
-        }
-        next += timer.next_interval();
+        next = wait_until(next, now) + timer.next_interval();
         // Every 16th tick, the CPU time from waking up to the end of the sample: the cost of
         // sampling itself, apart from the wake-up, which the kernel charges to the sampler too
         // (and which on some virtual machines costs more than the sample).
@@ -409,25 +390,9 @@ fn run<M: Memory>(
             ));
             break;
         }
-        children.retain_mut(|child| {
-            let what = match sample_into(child, &config, &mut agg) {
-                Ok(()) => return true,
-                Err(Error::ProcessReplaced { detail, .. }) => detail,
-                Err(_) => "exited".to_string(),
-            };
-            child_calls += child.memory().calls();
-            agg.note(format!(
-                "child process {} {what} after {:.1} s",
-                child.pid(),
-                started.elapsed().as_secs_f64()
-            ));
-            false
-        });
+        children.sample(&config, &mut agg, started);
         if let Ok(mut p) = progress.lock() {
-            let prof = agg.profile();
-            p.elapsed = started.elapsed();
-            p.ticks = prof.ticks;
-            p.samples = prof.samples;
+            p.update(agg.profile(), started);
         }
         if measured {
             work_ns += thread_cpu_ns().saturating_sub(woke);
@@ -437,11 +402,91 @@ fn run<M: Memory>(
     if let Ok(mut p) = progress.lock() {
         p.finished = true;
     }
-    child_calls += children.iter().map(|c| c.memory().calls()).sum::<u64>();
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
-    agg.set_cost(thread_cpu_ns(), work, spy.memory().calls() + child_calls);
+    agg.set_cost(
+        thread_cpu_ns(),
+        work,
+        spy.memory().calls() + children.calls(),
+    );
     agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+/// Sleeps until `next` (it is `now`), and returns when the tick is: `next`, or `now` when far
+/// behind (the machine was busy), to skip ahead rather than burst.
+fn wait_until(next: Instant, now: Instant) -> Instant {
+    if next > now {
+        std::thread::sleep(next - now);
+    } else if now.duration_since(next) > Duration::from_millis(100) {
+        return now;
+    }
+    next
+}
+
+/// The Ruby child processes a recording with `subprocesses: true` follows.
+#[derive(Default)]
+struct Children {
+    spies: Vec<Spy>,
+    /// Children found not to be Ruby (yet), with how often they were tried.
+    not_ruby: rustc_hash::FxHashMap<i32, u32>,
+    /// `process_vm_readv` calls of children that have ended.
+    ended_calls: u64,
+}
+
+impl Children {
+    /// Attaches to the descendants of `pid` not followed yet (each tried at most
+    /// `CHILD_ATTEMPTS` times: a child may become Ruby only after it execs).
+    fn attach_new(
+        &mut self,
+        pid: i32,
+        config: &RecordConfig,
+        agg: &mut Aggregator,
+        started: Instant,
+    ) {
+        for child in descendants(pid) {
+            let tries = self.not_ruby.get(&child).copied().unwrap_or(0);
+            if tries >= CHILD_ATTEMPTS || self.spies.iter().any(|c| c.pid() == child) {
+                continue;
+            }
+            match Spy::attach_with(child, &config.spy) {
+                Ok(c) => {
+                    agg.note(format!(
+                        "child process {child} (Ruby {}) recorded from {:.1} s",
+                        c.version(),
+                        started.elapsed().as_secs_f64()
+                    ));
+                    self.spies.push(c);
+                }
+                Err(_) => {
+                    self.not_ruby.insert(child, tries + 1);
+                }
+            }
+        }
+    }
+
+    /// One sample of every child; a child that exited or exec'd is noted and let go.
+    fn sample(&mut self, config: &RecordConfig, agg: &mut Aggregator, started: Instant) {
+        let ended_calls = &mut self.ended_calls;
+        self.spies.retain_mut(|child| {
+            let what = match sample_into(child, config, agg) {
+                Ok(()) => return true,
+                Err(Error::ProcessReplaced { detail, .. }) => detail,
+                Err(_) => "exited".to_string(),
+            };
+            *ended_calls += child.memory().calls();
+            agg.note(format!(
+                "child process {} {what} after {:.1} s",
+                child.pid(),
+                started.elapsed().as_secs_f64()
+            ));
+            false
+        });
+    }
+
+    /// Every child's `process_vm_readv` calls so far.
+    fn calls(&self) -> u64 {
+        self.ended_calls + self.spies.iter().map(|c| c.memory().calls()).sum::<u64>()
+    }
 }
 
 /// CPU time used by the calling thread so far.

@@ -40,6 +40,49 @@ struct Call {
 }
 
 pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
+    let functions = costs(profile, options);
+    writeln!(out, "# callgrind format")?;
+    writeln!(out, "version: 1")?;
+    writeln!(out, "creator: rbspy_ext {}", env!("CARGO_PKG_VERSION"))?;
+    writeln!(out, "pid: {}", profile.pid)?;
+    writeln!(
+        out,
+        "cmd: Ruby {} (pid {})",
+        profile.ruby_version, profile.pid
+    )?;
+    writeln!(
+        out,
+        "desc: Sampled at {} Hz for {:.2} s",
+        profile.rate_hz,
+        profile.duration_ns as f64 / 1e9
+    )?;
+    writeln!(out, "positions: line")?;
+    writeln!(out, "events: Samples")?;
+    writeln!(out, "summary: {}", stack_samples(profile))?;
+
+    // Name compression: "(id) name" the first time, "(id)" after. Files and functions have
+    // separate id spaces.
+    let mut names = Names::default();
+    for (function, costs) in &functions {
+        let (file, name) = function;
+        writeln!(out)?;
+        writeln!(out, "fl={}", names.file(file))?;
+        writeln!(out, "fn={}", names.function(name))?;
+        for (line, samples) in &costs.self_cost {
+            writeln!(out, "{line} {samples}")?;
+        }
+        for ((line, (callee_file, callee_name)), call) in &costs.calls {
+            writeln!(out, "cfl={}", names.file(callee_file))?;
+            writeln!(out, "cfn={}", names.function(callee_name))?;
+            writeln!(out, "calls={} {}", call.samples, call.target_line)?;
+            writeln!(out, "{line} {}", call.samples)?;
+        }
+    }
+    Ok(())
+}
+
+/// Each function's self cost by line and its calls by (line, callee), from every stack.
+fn costs(profile: &Profile, options: &Options) -> BTreeMap<Function, Costs> {
     // A frame as callgrind sees it: its function and its line.
     let frames: Vec<(Function, i64)> = profile
         .frames
@@ -93,45 +136,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
                 .samples += s.count;
         }
     }
-
-    writeln!(out, "# callgrind format")?;
-    writeln!(out, "version: 1")?;
-    writeln!(out, "creator: rbspy_ext {}", env!("CARGO_PKG_VERSION"))?;
-    writeln!(out, "pid: {}", profile.pid)?;
-    writeln!(
-        out,
-        "cmd: Ruby {} (pid {})",
-        profile.ruby_version, profile.pid
-    )?;
-    writeln!(
-        out,
-        "desc: Sampled at {} Hz for {:.2} s",
-        profile.rate_hz,
-        profile.duration_ns as f64 / 1e9
-    )?;
-    writeln!(out, "positions: line")?;
-    writeln!(out, "events: Samples")?;
-    writeln!(out, "summary: {}", stack_samples(profile))?;
-
-    // Name compression: "(id) name" the first time, "(id)" after. Files and functions have
-    // separate id spaces.
-    let mut names = Names::default();
-    for (function, costs) in &functions {
-        let (file, name) = function;
-        writeln!(out)?;
-        writeln!(out, "fl={}", names.file(file))?;
-        writeln!(out, "fn={}", names.function(name))?;
-        for (line, samples) in &costs.self_cost {
-            writeln!(out, "{line} {samples}")?;
-        }
-        for ((line, (callee_file, callee_name)), call) in &costs.calls {
-            writeln!(out, "cfl={}", names.file(callee_file))?;
-            writeln!(out, "cfn={}", names.function(callee_name))?;
-            writeln!(out, "calls={} {}", call.samples, call.target_line)?;
-            writeln!(out, "{line} {}", call.samples)?;
-        }
-    }
-    Ok(())
+    functions
 }
 
 #[derive(Default)]

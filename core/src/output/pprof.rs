@@ -14,7 +14,7 @@
 //! The messages are written by hand with `prost`'s derive (no protoc, no build script); only
 //! the fields we write (and the `Mapping` message, for decoders' sake) are declared.
 use super::{sample_period_ns, thread_label, FunctionKey, Options, OutputError};
-use crate::profile::Profile;
+use crate::profile::{Profile, StackCount};
 use flate2::write::GzEncoder;
 use prost::Message;
 use std::collections::HashMap;
@@ -170,42 +170,61 @@ impl Strings {
     }
 }
 
-/// Builds the message, before encoding (tests decode and compare against it).
-pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
-    let mut strings = Strings::new();
-    let mut functions: Vec<proto::Function> = Vec::new();
-    let mut function_ids: HashMap<(String, String, String), u64> = HashMap::new();
-    let mut locations: Vec<proto::Location> = Vec::new();
-    let mut location_ids: HashMap<(u64, i64), u64> = HashMap::new();
+/// pprof's functions and locations, each interned: one function per (name, system name,
+/// file), one location per (function, line).
+#[derive(Default)]
+struct Locations {
+    functions: Vec<proto::Function>,
+    function_ids: HashMap<(String, String, String), u64>,
+    locations: Vec<proto::Location>,
+    location_ids: HashMap<(u64, i64), u64>,
+}
 
-    let mut location = |name: &str, system_name: &str, file: &str, line: i64| -> u64 {
+impl Locations {
+    fn id(
+        &mut self,
+        strings: &mut Strings,
+        name: &str,
+        system_name: &str,
+        file: &str,
+        line: i64,
+    ) -> u64 {
         let key = (name.to_string(), system_name.to_string(), file.to_string());
-        let function_id = match function_ids.get(&key) {
+        let function_id = match self.function_ids.get(&key) {
             Some(&id) => id,
             None => {
-                let id = functions.len() as u64 + 1;
-                functions.push(proto::Function {
+                let id = self.functions.len() as u64 + 1;
+                self.functions.push(proto::Function {
                     id,
                     name: strings.id(name),
                     system_name: strings.id(system_name),
                     filename: strings.id(file),
                     start_line: 0,
                 });
-                function_ids.insert(key, id);
+                self.function_ids.insert(key, id);
                 id
             }
         };
-        *location_ids.entry((function_id, line)).or_insert_with(|| {
-            let id = locations.len() as u64 + 1;
-            locations.push(proto::Location {
-                id,
-                line: vec![proto::Line { function_id, line }],
-                ..Default::default()
-            });
-            id
-        })
-    };
+        let locations = &mut self.locations;
+        *self
+            .location_ids
+            .entry((function_id, line))
+            .or_insert_with(|| {
+                let id = locations.len() as u64 + 1;
+                locations.push(proto::Location {
+                    id,
+                    line: vec![proto::Line { function_id, line }],
+                    ..Default::default()
+                });
+                id
+            })
+    }
+}
 
+/// Builds the message, before encoding (tests decode and compare against it).
+pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
+    let mut strings = Strings::new();
+    let mut locations = Locations::default();
     // One location per profile frame (several frames may share one), one per thread root.
     let frame_locations: Vec<u64> = profile
         .frames
@@ -214,7 +233,7 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
             let key = FunctionKey::of(f);
             // A C function's line is its caller's: kept by the caller's own location.
             let line = if key.is_c() { 0 } else { f.lineno as i64 };
-            location(key.label, &f.base_label, key.path, line)
+            locations.id(&mut strings, key.label, &f.base_label, key.path, line)
         })
         .collect();
     let thread_labels: Vec<String> = (0..profile.threads.len() as u32)
@@ -223,22 +242,18 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
     let thread_locations: Vec<u64> = if options.group_by_thread {
         thread_labels
             .iter()
-            .map(|l| location(l, l, "", 0))
+            .map(|l| locations.id(&mut strings, l, l, "", 0))
             .collect()
     } else {
         Vec::new()
     };
-
     let period = sample_period_ns(profile).map_or(0, |ns| ns.round() as i64);
     let [samples, count, wall, nanoseconds] =
         ["samples", "count", "wall", "nanoseconds"].map(|s| strings.id(s));
-    let [thread_key, thread_id_key, state_key, pid_key] =
-        ["thread", "thread_id", "state", "pid"].map(|s| strings.id(s));
     let sample = profile
         .stacks
         .iter()
         .map(|stack| {
-            let thread = &profile.threads[stack.thread as usize];
             let mut location_id: Vec<u64> = stack
                 .frames
                 .iter()
@@ -251,53 +266,11 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
             proto::Sample {
                 location_id,
                 value: vec![n, n.saturating_mul(period)],
-                label: vec![
-                    proto::Label {
-                        key: thread_key,
-                        str: strings.id(&thread_labels[stack.thread as usize]),
-                        ..Default::default()
-                    },
-                    proto::Label {
-                        key: thread_id_key,
-                        num: thread.tid,
-                        ..Default::default()
-                    },
-                    proto::Label {
-                        key: state_key,
-                        str: strings.id(stack.state.name()),
-                        ..Default::default()
-                    },
-                    proto::Label {
-                        key: pid_key,
-                        num: thread.pid as i64,
-                        ..Default::default()
-                    },
-                ]
-                .into_iter()
-                // The fiber's tags (RubySpy.tag), one label each.
-                .chain(profile.tags_of(stack).iter().map(|(k, v)| proto::Label {
-                    key: strings.id(k),
-                    str: strings.id(v),
-                    ..Default::default()
-                }))
-                .collect(),
+                label: labels(&mut strings, profile, stack, &thread_labels),
             }
         })
         .collect();
-
-    let mut comments = vec![
-        format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
-        format!("pid {}", profile.pid),
-    ];
-    if !profile.ruby_version.is_empty() {
-        comments.push(format!("Ruby {}", profile.ruby_version));
-    }
-    for (reason, n) in &profile.errors {
-        comments.push(format!("dropped {n} samples: {reason}"));
-    }
-    comments.extend(profile.notes.iter().cloned());
-    let comment = comments.iter().map(|c| strings.id(c)).collect();
-
+    let comment = comments(profile).iter().map(|c| strings.id(c)).collect();
     proto::Profile {
         sample_type: vec![
             proto::ValueType {
@@ -310,8 +283,8 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
             },
         ],
         sample,
-        location: locations,
-        function: functions,
+        location: locations.locations,
+        function: locations.functions,
         time_nanos: i64::try_from(profile.start_unix_ns).unwrap_or(i64::MAX),
         duration_nanos: i64::try_from(profile.duration_ns).unwrap_or(i64::MAX),
         period_type: Some(proto::ValueType {
@@ -325,6 +298,53 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
         string_table: strings.table,
         ..Default::default()
     }
+}
+
+/// A sample's labels: its thread (label and tid), state and pid, then the fiber's tags
+/// (RubySpy.tag), one label each.
+fn labels(
+    strings: &mut Strings,
+    profile: &Profile,
+    stack: &StackCount,
+    thread_labels: &[String],
+) -> Vec<proto::Label> {
+    let thread = &profile.threads[stack.thread as usize];
+    let text = |strings: &mut Strings, key: &str, value: &str| proto::Label {
+        key: strings.id(key),
+        str: strings.id(value),
+        ..Default::default()
+    };
+    let number = |strings: &mut Strings, key: &str, num: i64| proto::Label {
+        key: strings.id(key),
+        num,
+        ..Default::default()
+    };
+    let mut labels = vec![
+        text(strings, "thread", &thread_labels[stack.thread as usize]),
+        number(strings, "thread_id", thread.tid),
+        text(strings, "state", stack.state.name()),
+        number(strings, "pid", thread.pid as i64),
+    ];
+    for (k, v) in profile.tags_of(stack).iter() {
+        labels.push(text(strings, k, v));
+    }
+    labels
+}
+
+/// The profile's comments: who wrote it, for which process, what was dropped, the notes.
+fn comments(profile: &Profile) -> Vec<String> {
+    let mut comments = vec![
+        format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
+        format!("pid {}", profile.pid),
+    ];
+    if !profile.ruby_version.is_empty() {
+        comments.push(format!("Ruby {}", profile.ruby_version));
+    }
+    for (reason, n) in &profile.errors {
+        comments.push(format!("dropped {n} samples: {reason}"));
+    }
+    comments.extend(profile.notes.iter().cloned());
+    comments
 }
 
 pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
@@ -389,7 +409,16 @@ mod tests {
         assert_eq!(functions.len(), decoded.function.len());
         assert_eq!(locations.len(), decoded.location.len());
         assert!(!functions.contains_key(&0) && !locations.contains_key(&0));
+    }
 
+    #[test]
+    fn output_pprof_labels_threads_and_states_and_names_functions() {
+        let decoded = decode(&Options::default());
+        let s = |i: i64| decoded.string_table[i as usize].as_str();
+        let functions: BTreeMap<u64, &proto::Function> =
+            decoded.function.iter().map(|f| (f.id, f)).collect();
+        let locations: BTreeMap<u64, &proto::Location> =
+            decoded.location.iter().map(|l| (l.id, l)).collect();
         // Per-thread and per-state totals through the labels; stacks leaf first, thread root.
         let mut by_thread: BTreeMap<String, i64> = BTreeMap::new();
         let mut by_state: BTreeMap<String, i64> = BTreeMap::new();

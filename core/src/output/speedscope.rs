@@ -57,99 +57,36 @@ struct SampledProfile {
     weights: Vec<f64>,
 }
 
-pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
-    // Profile frame index → speedscope frame index (frames differing only in their absolute
-    // path or C-ness would look identical in speedscope: they share one entry).
-    let mut frames: Vec<Frame> = Vec::new();
-    let mut index_of: HashMap<(&str, &str, i32), usize> = HashMap::new();
-    let remap: Vec<usize> = profile
-        .frames
-        .iter()
-        .map(|f| {
-            *index_of
-                .entry((&f.label, &f.path, f.lineno))
-                .or_insert_with(|| {
-                    frames.push(Frame {
-                        name: &f.label,
-                        file: (!f.path.is_empty()).then_some(&*f.path),
-                        line: (f.lineno > 0).then_some(f.lineno),
-                    });
-                    frames.len() - 1
-                })
-        })
-        .collect();
-
-    let (unit, ms_per_sample) = match sample_period_ns(profile) {
-        Some(ns) => ("milliseconds", ns / 1e6),
-        None => ("none", 1.0),
-    };
-    // One profile per thread, in the order threads were first seen (or one for all); with
-    // `tag_root`, one per value of that tag instead ("endpoint=orders#show", "endpoint=-").
-    // Tag groups in the order their values first appear; each tag set maps to one group.
-    let mut tag_groups: Vec<String> = Vec::new();
-    let mut group_of_set: Vec<usize> = Vec::new();
-    if let Some(key) = &options.tag_root {
-        let roots = super::tag_roots(profile, key);
-        group_of_set = vec![0; roots.len()];
-        for stack in &profile.stacks {
-            let Some(root) = roots.get(stack.tags as usize) else {
-                continue;
-            };
-            let g = match tag_groups.iter().position(|g| g == root) {
-                Some(g) => g,
-                None => {
-                    tag_groups.push(root.clone());
-                    tag_groups.len() - 1
-                }
-            };
-            group_of_set[stack.tags as usize] = g;
-        }
-    }
-    let group_of = |stack: &crate::profile::StackCount| {
-        if options.tag_root.is_some() {
-            group_of_set.get(stack.tags as usize).copied().unwrap_or(0)
-        } else if options.group_by_thread {
-            stack.thread as usize
-        } else {
-            0
-        }
-    };
-    let groups = if options.tag_root.is_some() {
-        tag_groups.len().max(1)
-    } else if options.group_by_thread {
-        profile.threads.len()
-    } else {
-        1
-    };
-    let mut profiles: Vec<SampledProfile> = (0..groups)
-        .map(|g| SampledProfile {
+impl SampledProfile {
+    fn new(name: String, unit: &'static str) -> Self {
+        SampledProfile {
             kind: "sampled",
-            name: if options.tag_root.is_some() {
-                tag_groups.get(g).cloned().unwrap_or_default()
-            } else if options.group_by_thread {
-                thread_label(profile, g as u32)
-            } else {
-                "All threads".to_string()
-            },
+            name,
             unit,
             start_value: 0.0,
             end_value: 0.0,
             samples: Vec::new(),
             weights: Vec::new(),
-        })
+        }
+    }
+}
+
+pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
+    let (frames, remap) = shared_frames(profile);
+    let (unit, ms_per_sample) = match sample_period_ns(profile) {
+        Some(ns) => ("milliseconds", ns / 1e6),
+        None => ("none", 1.0),
+    };
+    let (names, group_of) = groups(profile, options);
+    let mut profiles: Vec<SampledProfile> = names
+        .into_iter()
+        .map(|name| SampledProfile::new(name, unit))
         .collect();
-    let mut counts = vec![0u64; groups];
-    for stack in &profile.stacks {
-        let g = group_of(stack);
+    let mut counts = vec![0u64; profiles.len()];
+    for (stack, &g) in profile.stacks.iter().zip(&group_of) {
         let p = &mut profiles[g];
-        p.samples.push(
-            stack
-                .frames
-                .iter()
-                .rev()
-                .map(|&f| remap[f as usize])
-                .collect(),
-        );
+        let root_first = stack.frames.iter().rev().map(|&f| remap[f as usize]);
+        p.samples.push(root_first.collect());
         p.weights.push(stack.count as f64 * ms_per_sample);
         counts[g] += stack.count;
     }
@@ -166,18 +103,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         .filter(|(_, c)| *c > 0 || !(options.group_by_thread || options.tag_root.is_some()))
         .collect();
     if kept.is_empty() {
-        kept.push((
-            SampledProfile {
-                kind: "sampled",
-                name: "No samples".to_string(),
-                unit,
-                start_value: 0.0,
-                end_value: 0.0,
-                samples: Vec::new(),
-                weights: Vec::new(),
-            },
-            0,
-        ));
+        kept.push((SampledProfile::new("No samples".to_string(), unit), 0));
     }
     let active_profile_index = kept
         .iter()
@@ -185,25 +111,86 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         .max_by_key(|(i, (_, c))| (*c, std::cmp::Reverse(*i)))
         .map(|(i, _)| i)
         .unwrap_or(0);
-
+    let version = if profile.ruby_version.is_empty() {
+        String::new()
+    } else {
+        format!(" (Ruby {})", profile.ruby_version)
+    };
     let file = File {
         schema: SCHEMA_URL,
         shared: Shared { frames },
         profiles: kept.into_iter().map(|(p, _)| p).collect(),
-        name: format!(
-            "rbspy_ext: pid {}{}",
-            profile.pid,
-            if profile.ruby_version.is_empty() {
-                String::new()
-            } else {
-                format!(" (Ruby {})", profile.ruby_version)
-            }
-        ),
+        name: format!("rbspy_ext: pid {}{version}", profile.pid),
         active_profile_index,
         exporter: format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
     };
     serde_json::to_writer(&mut *out, &file)?;
     Ok(())
+}
+
+/// speedscope's shared frames, and for each profile frame its index among them: frames
+/// differing only in their absolute path or C-ness would look identical in speedscope, so
+/// they share one entry.
+fn shared_frames(profile: &Profile) -> (Vec<Frame<'_>>, Vec<usize>) {
+    let mut frames: Vec<Frame> = Vec::new();
+    let mut index_of: HashMap<(&str, &str, i32), usize> = HashMap::new();
+    let remap = profile
+        .frames
+        .iter()
+        .map(|f| {
+            *index_of
+                .entry((&f.label, &f.path, f.lineno))
+                .or_insert_with(|| {
+                    frames.push(Frame {
+                        name: &f.label,
+                        file: (!f.path.is_empty()).then_some(&*f.path),
+                        line: (f.lineno > 0).then_some(f.lineno),
+                    });
+                    frames.len() - 1
+                })
+        })
+        .collect();
+    (frames, remap)
+}
+
+/// The profiles' names and each stack's profile: one per thread, in the order threads were
+/// first seen, or one for all; with `tag_root`, one per value of that tag instead
+/// ("endpoint=orders#show", "endpoint=-"), in the order the values first appear.
+fn groups(profile: &Profile, options: &Options) -> (Vec<String>, Vec<usize>) {
+    if let Some(key) = &options.tag_root {
+        let roots = super::tag_roots(profile, key);
+        let mut names: Vec<String> = Vec::new();
+        let group_of = profile
+            .stacks
+            .iter()
+            .map(|stack| {
+                let Some(root) = roots.get(stack.tags as usize) else {
+                    return 0;
+                };
+                names.iter().position(|g| g == root).unwrap_or_else(|| {
+                    names.push(root.clone());
+                    names.len() - 1
+                })
+            })
+            .collect();
+        if names.is_empty() {
+            names.push(String::new());
+        }
+        return (names, group_of);
+    }
+    if options.group_by_thread {
+        let names = (0..profile.threads.len() as u32)
+            .map(|t| thread_label(profile, t))
+            .collect();
+        return (
+            names,
+            profile.stacks.iter().map(|s| s.thread as usize).collect(),
+        );
+    }
+    (
+        vec!["All threads".to_string()],
+        vec![0; profile.stacks.len()],
+    )
 }
 
 #[cfg(test)]

@@ -3,10 +3,12 @@
 //!
 //! A child module of `spy` so that it shares the walker's private machinery.
 use super::tags::TagRead;
-use super::{word, Attempt, Frame, Memory, Prefetched, Spy};
+use super::{word, Attempt, Frame, Memory, Prefetched, Spy, Stack};
+use crate::error::MemoryError;
 use crate::error::{Error, Result};
 use crate::objects::{is_heap_object, read_string};
 use crate::profile::{ThreadInfo, ThreadState};
+use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,7 +38,7 @@ pub struct SampledThread {
     pub frames: Arc<[Frame]>,
     /// See [`super::Stack::token`].
     pub stack_token: u64,
-    /// The tags of the fiber the thread was running (spy_tags.rs).
+    /// The tags of the fiber the thread was running (spy/tags.rs).
     pub tags: super::Tags,
 }
 
@@ -241,17 +243,41 @@ impl<M: Memory> Spy<M> {
         which: ThreadSelection,
     ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
         self.fresh_thread_list()?;
+        let mut batch = self.plan_sample(which);
+        if let Err(e) = self.read_sample(&mut batch) {
+            self.discard(batch);
+            // A stack may have moved away from where it was, a table may have been freed:
+            // guess afresh next time.
+            self.thread_list.stacks.clear();
+            self.forget_tag_tables();
+            return self.thread_list_changed("reading threads", e);
+        }
+        let mut chosen = self.classify(&batch, which);
+        if let Err(e) = self.refresh_contexts(&mut batch, &chosen) {
+            self.discard(batch);
+            return self.thread_list_changed("reading execution contexts", e);
+        }
+        // A thread that has not started running Ruby yet, or has finished, has no VM stack
+        // (null `vm_stack` and `cfp`): it has nothing to sample, which is not a dropped sample.
+        chosen.retain(|(i, _)| self.ec_fields(&batch.heads[*i])[0] != 0);
+        let (sampled, failed) = self.walk_chosen(&mut batch, chosen);
+        self.discard(batch);
+        let dropped = self.confirm_drops(failed?)?;
+        Ok((sampled, dropped))
+    }
+
+    /// What one sample reads for every thread, with the buffers its one call fills: the GVL
+    /// owner, the GC's flags, for every thread its execution context, status and native
+    /// thread (one span of the thread struct), the stack fields of the context it had last
+    /// time (a thread's context changes only when it switches fibers), and, on the guess
+    /// that its stack is about where it was, its control frames and value stack, plus its
+    /// tag pointer and last table. In the steady state that one call is the whole sample.
+    fn plan_sample(&mut self, which: ThreadSelection) -> Batch {
         let l = self.layout;
-        let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
         let count = self.thread_list.threads.len();
-        // One call: the GVL owner, and for every thread its execution context and status (one
-        // range of the thread struct), the stack fields of the context it had last time (a
-        // thread's context changes only when it switches fibers), and, on the guess that its
-        // stack is about where it was, its control frames and value stack. In the steady state
-        // this one call is the whole sample.
         let fields = [
             l.thread_ec,
-            status_byte,
+            l.thread_status.map_or(0, |(byte, _)| byte),
             l.thread_gvl_wait_node,
             l.thread_unblock_func.unwrap_or(l.thread_ec),
             // The native thread, whose thread pointer leads to the tags (3.2+).
@@ -259,32 +285,16 @@ impl<M: Memory> Spy<M> {
         ];
         let span_from = fields.iter().copied().min().unwrap_or(0);
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
-        let objspace = match self.thread_list.objspace {
-            Some(o) => o,
-            None => {
-                let o = self
-                    .mem
-                    .read_u64(self.vm.wrapping_add(l.vm_objspace as u64))
-                    .unwrap_or(0); // without it, GC is simply not told apart
-                self.thread_list.objspace = Some(o);
-                o
-            }
-        };
-        let mut gc_flags = [0u8; 4];
-        let mut owner = [0u8; 8];
-        let mut spans = vec![0u8; count * span];
-        let mut heads = vec![[0u8; 24]; count];
+        let objspace = self.objspace();
         let guessed: Vec<u64> = self
             .thread_list
             .threads
             .iter()
             .map(|(t, _)| self.thread_list.ecs.get(t).copied().unwrap_or(0))
             .collect();
-        let mut prefetched: Vec<Option<Prefetched>> = Vec::with_capacity(count);
-        // Each wanted thread's tags pointer, and the table it pointed at last time: in the
-        // steady state (tags unchanged) that is all the tags need.
-        let mut tag_reads: Vec<Option<TagRead>> = Vec::with_capacity(count);
         let tag_offset = self.profiler_state_offset();
+        let mut prefetched = Vec::with_capacity(count);
+        let mut tag_reads = Vec::with_capacity(count);
         for i in 0..count {
             let thread = self.thread_list.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
@@ -303,81 +313,97 @@ impl<M: Memory> Spy<M> {
             };
             prefetched.push(pre);
         }
-        // When the call reading the tag pointers began (see spy_tags.rs, TABLE_WINDOW).
-        let called;
-        {
-            let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut owner[..])];
-            if is_heap_object(objspace) {
-                requests.push((
-                    objspace.wrapping_add(l.objspace_flags as u64),
-                    &mut gc_flags[..],
-                ));
+        Batch {
+            span_from,
+            span,
+            objspace,
+            gc_flags: [0; 4],
+            owner: [0; 8],
+            spans: vec![0; count * span],
+            heads: vec![[0; 24]; count],
+            guessed,
+            prefetched,
+            tag_reads,
+            called: Instant::now(),
+        }
+    }
+
+    /// The GC's `rb_objspace`, read once: it lives as long as the VM. 0 when unreadable (then
+    /// GC is simply not told apart).
+    fn objspace(&mut self) -> u64 {
+        if let Some(o) = self.thread_list.objspace {
+            return o;
+        }
+        let addr = self.vm.wrapping_add(self.layout.vm_objspace as u64);
+        let o = self.mem.read_u64(addr).unwrap_or(0);
+        self.thread_list.objspace = Some(o);
+        o
+    }
+
+    /// The sample's one call (see `plan_sample`).
+    fn read_sample(&mut self, batch: &mut Batch) -> std::result::Result<(), MemoryError> {
+        let l = self.layout;
+        let span_from = batch.span_from as u64;
+        let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut batch.owner[..])];
+        if is_heap_object(batch.objspace) {
+            let flags = batch.objspace.wrapping_add(l.objspace_flags as u64);
+            requests.push((flags, &mut batch.gc_flags[..]));
+        }
+        let per_thread = self
+            .thread_list
+            .threads
+            .iter()
+            .zip(batch.spans.chunks_exact_mut(batch.span))
+            .zip(batch.heads.iter_mut().zip(&batch.guessed))
+            .zip(batch.prefetched.iter_mut().zip(batch.tag_reads.iter_mut()));
+        for ((((thread, _), span), (head, guess)), (pre, tag)) in per_thread {
+            if let Some(tag) = tag {
+                // The owner before the pointer: see profiler_state.c.
+                if let Some(owner_slot) = tag.owner_slot {
+                    requests.push((owner_slot, &mut tag.owner[..]));
+                }
+                if let Some(slot) = tag.slot {
+                    requests.push((slot, &mut tag.pointer[..]));
+                }
+                if let Some((table, bytes)) = &mut tag.last {
+                    requests.push((*table, &mut bytes[..]));
+                }
             }
-            for ((((thread, _), span_buf), (head, guess)), (pre, tag)) in self
-                .thread_list
-                .threads
-                .iter()
-                .zip(spans.chunks_exact_mut(span))
-                .zip(heads.iter_mut().zip(&guessed))
-                .zip(prefetched.iter_mut().zip(tag_reads.iter_mut()))
-            {
-                if let Some(tag) = tag {
-                    // The owner before the pointer: see profiler_state.c.
-                    if let Some(owner_slot) = tag.owner_slot {
-                        requests.push((owner_slot, &mut tag.owner[..]));
-                    }
-                    if let Some(slot) = tag.slot {
-                        requests.push((slot, &mut tag.pointer[..]));
-                    }
-                    if let Some((table, bytes)) = &mut tag.last {
-                        requests.push((*table, &mut bytes[..]));
-                    }
-                }
-                requests.push((thread.wrapping_add(span_from as u64), span_buf));
-                if *guess != 0 {
-                    requests.push((guess.wrapping_add(l.ec_vm_stack as u64), &mut head[..]));
-                }
-                if let Some(pre) = pre {
-                    requests.push((pre.from, &mut pre.frames[..]));
-                    if !pre.values.is_empty() {
-                        requests.push((pre.vm_stack, &mut pre.values[..]));
-                    }
-                }
+            requests.push((thread.wrapping_add(span_from), span));
+            if *guess != 0 {
+                requests.push((guess.wrapping_add(l.ec_vm_stack as u64), &mut head[..]));
             }
-            called = Instant::now();
-            if let Err(e) = self.mem.read_many(&mut requests) {
-                for pre in prefetched.into_iter().flatten() {
-                    self.recycle(pre.frames);
-                    self.recycle(pre.values);
+            if let Some(pre) = pre {
+                requests.push((pre.from, &mut pre.frames[..]));
+                if !pre.values.is_empty() {
+                    requests.push((pre.vm_stack, &mut pre.values[..]));
                 }
-                for (_, bytes) in tag_reads.into_iter().flatten().filter_map(|t| t.last) {
-                    self.recycle(bytes);
-                }
-                // A stack may have moved away from where it was, a table may have been
-                // freed: guess afresh next time.
-                self.thread_list.stacks.clear();
-                self.forget_tag_tables();
-                return self.thread_list_changed("reading threads", e);
             }
         }
-        let field = |i: usize, offset: usize| &spans[i * span + offset - span_from..];
-        let ecs: Vec<u64> = (0..count).map(|i| word(field(i, l.thread_ec), 0)).collect();
-        let statuses: Vec<u8> = (0..count).map(|i| field(i, status_byte)[0]).collect();
-        let owner = word(&owner, 0);
+        batch.called = Instant::now();
+        self.mem.read_many(&mut requests)
+    }
+
+    /// Each thread's state from what the sample read, for the threads `which` wants and
+    /// that have an execution context.
+    fn classify(&mut self, batch: &Batch, which: ThreadSelection) -> Vec<(usize, ThreadState)> {
+        let l = self.layout;
+        let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
+        let owner = word(&batch.owner, 0);
         self.thread_list.last_owner = owner;
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
-        let holder_state = gc_state(u32::from_le_bytes(gc_flags));
-        let mut chosen: Vec<(usize, ThreadState)> = Vec::new();
+        let holder_state = gc_state(u32::from_le_bytes(batch.gc_flags));
+        let mut chosen = Vec::new();
         for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
-            let status = statuses[i] & status_mask;
+            let status = batch.field(i, status_byte)[0] & status_mask;
             // Queued for the GVL: its node is linked (not null, not pointing at itself).
             // Before 3.3 the node doubles as the ubf-list node of a thread blocked in a
             // blocking region, which has an unblocking function set; one queued has none.
-            let node = word(field(i, l.thread_gvl_wait_node), 0);
+            let node = word(batch.field(i, l.thread_gvl_wait_node), 0);
             let queued = node != 0
                 && node != thread.wrapping_add(l.thread_gvl_wait_node as u64)
                 && l.thread_unblock_func
-                    .is_none_or(|f| word(field(i, f), 0) == 0);
+                    .is_none_or(|f| word(batch.field(i, f), 0) == 0);
             let state = if *thread == owner {
                 holder_state
             } else if queued || status_mask == 0 || u64::from(status) == runnable {
@@ -388,114 +414,183 @@ impl<M: Memory> Spy<M> {
             if which == ThreadSelection::GvlHolder && !state.on_cpu() {
                 continue;
             }
-            if !is_heap_object(ecs[i]) {
+            if !is_heap_object(batch.ec(i, l)) {
                 continue; // a thread not started yet, or already gone
             }
             chosen.push((i, state));
         }
-        // Contexts that changed since last time: one more call for their stack fields.
+        chosen
+    }
+
+    /// Contexts that changed since last time (a fiber switch): one more call for their
+    /// stack fields.
+    fn refresh_contexts(
+        &mut self,
+        batch: &mut Batch,
+        chosen: &[(usize, ThreadState)],
+    ) -> std::result::Result<(), MemoryError> {
+        let l = self.layout;
         let stale: Vec<usize> = chosen
             .iter()
             .map(|(i, _)| *i)
-            .filter(|i| ecs[*i] != guessed[*i])
+            .filter(|i| batch.ec(*i, l) != batch.guessed[*i])
             .collect();
-        if !stale.is_empty() {
-            let mut fresh = vec![[0u8; 24]; stale.len()];
-            {
-                let mut requests: Vec<(u64, &mut [u8])> = stale
-                    .iter()
-                    .zip(fresh.iter_mut())
-                    .map(|(i, h)| (ecs[*i] + l.ec_vm_stack as u64, &mut h[..]))
-                    .collect();
-                if let Err(e) = self.mem.read_many(&mut requests) {
-                    return self.thread_list_changed("reading execution contexts", e);
-                }
-            }
-            for (i, h) in stale.into_iter().zip(fresh) {
-                heads[i] = h;
-                let thread = self.thread_list.threads[i].0;
-                self.thread_list.ecs.insert(thread, ecs[i]);
-            }
+        if stale.is_empty() {
+            return Ok(());
         }
-        // A thread that has not started running Ruby yet, or has finished, has no VM stack
-        // (null `vm_stack` and `cfp`): it has nothing to sample, which is not a dropped sample.
-        chosen.retain(|(i, _)| self.ec_fields(&heads[*i])[0] != 0);
-        // One call for every chosen thread's frames; a thread whose stack moved is retried
-        // alone, then counted as dropped.
+        let mut fresh = vec![[0u8; 24]; stale.len()];
+        let mut requests: Vec<(u64, &mut [u8])> = stale
+            .iter()
+            .zip(fresh.iter_mut())
+            .map(|(i, h)| {
+                (
+                    batch.ec(*i, l).wrapping_add(l.ec_vm_stack as u64),
+                    &mut h[..],
+                )
+            })
+            .collect();
+        self.mem.read_many(&mut requests)?;
+        for (i, h) in stale.into_iter().zip(fresh) {
+            batch.heads[i] = h;
+            let thread = self.thread_list.threads[i].0;
+            self.thread_list.ecs.insert(thread, batch.ec(i, l));
+        }
+        Ok(())
+    }
+
+    /// One call for every chosen thread's frames (the prefetched ones mostly read already);
+    /// a thread whose stack moved is retried alone. The threads sampled, and those whose
+    /// stacks did not read (or the error that ends the sample).
+    #[allow(clippy::type_complexity)]
+    fn walk_chosen(
+        &mut self,
+        batch: &mut Batch,
+        chosen: Vec<(usize, ThreadState)>,
+    ) -> (Vec<SampledThread>, Result<Vec<u64>>) {
         let contexts: Vec<[u64; 3]> = chosen
             .iter()
-            .map(|(i, _)| self.ec_fields(&heads[*i]))
+            .map(|(i, _)| self.ec_fields(&batch.heads[*i]))
             .collect();
-        let pre: Vec<Option<Prefetched>> =
-            chosen.iter().map(|(i, _)| prefetched[*i].take()).collect();
-        for unused in prefetched.into_iter().flatten() {
-            self.recycle(unused.frames);
-            self.recycle(unused.values);
-        }
+        let pre: Vec<Option<Prefetched>> = chosen
+            .iter()
+            .map(|(i, _)| batch.prefetched[*i].take())
+            .collect();
         let results = self.walk_many(&contexts, pre);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut failed = Vec::new();
         for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
-            let mut result = match first {
-                Ok(stack) => Some(stack),
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Changed(_)) => None,
-            };
-            for _ in 1..THREAD_ATTEMPTS {
-                if result.is_some() {
-                    break;
-                }
-                self.forget_envs();
-                match self.walk(ec) {
-                    Ok(stack) => result = Some(stack),
-                    Err(Attempt::Fatal(e)) => return Err(e),
-                    Err(Attempt::Changed(_)) => {}
-                }
-            }
             let thread = self.thread_list.threads[i].0;
-            match &result {
-                Some(_) => self.guess_stack(thread, ec),
-                None => {
+            let stack = match self.retry_walk(ec, first) {
+                Ok(Some(stack)) => stack,
+                Ok(None) => {
                     self.thread_list.stacks.remove(&thread);
+                    failed.push(thread);
+                    continue;
                 }
-            }
-            match result {
-                Some(stack) => {
-                    // Tags only for a sample that is kept: a dropped one decodes nothing.
-                    let tags = match tag_reads[i].take() {
-                        Some(read) => {
-                            let nt = l.thread_nt.map_or(0, |off| word(field(i, off), 0));
-                            self.sampled_tags(thread, nt, read, called)
-                        }
-                        None => super::Tags::default(),
-                    };
-                    sampled.push(SampledThread {
-                        info: self.thread_list.threads[i].1.clone(),
-                        state,
-                        frames: stack.frames,
-                        stack_token: stack.token,
-                        tags,
-                    })
+                Err(e) => return (sampled, Err(e)),
+            };
+            self.guess_stack(thread, ec);
+            // Tags only for a sample that is kept: a dropped one decodes nothing.
+            let tags = match batch.tag_reads[i].take() {
+                Some(read) => {
+                    let nt = self
+                        .layout
+                        .thread_nt
+                        .map_or(0, |off| word(batch.field(i, off), 0));
+                    self.sampled_tags(thread, nt, read, batch.called)
                 }
-                None => failed.push(thread),
-            }
+                None => super::Tags::default(),
+            };
+            sampled.push(SampledThread {
+                info: self.thread_list.threads[i].1.clone(),
+                state,
+                frames: stack.frames,
+                stack_token: stack.token,
+                tags,
+            });
         }
-        for (_, bytes) in tag_reads.into_iter().flatten().filter_map(|t| t.last) {
+        (sampled, Ok(failed))
+    }
+
+    /// The stack from a thread's first walk, else from up to `THREAD_ATTEMPTS - 1` more
+    /// walks of its own; None when it kept moving.
+    fn retry_walk(
+        &mut self,
+        ec: [u64; 3],
+        first: std::result::Result<Stack, Attempt>,
+    ) -> Result<Option<Stack>> {
+        let mut result = first;
+        for _ in 1..THREAD_ATTEMPTS {
+            if !matches!(result, Err(Attempt::Changed(_))) {
+                break;
+            }
+            self.forget_envs();
+            result = self.walk(ec);
+        }
+        match result {
+            Ok(stack) => Ok(Some(stack)),
+            Err(Attempt::Fatal(e)) => Err(e),
+            Err(Attempt::Changed(_)) => Ok(None),
+        }
+    }
+
+    /// The buffers a sample did not hand on, back to the pool.
+    fn discard(&mut self, batch: Batch) {
+        for pre in batch.prefetched.into_iter().flatten() {
+            self.recycle(pre.frames);
+            self.recycle(pre.values);
+        }
+        for (_, bytes) in batch.tag_reads.into_iter().flatten().filter_map(|t| t.last) {
             self.recycle(bytes);
         }
-        // The thread list is re-read every LIST_TTL, so a thread that ended since is still in
-        // it, and its freed memory may hold anything by now. A thread whose stack did not read
-        // is dropped only if a fresh list still has it; one that ended had nothing to sample.
+    }
+
+    /// The thread list is re-read every LIST_TTL, so a thread that ended since is still in
+    /// it, and its freed memory may hold anything by now. A thread whose stack did not read
+    /// is dropped only if a fresh list still has it; one that ended had nothing to sample.
+    fn confirm_drops(&mut self, failed: Vec<u64>) -> Result<Vec<&'static str>> {
         let mut dropped = Vec::new();
-        if !failed.is_empty() {
-            self.thread_list.read_at = None;
-            self.fresh_thread_list()?;
-            for thread in failed {
-                if self.thread_list.threads.iter().any(|(t, _)| *t == thread) {
-                    dropped.push("stack changed while read");
-                }
+        if failed.is_empty() {
+            return Ok(dropped);
+        }
+        self.thread_list.read_at = None;
+        self.fresh_thread_list()?;
+        for thread in failed {
+            if self.thread_list.threads.iter().any(|(t, _)| *t == thread) {
+                dropped.push("stack changed while read");
             }
         }
-        Ok((sampled, dropped))
+        Ok(dropped)
+    }
+}
+
+/// One sample's reads (see `Spy::plan_sample`).
+struct Batch {
+    /// Every thread's span of its struct starts at this field offset and is this long.
+    span_from: usize,
+    span: usize,
+    objspace: u64,
+    gc_flags: [u8; 4],
+    owner: [u8; 8],
+    spans: Vec<u8>,
+    /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`).
+    heads: Vec<[u8; 24]>,
+    /// The context each thread had last time, whose stack fields `heads` were read from.
+    guessed: Vec<u64>,
+    prefetched: Vec<Option<Prefetched>>,
+    tag_reads: Vec<Option<TagRead>>,
+    /// When the one call began (see spy/tags.rs, TABLE_WINDOW).
+    called: Instant,
+}
+
+impl Batch {
+    /// Thread `i`'s bytes from struct offset `offset` on.
+    fn field(&self, i: usize, offset: usize) -> &[u8] {
+        &self.spans[i * self.span + offset - self.span_from..]
+    }
+
+    /// Thread `i`'s execution context as read.
+    fn ec(&self, i: usize, l: &Layout) -> u64 {
+        word(self.field(i, l.thread_ec), 0)
     }
 }

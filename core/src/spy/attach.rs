@@ -1,0 +1,309 @@
+//! Attaching to a process: libruby, its version and layout, its VM, and the identity check
+//! that notices the pid running something else later.
+use super::*;
+use crate::error::{Error, MemoryError, Result};
+use crate::memory::{Memory, ProcessMemory};
+use crate::objects::{ClassNames, SymbolTable};
+use crate::process::{find_ruby_binary, read_maps, Identity, Mapping, Replaced, RubyBinary};
+use crate::vm::{check_vm, find_vm, VmRoots};
+use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
+use rustc_hash::FxHashMap;
+
+impl Spy<ProcessMemory> {
+    /// Attaches to a live process: finds libruby, its version and its VM.
+    pub fn attach(pid: i32) -> Result<Self> {
+        Self::attach_with(pid, &Config::default())
+    }
+
+    pub fn attach_with(pid: i32, config: &Config) -> Result<Self> {
+        if pid <= 0 {
+            return Err(Error::InvalidArgument(format!(
+                "pid must be positive, got {pid}"
+            )));
+        }
+        // Taken first: whatever is read next belongs to this process or is noticed not to.
+        let identity = Identity::of(pid);
+        let maps = read_maps(pid)?;
+        let binary = find_ruby_binary(pid, &maps)?;
+        let mem = ProcessMemory::new(pid);
+        let version_addr = binary
+            .symbol("ruby_version")
+            .expect("checked by find_ruby_binary");
+        let raw = mem
+            .read_vec(version_addr, 16)
+            .map_err(|e| starting(pid, "ruby_version", e))?;
+        let found =
+            String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[])).into_owned();
+        let wanted = config
+            .force_version
+            .clone()
+            .unwrap_or_else(|| found.clone());
+        let (layout, warning) = resolve_layout(pid, &wanted)?;
+        let roots = find_roots(pid, &mem, layout, &binary, &maps, config, &found)?;
+        let mut spy = Spy::with_memory(
+            pid,
+            mem,
+            layout,
+            &found,
+            roots,
+            binary.symbol("ruby_global_symbols"),
+        );
+        spy.warning = warning;
+        spy.identity = identity.map(|i| (i, std::time::Instant::now()));
+        spy.writable = binary.writable.clone();
+        Ok(spy)
+    }
+}
+
+/// The VM and what hangs off it: through `ruby_current_vm_ptr` when libruby exports it, else
+/// (Debian's stripped 3.3 and 3.4, or `config.scan_for_vm`) by scanning libruby's data.
+fn find_roots(
+    pid: i32,
+    mem: &ProcessMemory,
+    layout: &'static Layout,
+    binary: &RubyBinary,
+    maps: &[Mapping],
+    config: &Config,
+    found: &str,
+) -> Result<VmRoots> {
+    let vm_symbol = binary
+        .symbol("ruby_current_vm_ptr")
+        .or_else(|| binary.symbol("ruby_current_vm"))
+        .filter(|_| !config.scan_for_vm);
+    match vm_symbol {
+        Some(vm_ptr) => {
+            let vm = mem
+                .read_u64(vm_ptr)
+                .map_err(|e| starting(pid, "ruby_current_vm_ptr", e))?;
+            // A VM that does not validate yet is usually a Ruby still starting up (the
+            // pointer is set before the VM is complete): say so, so callers can retry.
+            check_vm(mem, layout, vm).ok_or_else(|| Error::NotRuby {
+                pid,
+                detail: format!(
+                    "ruby_current_vm_ptr points at {vm:#x}, which does not validate as a VM \
+                     (Ruby {found} may still be starting: try again; or check force_version)"
+                ),
+            })
+        }
+        None => {
+            // Stripped of the symbol (Debian's 3.3 and 3.4): scan libruby's data.
+            let heap: Vec<(u64, u64)> = maps
+                .iter()
+                .filter(|m| m.perms.starts_with("rw") && (m.path.is_empty() || m.path == "[heap]"))
+                .map(|m| (m.start, m.end))
+                .collect();
+            let (vm, examined) = find_vm(mem, layout, &binary.writable, &heap);
+            vm.ok_or_else(|| Error::NotRuby {
+                pid,
+                detail: format!(
+                    "{} (Ruby {found_version}) exports no ruby_current_vm_ptr and none of the \
+                     {examined} pointers in its writable data validates as a VM; if the \
+                     process is still starting, try again{hint}",
+                    binary.path,
+                    found_version = found,
+                    hint = if config.force_version.is_some() {
+                        ", or check force_version"
+                    } else {
+                        ""
+                    }
+                ),
+            })
+        }
+    }
+}
+
+/// A symbol of libruby that cannot be read while attaching: the mappings are changing,
+/// which happens while a process execs into Ruby or Ruby loads. Reported as "not Ruby (yet)",
+/// the error that says to try again.
+pub(super) fn starting(pid: i32, symbol: &str, e: MemoryError) -> Error {
+    match e {
+        MemoryError::Unmapped { .. } | MemoryError::Other(_) => Error::NotRuby {
+            pid,
+            detail: format!(
+                "{symbol} is not readable yet ({e}); if the process is still starting, try again"
+            ),
+        },
+        e => memory_error(pid, "reading libruby", e),
+    }
+}
+
+pub(super) fn memory_error(pid: i32, context: &'static str, e: MemoryError) -> Error {
+    match e {
+        MemoryError::Gone => Error::ProcessExited { pid },
+        MemoryError::Denied => Error::PermissionDenied { pid },
+        source => Error::Memory {
+            pid,
+            context,
+            source,
+        },
+    }
+}
+
+/// The layout for a version string, falling back to the newest known release of the same
+/// minor series (with a warning).
+pub(super) fn resolve_layout(pid: i32, version: &str) -> Result<(&'static Layout, Option<String>)> {
+    let parts: Vec<u32> = version
+        .split('.')
+        .map(|p| p.parse::<u32>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: "not a MAJOR.MINOR.PATCH version".into(),
+        })?;
+    if parts.len() != 3 {
+        return Err(Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: "not a MAJOR.MINOR.PATCH version".into(),
+        });
+    }
+    if let Some(layout) = layout_for_version(version) {
+        return Ok((layout, None));
+    }
+    match layout_for_minor(parts[0], parts[1]) {
+        Some((known, layout)) => Ok((
+            layout,
+            Some(format!(
+                "Ruby {version} is newer than the layout table; using the layout of {known}"
+            )),
+        )),
+        None => Err(Error::UnsupportedVersion {
+            pid,
+            version: version.to_string(),
+            detail: format!(
+                "known layouts: {}",
+                rbspy_ext_bindings::VERSIONS
+                    .iter()
+                    .map(|(v, _)| *v)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
+    }
+}
+
+impl<M: Memory> Spy<M> {
+    /// A spy over any memory source whose VM is already known: for tests and fuzzing
+    /// against memory images (`symbols`: the address of `rb_symbols_t`, if known).
+    pub fn with_memory(
+        pid: i32,
+        mem: M,
+        layout: &'static Layout,
+        version: &str,
+        roots: VmRoots,
+        symbols: Option<u64>,
+    ) -> Self {
+        Spy {
+            pid,
+            mem,
+            layout,
+            version: version.to_string(),
+            warning: None,
+            vm: roots.vm,
+            gvl_owner: roots.gvl_owner,
+            main_thread: roots.main_thread,
+            symbols: symbols.map(SymbolTable::new),
+            writable: Vec::new(),
+            classes: ClassNames::default(),
+            iseqs: FxHashMap::default(),
+            methods: FxHashMap::default(),
+            last_ec: None,
+            stack_hints: FxHashMap::default(),
+            heap_envs: FxHashMap::default(),
+            not_methods: Default::default(),
+            validated_at: None,
+            identity: None,
+            thread_list_head: roots.thread_list,
+            thread_list: threads::ThreadList::default(),
+            memo: FxHashMap::default(),
+            memo_bytes: 0,
+            epoch: 0,
+            tokens: 0,
+            signature: Vec::new(),
+            spare: Vec::new(),
+            tag_source: tags::TagSource::default(),
+        }
+    }
+
+    /// Err when the pid no longer holds the process attached to: gone (`ProcessExited`), or
+    /// `ProcessReplaced` when it ran exec or the pid was reused, so that nothing read from it
+    /// is taken for the old process's. Checked at most every [`IDENTITY_TTL`] (two small
+    /// /proc reads) unless `now`, which the read paths ask for after a failure.
+    pub fn check_identity(&mut self, now: bool) -> Result<()> {
+        let pid = self.pid;
+        let Some((identity, checked)) = &mut self.identity else {
+            return Ok(());
+        };
+        if !now && checked.elapsed() < IDENTITY_TTL {
+            return Ok(());
+        }
+        *checked = std::time::Instant::now();
+        let Some(current) = Identity::of(pid) else {
+            return Err(Error::ProcessExited { pid });
+        };
+        let detail = match identity.replaced_by(pid, &current) {
+            None => return Ok(()),
+            Some(Replaced::PidReused) => {
+                "exited and its pid now belongs to another process".to_string()
+            }
+            Some(Replaced::Exec(exe)) => format!("ran exec and now runs {exe}"),
+        };
+        Err(Error::ProcessReplaced { pid, detail })
+    }
+}
+
+impl<M: Memory> Spy<M> {
+    pub(super) fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
+        if self.symbols.is_none() {
+            let addr = self
+                .find_symbol_table()
+                .ok_or(Attempt::Fatal(Error::Corrupt {
+                    pid: self.pid,
+                    what: "symbol table (not found in libruby's data)",
+                    addr: 0,
+                }))?;
+            self.symbols = Some(SymbolTable::new(addr));
+        }
+        Ok(self.symbols.as_mut().expect("just set"))
+    }
+
+    /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
+    /// segments for a struct that validates through its `ids` array. Words that merely look
+    /// like one are common (thousands in some runs, as ASLR places things), so every
+    /// candidate's `ids` header is read in one batch per segment, not one call each.
+    pub(super) fn find_symbol_table(&self) -> Option<u64> {
+        let l = self.layout;
+        for &(start, end) in &self.writable {
+            let len = (end - start).min(16 << 20) as usize;
+            let Ok(data) = self.mem.read_vec(start, len) else {
+                continue;
+            };
+            let candidates: Vec<(usize, u64, u64)> = (0..data.len().saturating_sub(l.symbols_size)
+                + 1)
+                .step_by(8)
+                .filter_map(|off| {
+                    let bytes = data.get(off..off + l.symbols_size)?;
+                    SymbolTable::candidate(l, bytes).map(|(last_id, ids)| (off, last_id, ids))
+                })
+                .collect();
+            let head_len = crate::objects::array_head_len(l);
+            let mut heads = vec![0u8; candidates.len() * head_len];
+            let mut requests: Vec<(u64, &mut [u8])> = candidates
+                .iter()
+                .zip(heads.chunks_exact_mut(head_len))
+                .map(|((_, _, ids), head)| (*ids, head))
+                .collect();
+            let read = self.mem.read_each(&mut requests);
+            let found = candidates
+                .iter()
+                .zip(&requests)
+                .zip(read)
+                .find(|((c, (_, head)), ok)| *ok && SymbolTable::confirms(l, c.1, head));
+            if let Some((((off, _, _), _), _)) = found {
+                return Some(start.wrapping_add(*off as u64));
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,547 @@
+//! Raw frames → Frames: iseqs and method entries, read in batches and cached between
+//! validations, then labels, paths and line numbers the way Ruby prints them.
+use super::*;
+use crate::lines::LineTable;
+use crate::memory::Memory;
+use crate::objects::{
+    is_heap_object, read_array_entry, read_string, word, word32, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
+};
+use rbspy_ext_bindings::Layout;
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// What never changes about one iseq.
+#[derive(Debug)]
+pub(super) struct IseqInfo {
+    pub(super) body: u64,
+    pub(super) encoded: u64,
+    pub(super) size: u32,
+    pub(super) path: Arc<str>,
+    pub(super) absolute_path: Option<Arc<str>>,
+    pub(super) label: Arc<str>,
+    pub(super) base_label: Arc<str>,
+    /// True when the iseq belongs to a method (its local iseq is a method), so its label
+    /// gets the owner's name.
+    pub(super) in_method: bool,
+    /// `body.local_iseq`: the method (or top-level/class body) this iseq belongs to.
+    pub(super) local_iseq: u64,
+    /// The iseq is a method body itself (its frames always have a method entry).
+    pub(super) is_method: bool,
+    /// `body.type` (ISEQ_TYPE_*).
+    pub(super) kind: u32,
+    pub(super) lines: LineTable,
+    /// Qualified labels by owner class.
+    pub(super) qualified: FxHashMap<u64, Arc<str>>,
+}
+
+/// What is cached about one method entry, checked against its header on every sample.
+#[derive(Debug, Clone)]
+pub(super) struct MethodInfo {
+    pub(super) def: u64,
+    pub(super) owner: u64,
+    pub(super) def_type: u64,
+    pub(super) original_id: u64,
+    /// For Ruby methods: the iseqs its frames may run (the body, and the
+    /// mandatory-only variant of some builtins); a frame claiming this entry must run one.
+    pub(super) iseqs: [u64; 2],
+    /// `Owner#name` for C functions.
+    pub(super) cfunc_label: Option<Arc<str>>,
+    pub(super) name: Option<Arc<str>>,
+}
+impl<M: Memory> Spy<M> {
+    /// Iseqs and method entries the frames need. What is cached is trusted between full
+    /// validations (every [`REVALIDATE`]): an iseq while the frame's pc lies inside its
+    /// instructions, a method entry while it defines the frame's method (checked in
+    /// `build_frames`). A full validation, and anything not cached, costs one batched read:
+    /// the header of every iseq and of its cached body (same body, instructions, size) and
+    /// the header of every candidate method entry. New ones are loaded on the cold path.
+    pub(super) fn read_iseqs_and_method_entries(
+        &mut self,
+        frames: &[RawFrame],
+        wanted: &[Wanted],
+    ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
+        let l = self.layout;
+        let full = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
+        let (iseq_addrs, candidates, me_addrs) = self.to_validate(frames, wanted, full);
+        if full {
+            self.not_methods.clear();
+        }
+        let head_len = l.me_owner.max(l.me_def).max(l.svar_cref_or_me) + 8;
+        let mut iseq_bufs = vec![[0u8; 24]; iseq_addrs.len()];
+        let mut body_bufs = vec![[0u8; 16]; iseq_addrs.len()];
+        let mut me_bufs = vec![vec![0u8; head_len]; me_addrs.len()];
+        if !iseq_addrs.is_empty() || !me_addrs.is_empty() {
+            let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
+            for ((addr, ibuf), bbuf) in iseq_addrs
+                .iter()
+                .zip(iseq_bufs.iter_mut())
+                .zip(body_bufs.iter_mut())
+            {
+                requests.push((*addr, &mut ibuf[..]));
+                if let Some(info) = self.iseqs.get(addr) {
+                    requests.push((info.body, &mut bbuf[..]));
+                }
+            }
+            for (addr, buf) in me_addrs.iter().zip(me_bufs.iter_mut()) {
+                requests.push((*addr, &mut buf[..]));
+            }
+            self.mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading iseqs and method entries"))?;
+        }
+        self.refresh_iseqs(&iseq_addrs, &iseq_bufs, &body_bufs)?;
+        let mut mes = self.method_entries(&me_addrs, &me_bufs)?;
+        for addr in &me_addrs {
+            if !mes.contains_key(addr) {
+                self.not_methods.insert(*addr);
+            }
+        }
+        for addr in candidates {
+            if let Some(info) = self.methods.get(&addr) {
+                mes.entry(addr).or_insert_with(|| info.clone());
+            }
+        }
+        if full {
+            self.validated_at = Some(std::time::Instant::now());
+            self.epoch += 1;
+        }
+        Ok(mes)
+    }
+
+    /// What a sample must read: the iseqs of `frames` not cached or not trusted (every one on
+    /// a `full` validation), every candidate method entry of `wanted`, and those of them not
+    /// known yet (every one on a full validation).
+    #[allow(clippy::type_complexity)]
+    fn to_validate(
+        &self,
+        frames: &[RawFrame],
+        wanted: &[Wanted],
+        full: bool,
+    ) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+        let mut iseq_addrs: Vec<u64> = frames
+            .iter()
+            .filter(|f| f.iseq != 0 && f.pc != 0)
+            .filter(|f| {
+                full || self
+                    .iseqs
+                    .get(&f.iseq)
+                    .is_none_or(|i| f.pc < i.encoded || f.pc > i.encoded + u64::from(i.size) * 8)
+            })
+            .map(|f| f.iseq)
+            .collect();
+        iseq_addrs.sort_unstable();
+        iseq_addrs.dedup();
+        let candidates: Vec<u64> = wanted
+            .iter()
+            .flat_map(|w| w.chain.iter().copied())
+            .collect();
+        let mut me_addrs: Vec<u64> = candidates
+            .iter()
+            .copied()
+            .filter(|a| full || !(self.methods.contains_key(a) || self.not_methods.contains(a)))
+            .collect();
+        me_addrs.sort_unstable();
+        me_addrs.dedup();
+        (iseq_addrs, candidates, me_addrs)
+    }
+
+    /// Checks each iseq header read (and its cached body's) against the cache, loading the
+    /// iseqs that changed or are new.
+    fn refresh_iseqs(
+        &mut self,
+        iseq_addrs: &[u64],
+        iseq_bufs: &[[u8; 24]],
+        body_bufs: &[[u8; 16]],
+    ) -> std::result::Result<(), Attempt> {
+        let l = self.layout;
+        for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(iseq_bufs).zip(body_bufs) {
+            if imemo_type(l, word(ibuf, l.rbasic_flags)) != Some(l.imemo_iseq) {
+                return Err(Attempt::Changed(format!(
+                    "iseq at {addr:#x} is not an iseq"
+                )));
+            }
+            let body = word(ibuf, l.iseq_body);
+            let valid = self.iseqs.get(addr).is_some_and(|info| {
+                info.body == body
+                    && word32(bbuf, l.body_iseq_size) == info.size
+                    && word(bbuf, l.body_iseq_encoded) == info.encoded
+            });
+            if !valid {
+                self.iseqs.remove(addr);
+                let info = self.load_iseq(body)?;
+                self.iseqs.insert(*addr, info);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and decodes everything an iseq's frames need (cold path, once per iseq).
+    pub(super) fn load_iseq(&mut self, body: u64) -> std::result::Result<IseqInfo, Attempt> {
+        let l = self.layout;
+        let b = self
+            .mem
+            .read_vec(body, l.body_read_size)
+            .map_err(self.moved("reading an iseq body"))?;
+        let strings = |spy: &Self, v: u64| {
+            read_string(&spy.mem, l, v).map_err(|e| spy.object_moved("reading an iseq label", e))
+        };
+        let kind = word32(&b, l.body_type);
+        let mut label = strings(self, word(&b, l.body_location_label))?;
+        if l.api_version >= 304 {
+            // 3.4 labels rescue, ensure and eval code like the code it belongs to
+            // (calculate_iseq_label): the label of the nearest other ancestor.
+            let mut body = b.clone();
+            for _ in 0..64 {
+                let kind = word32(&body, l.body_type);
+                if ![l.iseq_type_rescue, l.iseq_type_ensure, l.iseq_type_eval].contains(&kind) {
+                    break;
+                }
+                let parent = word(&body, l.body_parent_iseq);
+                if parent == 0 {
+                    break;
+                }
+                let parent_body = self
+                    .mem
+                    .read_u64(parent.wrapping_add(l.iseq_body as u64))
+                    .map_err(self.moved("reading a parent iseq"))?;
+                body = self
+                    .mem
+                    .read_vec(parent_body, l.body_read_size)
+                    .map_err(self.moved("reading a parent iseq"))?;
+                label = strings(self, word(&body, l.body_location_label))?;
+            }
+        }
+        let label: Arc<str> = label.into();
+        let base_label: Arc<str> = strings(self, word(&b, l.body_location_base_label))?.into();
+        let (path, absolute_path) = self.read_pathobj(word(&b, l.body_location_pathobj))?;
+        let size = word32(&b, l.body_iseq_size);
+        let lines = LineTable::read(
+            &self.mem,
+            l,
+            word(&b, l.body_insns_info_body),
+            word32(&b, l.body_insns_info_size) as u64,
+            word(&b, l.body_insns_info_succ_index_table),
+            size as u64,
+        )
+        .map_err(|e| self.object_moved("reading a line table", e))?;
+        let local = word(&b, l.body_local_iseq);
+        let in_method = if local == 0 {
+            false
+        } else {
+            let local_body = self
+                .mem
+                .read_u64(local.wrapping_add(l.iseq_body as u64))
+                .map_err(self.moved("reading a local iseq"))?;
+            let mut t = [0u8; 4];
+            self.mem
+                .read(local_body.wrapping_add(l.body_type as u64), &mut t)
+                .map_err(self.moved("reading a local iseq"))?;
+            u32::from_le_bytes(t) == l.iseq_type_method
+        };
+        Ok(IseqInfo {
+            body,
+            encoded: word(&b, l.body_iseq_encoded),
+            size,
+            path,
+            absolute_path,
+            label,
+            base_label,
+            in_method,
+            local_iseq: local,
+            is_method: kind == l.iseq_type_method,
+            kind,
+            lines,
+            qualified: FxHashMap::default(),
+        })
+    }
+
+    /// An iseq's `pathobj` is either the path String or a frozen [path, realpath] Array.
+    pub(super) fn read_pathobj(
+        &self,
+        pathobj: u64,
+    ) -> std::result::Result<(Arc<str>, Option<Arc<str>>), Attempt> {
+        let l = self.layout;
+        let fail = |e| self.object_moved("reading an iseq path", e);
+        let flags = self
+            .mem
+            .read_u64(pathobj)
+            .map_err(self.moved("reading an iseq path"))?;
+        match flags & T_MASK {
+            T_STRING => {
+                let p: Arc<str> = read_string(&self.mem, l, pathobj).map_err(fail)?.into();
+                Ok((p.clone(), Some(p)))
+            }
+            T_ARRAY => {
+                let path = read_array_entry(&self.mem, l, pathobj, 0).map_err(fail)?;
+                let real = read_array_entry(&self.mem, l, pathobj, 1).map_err(fail)?;
+                let path: Arc<str> = read_string(&self.mem, l, path).map_err(fail)?.into();
+                let real = if is_heap_object(real) {
+                    Some(read_string(&self.mem, l, real).map_err(fail)?.into())
+                } else {
+                    None
+                };
+                Ok((path, real))
+            }
+            _ => Err(Attempt::Changed(format!(
+                "pathobj at {pathobj:#x} is neither String nor Array"
+            ))),
+        }
+    }
+
+    /// The candidates for a frame's method entry, in Ruby's order
+    /// (`rb_vm_frame_method_entry`): `ep[-2]` of each environment from the frame's own to the
+    /// local one. The first that turns out to be an `imemo_ment` (crefs are skipped) is it;
+    /// their headers are read in one batch afterwards.
+    pub(super) fn method_entry_chain(
+        &mut self,
+        ep: u64,
+        envs: &Envs,
+    ) -> std::result::Result<Vec<u64>, Attempt> {
+        let l = self.layout;
+        let mut ep = ep;
+        let mut chain = Vec::new();
+        for _ in 0..MAX_EP_DEPTH {
+            let s = self.env_slots(ep, envs)?;
+            if is_heap_object(s.me_cref) {
+                chain.push(s.me_cref);
+            }
+            if s.flags & l.env_flag_local != 0 {
+                return Ok(chain);
+            }
+            ep = s.specval & !0x3;
+        }
+        Err(Attempt::Changed("environment chain too long".into()))
+    }
+
+    pub(super) fn build_frames(
+        &mut self,
+        frames: &[RawFrame],
+        wanted: Vec<Wanted>,
+        mes: &FxHashMap<u64, MethodInfo>,
+    ) -> std::result::Result<Vec<Frame>, Attempt> {
+        let l = self.layout;
+        let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
+        let mut pending_cfuncs: Vec<usize> = Vec::new();
+        // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
+        // then leaves out (vm_backtrace.c, skip_next_frame).
+        let merges_clauses = l.api_version >= 304;
+        let mut skip_next = false;
+        for Wanted {
+            index,
+            cfunc: is_cfunc,
+            chain,
+        } in wanted
+        {
+            let f = &frames[index];
+            let me = chain.into_iter().find(|m| mes.contains_key(m));
+            if is_cfunc {
+                let info = me
+                    .and_then(|m| mes.get(&m))
+                    .filter(|m| m.def_type == l.method_type_cfunc)
+                    .ok_or_else(|| Attempt::Changed("C frame without a C method entry".into()))?;
+                let (label, base_label) = self.cfunc_label(me.expect("checked"), info)?;
+                pending_cfuncs.push(out.len());
+                out.push(Frame {
+                    base_label,
+                    label,
+                    path: Arc::from(""),
+                    absolute_path: None,
+                    lineno: 0,
+                    c_function: true,
+                });
+                continue;
+            }
+            let info = &self.iseqs[&f.iseq];
+            let is_clause = info.kind == l.iseq_type_rescue || info.kind == l.iseq_type_ensure;
+            if merges_clauses && std::mem::replace(&mut skip_next, is_clause) {
+                continue;
+            }
+            // The entry must define the method this frame runs; otherwise the environment we
+            // read belonged to a frame pushed or popped meanwhile.
+            let owner = me
+                .and_then(|m| mes.get(&m))
+                .filter(|m| !info.in_method || m.iseqs.contains(&info.local_iseq))
+                .map(|m| m.owner);
+            if owner.is_none() && info.is_method {
+                // Every method frame has a method entry: not finding one means the frame
+                // was being pushed or popped while we read it.
+                return Err(Attempt::Changed(
+                    "method frame without a method entry".into(),
+                ));
+            }
+            let frame = self.iseq_frame(f, owner)?;
+            // A C function reports the location of the Ruby frame that called it.
+            for idx in pending_cfuncs.drain(..) {
+                out[idx].path = frame.path.clone();
+                out[idx].absolute_path = frame.absolute_path.clone();
+                out[idx].lineno = frame.lineno;
+            }
+            out.push(frame);
+        }
+        Ok(out)
+    }
+
+    /// Third batched read: headers of every method entry the frames point at. Cached entries
+    /// are kept only while their `def` and `owner` still match.
+    pub(super) fn method_entries(
+        &mut self,
+        addrs: &[u64],
+        bufs: &[Vec<u8>],
+    ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
+        let l = self.layout;
+        let mut out = FxHashMap::default();
+        for (addr, buf) in addrs.iter().zip(bufs) {
+            let mut head = buf.clone();
+            let mut imemo = imemo_type(l, word(&head, l.rbasic_flags));
+            if imemo == Some(l.imemo_svar) {
+                // Rare (methods using $~): one more read to reach the entry inside.
+                let inner = word(&head, l.svar_cref_or_me);
+                if !is_heap_object(inner) {
+                    continue;
+                }
+                self.mem
+                    .read(inner, &mut head)
+                    .map_err(self.moved("reading a method entry"))?;
+                imemo = imemo_type(l, word(&head, l.rbasic_flags));
+            }
+            if imemo != Some(l.imemo_ment) {
+                continue; // a cref: the frame has no method entry of its own
+            }
+            let def = word(&head, l.me_def);
+            let owner = word(&head, l.me_owner);
+            let cached = self
+                .methods
+                .get(addr)
+                .filter(|m| m.def == def && m.owner == owner)
+                .cloned();
+            let info = match cached {
+                Some(info) => info,
+                None => self.load_method(def, owner)?,
+            };
+            self.methods.insert(*addr, info.clone());
+            out.insert(*addr, info);
+        }
+        Ok(out)
+    }
+
+    /// Reads a method definition (cold path, once per method entry).
+    pub(super) fn load_method(
+        &self,
+        def: u64,
+        owner: u64,
+    ) -> std::result::Result<MethodInfo, Attempt> {
+        let l = self.layout;
+        let d = self
+            .mem
+            .read_vec(def, l.me_def_original_id.max(l.me_def_iseqptr) + 8)
+            .map_err(self.moved("reading a method definition"))?;
+        let def_type = (word(&d, 0) & l.me_def_type_mask) >> l.me_def_type_shift;
+        let mut iseqs = [0, 0];
+        if def_type == l.method_type_iseq {
+            iseqs[0] = word(&d, l.me_def_iseqptr);
+            if let Some(mandatory_only) = l.body_mandatory_only_iseq {
+                let body = self
+                    .mem
+                    .read_u64(iseqs[0].wrapping_add(l.iseq_body as u64))
+                    .map_err(self.moved("reading a method's iseq"))?;
+                iseqs[1] = self
+                    .mem
+                    .read_u64(body.wrapping_add(mandatory_only as u64))
+                    .map_err(self.moved("reading a method's iseq"))?;
+            }
+        }
+        Ok(MethodInfo {
+            def,
+            owner,
+            def_type,
+            original_id: word(&d, l.me_def_original_id),
+            iseqs,
+            cfunc_label: None,
+            name: None,
+        })
+    }
+
+    /// (qualified label, bare name) of a C function's method entry.
+    pub(super) fn cfunc_label(
+        &mut self,
+        me: u64,
+        info: &MethodInfo,
+    ) -> std::result::Result<(Arc<str>, Arc<str>), Attempt> {
+        if let (Some(label), Some(name)) = (&info.cfunc_label, &info.name) {
+            return Ok((label.clone(), name.clone()));
+        }
+        let l = self.layout;
+        let id = info.original_id;
+        self.symbols()?;
+        let symbols = self.symbols.as_mut().expect("found by symbols()");
+        let name = symbols
+            .name(&self.mem, l, id)
+            .map_err(|_| Attempt::Changed(format!("method name ID {id:#x} does not resolve")))?;
+        let label: Arc<str> = self
+            .classes
+            .qualify(&self.mem, l, symbols, info.owner, &name)
+            .into();
+        if let Some(m) = self.methods.get_mut(&me) {
+            m.cfunc_label = Some(label.clone());
+            m.name = Some(name.clone());
+        }
+        Ok((label, name))
+    }
+
+    pub(super) fn iseq_frame(
+        &mut self,
+        f: &RawFrame,
+        owner: Option<u64>,
+    ) -> std::result::Result<Frame, Attempt> {
+        let l = self.layout;
+        let info = self
+            .iseqs
+            .get(&f.iseq)
+            .expect("loaded in read_iseqs_and_method_entries");
+        let n = (f.pc.wrapping_sub(info.encoded) / 8) as usize;
+        if f.pc < info.encoded || n > info.size as usize {
+            return Err(Attempt::Changed("pc outside its iseq".into()));
+        }
+        // The pc points at the next instruction (Ruby's calc_pos uses pos - 1).
+        let pos = n.saturating_sub(1);
+        let lineno = info
+            .lines
+            .line_at(pos)
+            .ok_or_else(|| Attempt::Changed("pc outside the line table".into()))?;
+        let label = match owner {
+            Some(owner) if info.in_method => {
+                if let Some(q) = info.qualified.get(&owner) {
+                    q.clone()
+                } else {
+                    let (label, base) = (info.label.clone(), info.base_label.clone());
+                    self.symbols()?;
+                    let symbols = self.symbols.as_mut().expect("found by symbols()");
+                    let qualified = self.classes.qualify(&self.mem, l, symbols, owner, &base);
+                    // "block (2 levels) in foo" → "block (2 levels) in Foo#foo".
+                    let q: Arc<str> = match label.strip_suffix(&*base) {
+                        Some(prefix) => format!("{prefix}{qualified}").into(),
+                        None => label.clone(),
+                    };
+                    let info = self.iseqs.get_mut(&f.iseq).expect("present");
+                    info.qualified.insert(owner, q.clone());
+                    q
+                }
+            }
+            _ => info.label.clone(),
+        };
+        let info = &self.iseqs[&f.iseq];
+        Ok(Frame {
+            label,
+            base_label: info.base_label.clone(),
+            path: info.path.clone(),
+            absolute_path: info.absolute_path.clone(),
+            lineno,
+            c_function: false,
+        })
+    }
+}
+
+/// The imemo type of an object whose flags are given, if it is a T_IMEMO.
+pub(super) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {
+    (flags & T_MASK == T_IMEMO).then_some((flags >> l.fl_ushift) & 0xf)
+}

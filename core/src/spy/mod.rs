@@ -1,0 +1,239 @@
+//! The one stack walker: attach to a process once, then read its current stack as often as
+//! needed. Everything that cannot change between samples (addresses, the layout, iseq
+//! labels and line tables, method names, class names) is cached in the [`Spy`], so a warm
+//! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
+//! environments + iseq headers, and method-entry headers.
+use crate::error::{Error, MemoryError, Result};
+use crate::memory::{Memory, ProcessMemory};
+use crate::objects::{word, ClassNames, ObjectError, SymbolTable};
+use crate::process::Identity;
+use rbspy_ext_bindings::Layout;
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+mod attach;
+mod frames;
+mod tags;
+mod threads;
+mod walker;
+use frames::{IseqInfo, MethodInfo};
+pub use tags::Tags;
+pub use threads::{SampledThread, ThreadSelection};
+use walker::{Envs, Prefetched, RawFrame, Slots, Wanted};
+
+/// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
+const MAX_FRAMES: u64 = 65_536;
+/// Most environments followed from a block frame to its method frame.
+const MAX_EP_DEPTH: usize = 256;
+/// Most bytes of one thread's value stack read (Ruby's default VM stack is 1 MiB; the
+/// fuzz test found garbage frames asking for far more).
+const MAX_VALUE_STACK: usize = 64 << 20;
+/// How long cached iseqs and method entries are trusted without reading their headers.
+const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often a spy makes sure its pid still holds the process it attached to.
+pub const IDENTITY_TTL: std::time::Duration = std::time::Duration::from_millis(100);
+/// Most escaped environments cached between samples.
+const MAX_CACHED_ENVS: usize = 4096;
+/// Most distinct raw stacks remembered with their frames (see `Spy::memo`).
+const MAX_MEMO: usize = 16_384;
+/// And at most this many bytes of them (signatures and frames, roughly): a target that starts
+/// threads all the time puts every stack at new addresses, so the memo fills with stacks that
+/// never come back; deep stacks would make 16k of them ~100 MB, while a few thousand of the
+/// stacks a steady program repeats fit in 8 MB.
+const MAX_MEMO_BYTES: usize = 8 << 20;
+/// How often a snapshot is retried when the stack changes under it.
+pub const SNAPSHOT_ATTEMPTS: u32 = 8;
+
+/// One frame, innermost first, shaped like `Thread::Backtrace::Location`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// Qualified the way Ruby 3.4 prints it: `Foo::Bar#baz`, `block in Foo.build`.
+    pub label: Arc<str>,
+    pub base_label: Arc<str>,
+    pub path: Arc<str>,
+    pub absolute_path: Option<Arc<str>>,
+    pub lineno: i32,
+    pub c_function: bool,
+}
+
+/// Options for [`Spy::attach_with`].
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// Use this version's layout instead of the one the process reports.
+    pub force_version: Option<String>,
+    /// Find the VM by scanning libruby's data even when `ruby_current_vm_ptr` is exported
+    /// (what stripped 3.3+ builds need; lets tests exercise the scan on any Ruby).
+    pub scan_for_vm: bool,
+}
+
+/// A handle on one Ruby process.
+pub struct Spy<M: Memory = ProcessMemory> {
+    pid: i32,
+    mem: M,
+    layout: &'static Layout,
+    version: String,
+    warning: Option<String>,
+    vm: u64,
+    /// Address of the word naming the thread that holds the GVL (0 when none does).
+    gvl_owner: u64,
+    main_thread: u64,
+    symbols: Option<SymbolTable>,
+    writable: Vec<(u64, u64)>,
+    classes: ClassNames,
+    iseqs: FxHashMap<u64, IseqInfo>,
+    methods: FxHashMap<u64, MethodInfo>,
+    /// The thread and execution context seen last, read speculatively in one call.
+    last_ec: Option<(u64, u64)>,
+    /// Bytes of value stack the last sample of each stack needed, by `vm_stack` address
+    /// (see `read_frames`).
+    stack_hints: FxHashMap<u64, usize>,
+    /// Environments that escaped to the heap, by `ep` (see `env_slots`).
+    heap_envs: FxHashMap<u64, Slots>,
+    /// Candidate method-entry addresses that turned out to be crefs (not method entries).
+    not_methods: rustc_hash::FxHashSet<u64>,
+    /// When cached iseqs and method entries were last all read again.
+    validated_at: Option<std::time::Instant>,
+    /// The attached process's identity and when it was last checked (None for memory that
+    /// is not a live process's): see `check_identity`.
+    identity: Option<(Identity, std::time::Instant)>,
+    /// Address of the list of every Ruby thread, and its last reading (spy/threads.rs).
+    thread_list_head: u64,
+    thread_list: threads::ThreadList,
+    /// Frames already resolved, by raw stack (see `Signature`): a stack seen before in the
+    /// current validation epoch is answered without resolving anything. The walker is a
+    /// function of the raw words and of its caches, which are trusted for exactly as long.
+    memo: FxHashMap<Box<[u64]>, Memo>,
+    /// What `memo` holds, roughly, in bytes.
+    memo_bytes: usize,
+    /// Bumped whenever the caches behind `memo` are validated or dropped.
+    epoch: u64,
+    /// Last token handed out (`Stack::token`).
+    tokens: u64,
+    /// Reused buffer for the signature of the stack being walked.
+    signature: Vec<u64>,
+    /// Buffers for control frames and value stacks, reused from sample to sample.
+    spare: Vec<Vec<u8>>,
+    /// Where the target publishes `ruby_profiler_state` (spy/tags.rs).
+    tag_source: tags::TagSource,
+}
+
+/// One walked stack, innermost frame first.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    pub frames: Arc<[Frame]>,
+    /// Names these exact frames for as long as this spy lives: two stacks with the same token
+    /// have equal frames (equal frames may still come with different tokens). Lets the
+    /// aggregator count a repeated stack without looking at its frames.
+    pub token: u64,
+}
+
+#[derive(Debug)]
+struct Memo {
+    stack: Stack,
+    epoch: u64,
+}
+
+/// A failure inside one attempt: either the stack moved (retry) or a real error.
+enum Attempt {
+    Changed(String),
+    Fatal(Error),
+}
+
+impl From<Error> for Attempt {
+    fn from(e: Error) -> Self {
+        Attempt::Fatal(e)
+    }
+}
+
+impl<M: Memory> Spy<M> {
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The Ruby version the target reports (e.g. "3.1.2").
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Set when the layout came from the newest known release of the same minor series.
+    pub fn warning(&self) -> Option<&str> {
+        self.warning.as_deref()
+    }
+
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// The memory source, writable: tests rewrite a memory image between samples.
+    pub fn memory_mut(&mut self) -> &mut M {
+        &mut self.mem
+    }
+
+    /// The address of the target's `rb_vm_t`.
+    pub fn vm_address(&self) -> u64 {
+        self.vm
+    }
+
+    /// The stack of the thread holding the GVL (the main thread when none does), innermost
+    /// frame first. Retries a bounded number of times if the stack changes while read.
+    pub fn snapshot(&mut self) -> Result<Vec<Frame>> {
+        self.check_identity(false)?;
+        let mut last = String::new();
+        for _ in 0..SNAPSHOT_ATTEMPTS {
+            match self.try_snapshot() {
+                Ok(stack) => return Ok(stack.frames.to_vec()),
+                Err(Attempt::Fatal(e)) => {
+                    self.check_identity(true)?;
+                    return Err(e);
+                }
+                Err(Attempt::Changed(why)) => {
+                    // Forget what may be what changed: the speculative thread and cached
+                    // heap environments.
+                    self.last_ec = None;
+                    self.forget_envs();
+                    self.validated_at = None;
+                    last = why;
+                }
+            }
+        }
+        // A process that vanished between attempts reports as exited, not as a moving stack;
+        // one that ran exec, or whose pid was taken by another, as replaced.
+        if !std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
+            return Err(Error::ProcessExited { pid: self.pid });
+        }
+        self.check_identity(true)?;
+        Err(Error::StackChanged {
+            pid: self.pid,
+            attempts: SNAPSHOT_ATTEMPTS,
+            last,
+        })
+    }
+
+    /// The tags of the thread the last [`Spy::snapshot`] read (see spy/tags.rs).
+    pub fn snapshot_tags(&mut self) -> Tags {
+        match self.last_ec {
+            Some((thread, _)) => self.thread_tags(thread),
+            None => Tags::default(),
+        }
+    }
+
+    /// Maps a read failure during a walk: the process being gone or unreadable is fatal,
+    /// an unmapped address means the stack moved under us.
+    fn moved(&self, what: &str) -> impl Fn(MemoryError) -> Attempt + '_ {
+        let what = what.to_string();
+        move |e| match e {
+            MemoryError::Gone => Attempt::Fatal(Error::ProcessExited { pid: self.pid }),
+            MemoryError::Denied => Attempt::Fatal(Error::PermissionDenied { pid: self.pid }),
+            other => Attempt::Changed(format!("{what}: {other}")),
+        }
+    }
+
+    fn object_moved(&self, what: &str, e: ObjectError) -> Attempt {
+        match e {
+            ObjectError::Memory(m) => self.moved(what)(m),
+            ObjectError::Shape(kind, addr) => {
+                Attempt::Changed(format!("{what}: {kind} at {addr:#x} does not validate"))
+            }
+        }
+    }
+}
