@@ -332,3 +332,40 @@ RSpec.describe "exe/rubyspy" do
     end
   end
 end
+
+RSpec.describe "RubySpy::CLI in-process" do
+  before do
+    skip "the extension is built for the host Ruby" unless RubySpyTest::TargetRuby.current.host?
+    require "rbspy_ext/cli"
+  end
+
+  # Runs the CLI in this process; [status, stdout, stderr].
+  def run_cli(*args)
+    out = StringIO.new
+    err = StringIO.new
+    saved = [$stdout, $stderr]
+    $stdout = out
+    $stderr = err
+    status = RubySpy::CLI.run(args.map(&:to_s))
+    [status, out.string, err.string]
+  ensure
+    $stdout, $stderr = saved
+  end
+
+  it "prints a target's stack as Ruby's own backtrace_locations would, and returns 0" do
+    target = start_target("nested_methods")
+    status, out, err = run_cli("snapshot", "--pid", target.pid)
+    expect([status, err]).to eq([0, ""])
+    frames = RubySpy.snapshot(target.pid)
+    expect(out.lines.map(&:chomp)).to eq(frames.map(&:to_s))
+    expect(frames).to match_backtrace(target.frames, ruby_version: target.ruby_version)
+  end
+
+  it "returns 2 with one line on stderr for a usage error" do
+    status, out, err = run_cli("record", "--rate", "0", "--pid", Process.pid)
+    expect(status).to eq(2)
+    expect(out).to eq("")
+    expect(err.lines.size).to eq(1)
+    expect(err).to start_with("rubyspy: ")
+  end
+end

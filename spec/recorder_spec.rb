@@ -106,6 +106,23 @@ RSpec.describe RubySpy::Recorder do
     end
   end
 
+  describe "Profile#functions" do
+    it "counts a C function as one function with no path, and Ruby functions by label and path" do
+      target = start_target("named_worker")
+      profile = RubySpy::Recorder.new(target.pid, rate: 200, duration: 0.5).start.wait.stop
+      functions = profile.functions
+      c_labels = profile.stacks.flat_map { |s| s[:frames] }.select(&:c_function?).map(&:label).uniq
+      expect(c_labels).not_to be_empty
+      c_labels.each do |label|
+        rows = functions.select { |f| f[:label] == label }
+        expect(rows.map { |f| f[:path] }).to eq([""]), "#{label}: #{rows.inspect}"
+      end
+      ruby_rows = functions.reject { |f| c_labels.include?(f[:label]) }
+      expect(ruby_rows.map { |f| f[:path] }).to all(satisfy { |p| !p.empty? })
+      expect(functions.sum { |f| f[:self] }).to eq(profile.samples)
+    end
+  end
+
   describe "two CPU-bound threads competing for the GVL" do
     it "records each of them both running and waiting for the GVL" do
       target = start_target("gvl_contention")

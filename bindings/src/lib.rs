@@ -193,6 +193,16 @@ pub struct Layout {
     pub id_entry_size: u64,
 }
 
+impl Layout {
+    /// Backtraces label rescue, ensure and eval code like the code it belongs to (the nearest
+    /// ancestor iseq of another kind) and leave out the frame of that code, showing the
+    /// clause's frame in its place: Ruby 3.4's `calculate_iseq_label` and `skip_next_frame`
+    /// in vm_backtrace.c. Before 3.4 every clause has its own label and frame.
+    pub fn labels_clauses_as_their_code(&self) -> bool {
+        self.api_version >= 304
+    }
+}
+
 /// The layout for a Ruby version string such as "3.1.2", if it is a known release.
 pub fn layout_for_version(version: &str) -> Option<&'static Layout> {
     VERSIONS

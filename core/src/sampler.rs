@@ -3,6 +3,7 @@
 //! profiles, whose threads keep running) and never sends signals.
 use crate::error::{Error, Result};
 use crate::memory::Memory;
+use crate::output::FunctionKey;
 use crate::profile::{Aggregator, Profile};
 use crate::spy::{Config, Spy, ThreadSelection};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -311,7 +312,8 @@ pub fn descendants(root: i32) -> Vec<i32> {
     found
 }
 
-/// The 10 functions seen most often at the top of a stack so far.
+/// The 10 functions seen most often at the top of a stack so far, by label. A function is
+/// what the summary counts (`output::FunctionKey`: label and path, a C function by label).
 fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
     let mut by_frame: rustc_hash::FxHashMap<u32, u64> = Default::default();
     for s in &profile.stacks {
@@ -319,15 +321,15 @@ fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
             *by_frame.entry(*leaf).or_insert(0) += s.count;
         }
     }
-    let mut by_label: rustc_hash::FxHashMap<&str, u64> = Default::default();
+    let mut by_function: rustc_hash::FxHashMap<FunctionKey, u64> = Default::default();
     for (frame, n) in by_frame {
-        *by_label
-            .entry(&profile.frames[frame as usize].label)
+        *by_function
+            .entry(FunctionKey::of(&profile.frames[frame as usize]))
             .or_insert(0) += n;
     }
-    let mut top: Vec<(String, u64)> = by_label
+    let mut top: Vec<(String, u64)> = by_function
         .into_iter()
-        .map(|(l, n)| (l.to_string(), n))
+        .map(|(f, n)| (f.label.to_string(), n))
         .collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     top.truncate(10);

@@ -3,13 +3,11 @@
 module RubySpy
   # A finished recording: samples aggregated by thread, thread state and stack.
   class Profile
-    # Output formats for {#write} and {#render}.
-    FORMATS = %i[flamegraph speedscope pprof collapsed callgrind summary lines raw].freeze
-    # The file name extension for each format (what +rubyspy record+ and the RSpec
-    # integration name their files with).
-    EXTENSIONS = { flamegraph: "svg", speedscope: "speedscope.json", pprof: "pb.gz",
-                   collapsed: "collapsed.txt", callgrind: "callgrind", summary: "summary.txt",
-                   lines: "lines.txt", raw: "raw" }.freeze
+    # {FORMATS} and {EXTENSIONS} come from the extension's one table of formats
+    # (lib/rbspy_ext/formats.rb), loaded when first used: the RSpec integration loads this
+    # file without the extension.
+    autoload :FORMATS, File.expand_path("formats", __dir__)
+    autoload :EXTENSIONS, File.expand_path("formats", __dir__)
 
     # Loads a raw profile written by +write(path, format: :raw)+, to render it again.
     # @param path [String, #to_path]
@@ -159,13 +157,16 @@ module RubySpy
 
     # Functions by samples: +self+ counts the samples with the function on top of the stack,
     # +total+ those with it anywhere in the stack (once per sample, however deep it recurses).
+    # A function is a label and a path, as in the summary, pprof and callgrind formats; a C
+    # function has no path of its own (its frames carry their caller's), so it is one function
+    # whoever calls it, with path "".
     # @param limit [Integer, nil] keep only the first +limit+
     # @return [Array<Hash>] +{label:, path:, self:, total:}+, most self samples first (then
     #   most total)
     def functions(limit: nil)
       table = Hash.new { |h, k| h[k] = { label: k[0], path: k[1], self: 0, total: 0 } }
       stacks.each do |stack|
-        keys = stack[:frames].map { |f| [f.label, f.path] }
+        keys = stack[:frames].map { |f| [f.label, f.c_function? ? "" : f.path] }
         table[keys.first][:self] += stack[:samples] unless keys.empty?
         keys.uniq.each { |k| table[k][:total] += stack[:samples] }
       end

@@ -1,9 +1,19 @@
 # frozen_string_literal: true
 
 module RubySpy
+  # The highest sampling rate a recording takes, in Hz (the extension's limit).
+  MAX_RATE = NativeRecorder::MAX_RATE_HZ
+
+  # Whether +value+ is a sampling rate a recording takes: a positive Numeric up to {MAX_RATE}.
+  # @param value [Object]
+  # @return [Boolean]
+  def self.valid_rate?(value)
+    value.is_a?(Numeric) && value.positive? && value <= MAX_RATE
+  end
+
   # How a recording runs. Every option has a default; pass only what you change.
   #
-  # @!attribute rate [Numeric] samples per second, jittered (default 99; at most 100_000)
+  # @!attribute rate [Numeric] samples per second, jittered (default 99; at most {MAX_RATE})
   # @!attribute duration [Numeric, nil] stop after this many seconds (default: until #stop)
   # @!attribute threads [Symbol] +:all+ (every Ruby thread, the default) or +:gvl+ (only
   #   the thread holding the GVL)
@@ -26,7 +36,7 @@ module RubySpy
     def validate!
       raise TypeError, "rate must be a Numeric, got #{rate.class}" unless rate.is_a?(Numeric)
       raise ArgumentError, "rate must be positive, got #{rate}" unless rate.positive?
-      raise ArgumentError, "rate #{rate} Hz is above the maximum of 100000 Hz" if rate > 100_000
+      raise ArgumentError, "rate #{rate} Hz is above the maximum of #{MAX_RATE.to_i} Hz" if rate > MAX_RATE
       unless duration.nil? || (duration.is_a?(Numeric) && duration.positive? && duration.finite?)
         raise ArgumentError, "duration must be a positive number of seconds or nil, got #{duration.inspect}"
       end
@@ -67,24 +77,26 @@ module RubySpy
       raise Error, "already started" if @native
 
       o = options
-      @native = NativeRecorder.start(pid, o.rate.to_f, o.duration&.to_f, o.threads == :gvl,
-                                     o.on_cpu ? true : false, o.subprocesses ? true : false,
-                                     o.force_version)
+      @native = NativeRecorder.start(pid, { rate: o.rate.to_f, duration: o.duration&.to_f, threads: o.threads,
+                                            on_cpu: o.on_cpu ? true : false,
+                                            subprocesses: o.subprocesses ? true : false,
+                                            force_version: o.force_version })
       self
     end
 
     # @return [Boolean] true while sampling (false once stopped, the duration has passed, or
     #   the target exited)
     def running?
-      !@native.nil? && !@native.progress[3]
+      !@native.nil? && !@native.progress[:finished]
     end
 
     # @return [Hash] +:elapsed+ seconds, +:ticks+ attempted, +:samples+ taken so far, and
     #   +:top+, the 10 functions most often on top of a stack (+[label, samples]+ pairs,
     #   refreshed every half second)
     def progress
-      elapsed, ticks, samples, _finished, top = @native ? @native.progress : [0.0, 0, 0, true, []]
-      { elapsed: elapsed, ticks: ticks, samples: samples, top: top }
+      return { elapsed: 0.0, ticks: 0, samples: 0, top: [] } unless @native
+
+      @native.progress.tap { |h| h.delete(:finished) }
     end
 
     # Waits until the recording ends by itself (duration or target exit).

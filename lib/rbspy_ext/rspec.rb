@@ -53,6 +53,23 @@ module RubySpy
     Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, keyword_init: true)
 
     class << self
+      # Whether +value+ is a sampling rate a recording takes ({RubySpy.valid_rate?}). The
+      # limit is the extension's, so this loads it: a rate is only checked when one is given,
+      # which means something is to be recorded.
+      # @param value [Object]
+      # @return [Boolean]
+      def valid_rate?(value)
+        load_core
+        RubySpy.valid_rate?(value)
+      end
+
+      # The highest rate, as whole Hz for messages.
+      # @return [Integer, Float]
+      def max_rate
+        load_core
+        RubySpy::MAX_RATE.finite? ? RubySpy::MAX_RATE.to_i : RubySpy::MAX_RATE
+      end
+
       # Reads the settings from +env+; every value that cannot be used is reported with
       # {warn_once} and replaced by its default.
       # @param env [Hash{String => String}]
@@ -144,9 +161,10 @@ module RubySpy
         return nil if value.nil? || value.strip.empty?
 
         rate = Float(value, exception: false)
-        return rate if rate&.positive? && rate <= 100_000
+        return rate if RubySpy::RSpec.valid_rate?(rate)
 
-        warn_once("RUBYSPY_RATE=#{value} is not a rate in Hz between 0 and 100000; using #{DEFAULT_RATE}")
+        warn_once("RUBYSPY_RATE=#{value} is not a rate in Hz between 0 and #{RubySpy::RSpec.max_rate}; " \
+                  "using #{DEFAULT_RATE}")
         nil
       end
 
@@ -232,9 +250,9 @@ module RubySpy
       def example_rate(options)
         value = options[:rate]
         return rate if value.nil?
-        return value if value.is_a?(Numeric) && value.positive? && value <= 100_000
+        return value if RubySpy::RSpec.valid_rate?(value)
 
-        RSpec.warn_once("rubyspy: { rate: #{value.inspect} } is not a rate in Hz between 0 and 100000; " \
+        RSpec.warn_once("rubyspy: { rate: #{value.inspect} } is not a rate in Hz between 0 and #{RubySpy::RSpec.max_rate}; " \
                         "using #{rate}")
         rate
       end
@@ -353,8 +371,9 @@ module RubySpy
       # @param hz [Numeric] the sampling rate while the block runs
       # @return [self]
       def at_rate(hz)
-        raise ArgumentError, "at_rate takes a rate in Hz between 0 and 100000, got #{hz.inspect}" unless
-          hz.is_a?(Numeric) && hz.positive? && hz <= 100_000
+        unless RubySpy::RSpec.valid_rate?(hz)
+          raise ArgumentError, "at_rate takes a rate in Hz between 0 and #{RubySpy::RSpec.max_rate}, got #{hz.inspect}"
+        end
 
         @rate = hz
         self

@@ -20,6 +20,9 @@ module RubySpy
   end
 
   class NativeRecorder
+    # Nothing records here: no rate is too high to be refused for that reason instead.
+    MAX_RATE_HZ = Float::INFINITY
+
     # @api private
     def self.start(*)
       Unsupported.raise_error
@@ -27,6 +30,9 @@ module RubySpy
   end
 
   class NativeProfile
+    # Nothing renders here.
+    FORMATS = {}.freeze
+
     # @api private
     def self.load(*)
       Unsupported.raise_error

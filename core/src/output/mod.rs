@@ -98,10 +98,12 @@ impl Format {
             Format::Speedscope => "speedscope.json",
             Format::Pprof => "pb.gz",
             Format::Collapsed => "collapsed.txt",
+            // KCachegrind's file dialog and callgrind_annotate look for "callgrind.out".
             Format::Callgrind => "callgrind.out",
             Format::Summary => "summary.txt",
             Format::Lines => "lines.txt",
-            Format::Raw => "raw.json",
+            // Not ".json": a raw profile is for `Profile.load` / `rubyspy report` only.
+            Format::Raw => "raw",
         }
     }
 }

@@ -187,7 +187,7 @@ impl<M: Memory> Spy<M> {
         };
         let kind = word32(&b, l.body_type);
         let mut label = strings(self, word(&b, l.body_location_label))?;
-        if l.api_version >= 304 {
+        if l.labels_clauses_as_their_code() {
             // 3.4 labels rescue, ensure and eval code like the code it belongs to
             // (calculate_iseq_label): the label of the nearest other ancestor.
             let mut body = b.clone();
@@ -324,7 +324,7 @@ impl<M: Memory> Spy<M> {
         let mut pending_cfuncs: Vec<usize> = Vec::new();
         // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
         // then leaves out (vm_backtrace.c, skip_next_frame).
-        let merges_clauses = l.api_version >= 304;
+        let merges_clauses = l.labels_clauses_as_their_code();
         let mut skip_next = false;
         for Wanted {
             index,

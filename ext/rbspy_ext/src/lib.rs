@@ -9,10 +9,12 @@ mod recorder;
 mod state;
 
 /// Resolves a wrapped type's Ruby class now, while the extension loads (one thread, holding
-/// the GVL throughout). magnus looks the class up on first use behind a `OnceLock` whose
-/// initialiser calls `const_get`, and Ruby may switch threads inside it; another thread that
-/// wants the same class then blocks on the lock while holding the GVL, and the first can never
-/// finish. Two threads tagging for the first time at once under GC.stress deadlocked so.
+/// the GVL throughout). Invariant: no `OnceLock` of magnus is first taken after load. magnus
+/// looks a wrapped type's class up on first use behind a `OnceLock` whose initialiser calls
+/// `const_get`, where Ruby may switch threads; a second thread wanting the class then blocks
+/// on the lock while holding the GVL, and the first can never finish: the lock-vs-GVL
+/// ordering of <https://github.com/matsadler/magnus/issues/109> (fixed there for `Lazy`, not
+/// for this lookup).
 pub(crate) fn resolve_class<T: magnus::TypedData>(ruby: &Ruby) {
     let _ = T::class(ruby);
 }

@@ -17,18 +17,22 @@ struct NativeRecorder(Mutex<Option<Recorder>>);
 #[magnus::wrap(class = "RubySpy::NativeProfile", free_immediately, size)]
 struct NativeProfile(Profile);
 
+/// `options[key]` converted, for the options Hash lib/rbspy_ext/recorder.rb passes.
+fn option<T: magnus::TryConvert>(ruby: &Ruby, options: RHash, key: &str) -> Result<T, Error> {
+    options.lookup(ruby.to_symbol(key))
+}
+
 impl NativeRecorder {
-    #[allow(clippy::too_many_arguments)]
-    fn start(
-        ruby: &Ruby,
-        pid: i64,
-        rate: f64,
-        duration: Option<f64>,
-        gvl_only: bool,
-        on_cpu: bool,
-        subprocesses: bool,
-        force_version: Option<String>,
-    ) -> Result<Self, Error> {
+    /// `NativeRecorder.start(pid, options)`: `options` is `RecordOptions#to_h` (validated
+    /// there): `rate`, `duration` (nil for none), `threads` (`:all` or `:gvl`), `on_cpu`,
+    /// `subprocesses`, `force_version`.
+    fn start(ruby: &Ruby, pid: i64, options: RHash) -> Result<Self, Error> {
+        let rate: f64 = option(ruby, options, "rate")?;
+        let duration: Option<f64> = option(ruby, options, "duration")?;
+        let threads: magnus::Symbol = option(ruby, options, "threads")?;
+        let on_cpu: bool = option(ruby, options, "on_cpu")?;
+        let subprocesses: bool = option(ruby, options, "subprocesses")?;
+        let force_version: Option<String> = option(ruby, options, "force_version")?;
         let pid = i32::try_from(pid)
             .ok()
             .filter(|p| *p > 0)
@@ -46,7 +50,7 @@ impl NativeRecorder {
         let config = RecordConfig {
             rate_hz: rate,
             duration,
-            threads: if gvl_only {
+            threads: if threads.name()? == "gvl" {
                 ThreadSelection::GvlHolder
             } else {
                 ThreadSelection::All
@@ -92,22 +96,22 @@ impl NativeRecorder {
         }
     }
 
-    /// [elapsed seconds, ticks, samples, finished?, [[label, samples], ...] (top 10)]
-    #[allow(clippy::type_complexity)]
-    fn progress(&self) -> (f64, u64, u64, bool, Vec<(String, u64)>) {
-        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(r) => {
-                let p = r.progress();
-                (
-                    p.elapsed.as_secs_f64(),
-                    p.ticks,
-                    p.samples,
-                    p.finished,
-                    p.top,
-                )
-            }
-            None => (0.0, 0, 0, true, Vec::new()),
-        }
+    /// `{elapsed:, ticks:, samples:, finished:, top: [[label, samples], ...]}` (top 10).
+    fn progress(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        let p = match &*rb_self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(r) => r.progress(),
+            None => rbspy_ext_core::sampler::Progress {
+                finished: true,
+                ..Default::default()
+            },
+        };
+        let h = ruby.hash_new();
+        h.aset(ruby.to_symbol("elapsed"), p.elapsed.as_secs_f64())?;
+        h.aset(ruby.to_symbol("ticks"), p.ticks)?;
+        h.aset(ruby.to_symbol("samples"), p.samples)?;
+        h.aset(ruby.to_symbol("finished"), p.finished)?;
+        h.aset(ruby.to_symbol("top"), p.top)?;
+        Ok(h)
     }
 }
 
@@ -282,7 +286,7 @@ impl NativeProfile {
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
     let rec = module.define_class("NativeRecorder", ruby.class_object())?;
-    rec.define_singleton_method("start", function!(NativeRecorder::start, 7))?;
+    rec.define_singleton_method("start", function!(NativeRecorder::start, 2))?;
     rec.define_method("stop", method!(NativeRecorder::stop, 0))?;
     rec.define_method("progress", method!(NativeRecorder::progress, 0))?;
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
@@ -304,6 +308,15 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("cost", method!(NativeProfile::cost, 0))?;
     prof.define_method("notes", method!(NativeProfile::notes, 0))?;
     prof.define_method("threads", method!(NativeProfile::threads, 0))?;
+    // The one table of formats and the one maximum rate (lib/rbspy_ext/profile.rb and
+    // recorder.rb name them FORMATS, EXTENSIONS and MAX_RATE).
+    let formats = ruby.hash_new();
+    for format in Format::ALL {
+        formats.aset(ruby.to_symbol(format.name()), format.extension())?;
+    }
+    formats.freeze();
+    prof.const_set("FORMATS", formats)?;
+    rec.const_set("MAX_RATE_HZ", rbspy_ext_core::sampler::MAX_RATE_HZ)?;
     crate::resolve_class::<NativeRecorder>(ruby);
     crate::resolve_class::<NativeProfile>(ruby);
     Ok(())

@@ -1,0 +1,15 @@
+# frozen_string_literal: true
+
+# Loaded on first use of RubySpy::Profile::FORMATS or EXTENSIONS (see profile.rb).
+require_relative "../rbspy_ext"
+
+module RubySpy
+  class Profile
+    # The file name extension for each format (what +rubyspy record+ and the RSpec
+    # integration name their files with): the extension's table (`Format` in
+    # core/src/output/mod.rs). Empty where rbspy_ext runs without native code.
+    EXTENSIONS = NativeProfile::FORMATS
+    # Output formats for {#write} and {#render}.
+    FORMATS = EXTENSIONS.keys.freeze
+  end
+end
