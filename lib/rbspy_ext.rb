@@ -4,8 +4,9 @@ require_relative "rbspy_ext/version"
 require_relative "rbspy_ext/error"
 require_relative "rbspy_ext/frame"
 
-# The compiled extension defines RubySpy::Handle (a live view of one process's Ruby VM), the
-# recorder and tag states; rbspy_ext/native.rb finds the one for this Ruby (or, where the spy
+# The compiled extension defines RubySpy::NativeHandle (a live view of one process's Ruby VM),
+# NativeRecorder and NativeProfile, which the Ruby classes of the same names without "Native"
+# wrap, and the tag states; rbspy_ext/native.rb finds the one for this Ruby (or, where the spy
 # cannot run, loads inert stand-ins).
 require_relative "rbspy_ext/native"
 RubySpy::Native.load!

@@ -271,7 +271,9 @@ fn method_prefix<M: Memory>(
     let Some(flags) = flags else { return Ok(None) };
     if flags & l.fl_singleton != 0 {
         let attached = match l.classext_attached_object {
-            Some(offset) => Some(mem.read_u64(class_ext(mem, l, owner)? + offset as u64)?),
+            Some(offset) => {
+                Some(mem.read_u64(class_ext(mem, l, owner)?.wrapping_add(offset as u64))?)
+            }
             None => ivar(mem, l, symbols, owner, "__attached__")?,
         };
         let Some(attached) = attached else {
@@ -359,7 +361,7 @@ fn ivar<M: Memory>(
     }
     let size = l.st_table_entry_size as u64;
     let entries = mem.read_vec(
-        word(&head, l.st_table_entries) + start * size,
+        word(&head, l.st_table_entries).wrapping_add(start.wrapping_mul(size)),
         ((bound - start) * size) as usize,
     )?;
     for entry in entries.chunks_exact(l.st_table_entry_size) {

@@ -59,6 +59,44 @@ pub struct Identity {
     auxv: Vec<u8>,
 }
 
+/// The fields of a /proc/PID/stat line after the command name (field 3, the state, first):
+/// the name may hold spaces and parentheses, so the fields follow its last ')'.
+fn stat_fields(stat: &str) -> Option<std::str::SplitWhitespace<'_>> {
+    Some(stat[stat.rfind(')')? + 1..].split_whitespace())
+}
+
+/// Every descendant of `root` (children, their children...), from the parent pids in
+/// /proc/*/stat; empty when /proc cannot be listed.
+pub fn descendants(root: i32) -> Vec<i32> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let parents: Vec<(i32, i32)> = dir
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<i32>().ok()?;
+            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // Field 4: the parent pid.
+            let ppid = stat_fields(&stat)?.nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
 /// How a process differs from the one an [`Identity`] was taken of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Replaced {
@@ -73,12 +111,12 @@ impl Identity {
     /// auxiliary vector is gone with its memory).
     pub fn of(pid: i32) -> Option<Identity> {
         let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // Field 22, counted after the command name, which may hold spaces and parentheses.
-        let after = &stat[stat.rfind(')')? + 1..];
-        let start_ticks = after.split_whitespace().nth(19)?.parse().ok()?;
+        let fields = stat_fields(&stat)?;
+        // Field 22 of stat(5): start time in clock ticks.
+        let start_ticks = fields.clone().nth(19)?.parse().ok()?;
         // Unreadable without the right to read the process's memory; then the start time alone.
         let auxv = fs::read(format!("/proc/{pid}/auxv")).unwrap_or_default();
-        if auxv.is_empty() && after.split_whitespace().next() == Some("Z") {
+        if auxv.is_empty() && fields.clone().next() == Some("Z") {
             return None;
         }
         Some(Identity { start_ticks, auxv })

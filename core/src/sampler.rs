@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::memory::Memory;
 use crate::output::FunctionKey;
+use crate::process::descendants;
 use crate::profile::{Aggregator, Profile};
 use crate::spy::{Config, Spy, ThreadSelection};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -268,48 +269,6 @@ fn sample_into<M: Memory>(
             Ok(())
         }
     }
-}
-
-/// Every descendant of `root`, from the parent pids in /proc/*/stat.
-pub fn descendants(root: i32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut parents: Vec<(i32, i32)> = Vec::new();
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // The command name may contain spaces and parentheses: fields follow the last ')'.
-        let ppid = stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].split_whitespace().nth(1))
-            .and_then(|p| p.parse().ok());
-        if let Some(ppid) = ppid {
-            parents.push((pid, ppid));
-        }
-    }
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let parent = found[i];
-        found.extend(
-            parents
-                .iter()
-                .filter(|(_, pp)| *pp == parent)
-                .map(|(p, _)| *p),
-        );
-        i += 1;
-    }
-    found.remove(0);
-    found
 }
 
 /// The 10 functions seen most often at the top of a stack so far, by label. A function is

@@ -25,20 +25,16 @@ module RubySpy
   # and caches what cannot change, so each {#snapshot} costs a few memory reads. A handle is
   # safe to share between threads (snapshots through it are serialised).
   class Handle
-    class << self
-      # @param pid [Integer] the process to read; +Process.pid+ for the calling process
-      # @param force_version [String, nil] use this Ruby version's struct layout instead of
-      #   the version the process reports (for builds whose version string is misleading)
-      # @return [RubySpy::Handle]
-      # @raise [TypeError] if +pid+ is not an Integer
-      # @raise [ArgumentError] if +pid+ is not positive
-      # @raise [RubySpy::Error] a subclass naming why the process cannot be read
-      def new(pid, force_version: nil)
-        handle = _new(pid, force_version)
-        handle.instance_variable_set(:@frames, [])
-        handle.instance_variable_set(:@lock, Mutex.new)
-        handle
-      end
+    # @param pid [Integer] the process to read; +Process.pid+ for the calling process
+    # @param force_version [String, nil] use this Ruby version's struct layout instead of
+    #   the version the process reports (for builds whose version string is misleading)
+    # @raise [TypeError] if +pid+ is not an Integer
+    # @raise [ArgumentError] if +pid+ is not positive
+    # @raise [RubySpy::Error] a subclass naming why the process cannot be read
+    def initialize(pid, force_version: nil)
+      @native = NativeHandle.open(pid, force_version)
+      @frames = []
+      @lock = Mutex.new
     end
 
     # The stack of the thread holding the GVL (the main thread when none holds it),
@@ -52,9 +48,9 @@ module RubySpy
       # Frames are immutable, so each distinct one is built once and reused (see
       # ext/rbspy_ext/src/handle.rs); the lock keeps ids and their definitions together.
       @lock.synchronize do
-        ids, fresh, tags = _snapshot_ids
-        fresh.each { |id, row| @frames[id] = Frame.from_row(row) }
-        Stack.new(ids.map { |id| @frames[id] }, Stack.tags_from(tags))
+        read = @native.snapshot_ids
+        read[:fresh].each { |id, row| @frames[id] = Frame.from_row(row) }
+        Stack.new(read[:ids].map { |id| @frames[id] }, Stack.tags_from(read[:tags]))
       end
     end
 
@@ -65,23 +61,36 @@ module RubySpy
     #   "waiting_for_gvl", "blocked", "gc_marking"...), +:frames+ (Array of {RubySpy::Frame}),
     #   +:tags+ (the tags of the fiber it was running, Hash{Symbol => String})
     def thread_snapshots
-      @lock.synchronize { _thread_snapshots }.map do |tid, name, main, state, frames, tags|
-        { tid: tid, name: name, main: main, state: state,
-          frames: frames.map { |row| Frame.from_row(row) }, tags: Stack.tags_from(tags) }
+      @lock.synchronize { @native.thread_snapshots }.map do |t|
+        t.merge(frames: t[:frames].map { |row| Frame.from_row(row) }, tags: Stack.tags_from(t[:tags]))
       end
     end
 
-    # @!method pid
-    #   @return [Integer] the process this handle reads
-    # @!method ruby_version
-    #   @return [String] the Ruby version the process reports, e.g. "3.1.2"
-    # @!method warning
-    #   @return [String, nil] set when the struct layout came from another patch release
-    # @!method read_calls
-    #   @return [Integer] how many +process_vm_readv+ calls this handle has made
-    # @!method profiler_state_offset
-    #   @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
-    #     this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
-    #     rbspy_ext; what a BPF program needs (docs/profiler-state.md)
+    # @return [Integer] the process this handle reads
+    def pid
+      @native.pid
+    end
+
+    # @return [String] the Ruby version the process reports, e.g. "3.1.2"
+    def ruby_version
+      @native.ruby_version
+    end
+
+    # @return [String, nil] set when the struct layout came from another patch release
+    def warning
+      @native.warning
+    end
+
+    # @return [Integer] how many +process_vm_readv+ calls this handle has made
+    def read_calls
+      @native.read_calls
+    end
+
+    # @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
+    #   this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
+    #   rbspy_ext; what a BPF program needs (docs/profiler-state.md)
+    def profiler_state_offset
+      @native.profiler_state_offset
+    end
   end
 end

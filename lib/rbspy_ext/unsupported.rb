@@ -12,9 +12,9 @@ module RubySpy
     end
   end
 
-  class Handle
+  class NativeHandle
     # @api private
-    def self._new(*)
+    def self.open(*)
       Unsupported.raise_error
     end
   end

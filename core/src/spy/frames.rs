@@ -122,10 +122,9 @@ impl<M: Memory> Spy<M> {
             .iter()
             .filter(|f| f.iseq != 0 && f.pc != 0)
             .filter(|f| {
-                full || self
-                    .iseqs
-                    .get(&f.iseq)
-                    .is_none_or(|i| f.pc < i.encoded || f.pc > i.encoded + u64::from(i.size) * 8)
+                full || self.iseqs.get(&f.iseq).is_none_or(|i| {
+                    f.pc < i.encoded || f.pc > i.encoded.saturating_add(u64::from(i.size) * 8)
+                })
             })
             .map(|f| f.iseq)
             .collect();

@@ -385,11 +385,11 @@ impl<M: Memory> Spy<M> {
         Some(match flags & T_MASK {
             T_STRING => string_or(read_string(&self.mem, l, v), "String")?,
             T_SYMBOL => {
-                let fstr = self.mem.read_u64(v + RSYMBOL_FSTR).ok()?;
+                let fstr = self.mem.read_u64(v.wrapping_add(RSYMBOL_FSTR)).ok()?;
                 string_or(read_string(&self.mem, l, fstr), "Symbol")?
             }
             _ => {
-                let class = self.mem.read_u64(v + 8).ok()?;
+                let class = self.mem.read_u64(v.wrapping_add(8)).ok()?;
                 self.symbols().ok()?;
                 let symbols = self.symbols.as_mut()?;
                 self.classes

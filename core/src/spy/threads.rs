@@ -186,7 +186,9 @@ impl<M: Memory> Spy<M> {
     /// its frames used.
     fn guess_stack(&mut self, thread: u64, [vm_stack, vm_stack_size, cfp]: [u64; 3]) {
         let cfp_size = self.layout.cfp_size as u64;
-        let end = vm_stack + vm_stack_size * 8 - cfp_size;
+        let end = vm_stack
+            .wrapping_add(vm_stack_size.wrapping_mul(8))
+            .wrapping_sub(cfp_size);
         let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
         let values = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
         let values = values.min((from - vm_stack) as usize);

@@ -1,14 +1,14 @@
-//! `RubySpy::Handle`: one attached process. The Ruby side (lib/rbspy_ext/handle.rb) turns
-//! the raw frame arrays into `RubySpy::Frame` objects.
+//! `RubySpy::NativeHandle`: one attached process. `RubySpy::Handle` (lib/rbspy_ext/handle.rb)
+//! wraps it and turns the raw frame rows into `RubySpy::Frame` objects.
 use crate::{errors, nogvl::nogvl};
-use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, Ruby, Value};
+use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, RHash, Ruby, Value};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::{Config, Frame, Spy};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
-#[magnus::wrap(class = "RubySpy::Handle", free_immediately, size)]
+#[magnus::wrap(class = "RubySpy::NativeHandle", free_immediately, size)]
 struct Handle {
     spy: Mutex<Spy>,
     /// Every distinct frame seen gets a small id; the Ruby side keeps one frozen
@@ -107,11 +107,11 @@ impl Handle {
         self.spy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// `[ids, fresh]`: the frame ids of the current stack, innermost first, and
-    /// `[id, frame_row]` for each id not
-    /// returned before. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so
-    /// every fresh id reaches the cache before another snapshot can refer to it.
-    fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<(RArray, RArray, RArray), Error> {
+    /// `{ids:, fresh:, tags:}`: the frame ids of the current stack, innermost first,
+    /// `[id, frame_row]` for each id not returned before, and the tags as `[key, value]`
+    /// pairs. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so every fresh
+    /// id reaches the cache before another snapshot can refer to it.
+    fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
         let (ids, fresh, tags) = run(ruby, rb_self.own_process, "taking a snapshot", || {
             let (frames, tags) = {
                 let mut spy = rb_self.lock();
@@ -136,11 +136,15 @@ impl Handle {
         for (id, f) in fresh {
             fresh_ary.push((id, frame_row(&f)))?;
         }
-        Ok((ruby.ary_from_vec(ids), fresh_ary, tag_pairs(ruby, &tags)?))
+        let h = ruby.hash_new();
+        h.aset(ruby.to_symbol("ids"), ruby.ary_from_vec(ids))?;
+        h.aset(ruby.to_symbol("fresh"), fresh_ary)?;
+        h.aset(ruby.to_symbol("tags"), tag_pairs(ruby, &tags)?)?;
+        Ok(h)
     }
 
-    /// Every Ruby thread: `[[tid, name, main?, state, [[label, base_label, path,
-    /// absolute_path, lineno, c_function], ...]], ...]`.
+    /// Every Ruby thread: `[{tid:, name:, main:, state:, frames: [frame_row, ...], tags:
+    /// [[key, value], ...]}, ...]`.
     fn thread_snapshots(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let (threads, _dropped) = run(ruby, rb_self.own_process, "sampling threads", || {
             rb_self.lock().sample_threads(ThreadSelection::All)
@@ -151,14 +155,14 @@ impl Handle {
             for f in t.frames.iter() {
                 frames.push(frame_row(f))?;
             }
-            out.push((
-                t.info.tid,
-                t.info.name.clone(),
-                t.info.main,
-                t.state.name(),
-                frames,
-                tag_pairs(ruby, &t.tags)?,
-            ))?;
+            let h = ruby.hash_new();
+            h.aset(ruby.to_symbol("tid"), t.info.tid)?;
+            h.aset(ruby.to_symbol("name"), t.info.name.clone())?;
+            h.aset(ruby.to_symbol("main"), t.info.main)?;
+            h.aset(ruby.to_symbol("state"), t.state.name())?;
+            h.aset(ruby.to_symbol("frames"), frames)?;
+            h.aset(ruby.to_symbol("tags"), tag_pairs(ruby, &t.tags)?)?;
+            out.push(h)?;
         }
         Ok(out)
     }
@@ -185,18 +189,18 @@ fn tag_pairs(ruby: &Ruby, tags: &rbspy_ext_core::spy::Tags) -> Result<RArray, Er
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
-    let class = module.define_class("Handle", ruby.class_object())?;
-    class.define_singleton_method("_new", function!(Handle::new, 2))?;
+    let class = module.define_class("NativeHandle", ruby.class_object())?;
+    class.define_singleton_method("open", function!(Handle::new, 2))?;
     class.define_method("pid", method!(Handle::pid, 0))?;
     class.define_method("ruby_version", method!(Handle::ruby_version, 0))?;
     class.define_method("warning", method!(Handle::warning, 0))?;
-    class.define_method("_snapshot_ids", method!(Handle::snapshot_ids, 0))?;
+    class.define_method("snapshot_ids", method!(Handle::snapshot_ids, 0))?;
     class.define_method("read_calls", method!(Handle::read_calls, 0))?;
     class.define_method(
         "profiler_state_offset",
         method!(Handle::profiler_state_offset, 0),
     )?;
-    class.define_method("_thread_snapshots", method!(Handle::thread_snapshots, 0))?;
+    class.define_method("thread_snapshots", method!(Handle::thread_snapshots, 0))?;
     crate::resolve_class::<Handle>(ruby);
     Ok(())
 }
