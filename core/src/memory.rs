@@ -48,6 +48,101 @@ pub trait Memory {
     }
 }
 
+/// Reads gathered into one reusable arena and made together: [`ReadBatch::add`] a range and
+/// keep its [`Span`], [`ReadBatch::read`] them all with one `read_many` (one
+/// `process_vm_readv` for a live process), then look each up with [`ReadBatch::get`]. The
+/// arena keeps its capacity from batch to batch, so a warm sample allocates nothing for its
+/// reads.
+#[derive(Debug, Default)]
+pub struct ReadBatch {
+    arena: Vec<u8>,
+    reads: Vec<(u64, Span)>,
+}
+
+/// Where one read's bytes sit in a [`ReadBatch`]'s arena; only meaningful for that batch
+/// until it is cleared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Span {
+    start: usize,
+    len: usize,
+}
+
+impl Span {
+    pub fn len(self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+}
+
+impl ReadBatch {
+    /// Forgets every read, keeping the arena's capacity.
+    pub fn clear(&mut self) {
+        self.arena.clear();
+        self.reads.clear();
+    }
+
+    /// Adds a read of `len` bytes at `addr` (none for `len` 0); its bytes are zero until read.
+    pub fn add(&mut self, addr: u64, len: usize) -> Span {
+        let span = Span {
+            start: self.arena.len(),
+            len,
+        };
+        self.arena.resize(span.start + len, 0);
+        if len > 0 {
+            self.reads.push((addr, span));
+        }
+        span
+    }
+
+    /// Makes every read added since the last `read` (or `clear`) in one `read_many`.
+    pub fn read<M: Memory + ?Sized>(&mut self, mem: &M) -> Result<(), MemoryError> {
+        let pending = std::mem::take(&mut self.reads);
+        let result = self.read_spans(mem, &pending);
+        self.reads = pending;
+        self.reads.clear();
+        result
+    }
+
+    /// Reads again the given spans (each as it was added, at its address), in one call.
+    pub fn reread<M: Memory + ?Sized>(
+        &mut self,
+        mem: &M,
+        spans: &[(u64, Span)],
+    ) -> Result<(), MemoryError> {
+        self.read_spans(mem, spans)
+    }
+
+    fn read_spans<M: Memory + ?Sized>(
+        &mut self,
+        mem: &M,
+        spans: &[(u64, Span)],
+    ) -> Result<(), MemoryError> {
+        if spans.is_empty() {
+            return Ok(());
+        }
+        // Spans are disjoint and in arena order: split the arena into one slice per read.
+        let mut requests: Vec<(u64, &mut [u8])> = Vec::with_capacity(spans.len());
+        let mut rest: &mut [u8] = &mut self.arena;
+        let mut at = 0;
+        for (addr, span) in spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(span.start - at);
+            let (buf, tail) = tail.split_at_mut(span.len);
+            requests.push((*addr, buf));
+            rest = tail;
+            at = span.start + span.len;
+        }
+        mem.read_many(&mut requests)
+    }
+
+    /// The bytes of `span`.
+    pub fn get(&self, span: Span) -> &[u8] {
+        &self.arena[span.start..span.start + span.len]
+    }
+}
+
 /// The memory of a live process, read with `process_vm_readv`. Never writes.
 #[derive(Debug)]
 pub struct ProcessMemory {
@@ -249,6 +344,28 @@ impl Memory for MemoryImage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_batch_fills_each_span_in_one_read_and_keeps_its_arena() {
+        let mut m = MemoryImage::new();
+        m.map(0x1000, (0u8..64).collect());
+        m.map(0x9000, vec![0xaa; 16]);
+        let mut batch = ReadBatch::default();
+        let a = batch.add(0x1008, 4);
+        let none = batch.add(0x2000, 0); // nothing to read: not a read at all
+        let b = batch.add(0x9004, 8);
+        batch.read(&m).unwrap();
+        assert_eq!(batch.get(a), [8, 9, 10, 11]);
+        assert!(batch.get(none).is_empty() && none.is_empty());
+        assert_eq!(batch.get(b), [0xaa; 8]);
+        // A read outside any region fails the batch; the arena is reused after `clear`.
+        batch.clear();
+        let c = batch.add(0x1000, 2);
+        batch.add(0x5000, 8);
+        assert!(batch.read(&m).is_err());
+        batch.reread(&m, &[(0x1000, c)]).unwrap();
+        assert_eq!(batch.get(c), [0, 1]);
+    }
 
     #[test]
     fn image_reads_inside_regions_only() {

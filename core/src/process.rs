@@ -59,6 +59,15 @@ pub struct Identity {
     auxv: Vec<u8>,
 }
 
+/// The mappings Ruby objects can live in: anonymous read-write ones and `[heap]` (Ruby's
+/// heap pages and malloc'ed memory), as `(start, end)`.
+pub fn heap_ranges(maps: &[Mapping]) -> Vec<(u64, u64)> {
+    maps.iter()
+        .filter(|m| m.perms.starts_with("rw") && (m.path.is_empty() || m.path == "[heap]"))
+        .map(|m| (m.start, m.end))
+        .collect()
+}
+
 /// The fields of a /proc/PID/stat line after the command name (field 3, the state, first):
 /// the name may hold spaces and parentheses, so the fields follow its last ')'.
 fn stat_fields(stat: &str) -> Option<std::str::SplitWhitespace<'_>> {

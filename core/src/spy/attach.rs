@@ -4,7 +4,9 @@ use super::*;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{Memory, ProcessMemory};
 use crate::objects::{ClassNames, SymbolTable};
-use crate::process::{find_ruby_binary, read_maps, Identity, Mapping, Replaced, RubyBinary};
+use crate::process::{
+    find_ruby_binary, heap_ranges, read_maps, Identity, Mapping, Replaced, RubyBinary,
+};
 use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use rustc_hash::FxHashMap;
@@ -87,11 +89,7 @@ fn find_roots(
         }
         None => {
             // Stripped of the symbol (Debian's 3.3 and 3.4): scan libruby's data.
-            let heap: Vec<(u64, u64)> = maps
-                .iter()
-                .filter(|m| m.perms.starts_with("rw") && (m.path.is_empty() || m.path == "[heap]"))
-                .map(|m| (m.start, m.end))
-                .collect();
+            let heap = heap_ranges(maps);
             let (vm, examined) = find_vm(mem, layout, &binary.writable, &heap);
             vm.ok_or_else(|| Error::NotRuby {
                 pid,
@@ -221,7 +219,8 @@ impl<M: Memory> Spy<M> {
             epoch: 0,
             tokens: 0,
             signature: Vec::new(),
-            spare: Vec::new(),
+            sample_reads: ReadBatch::default(),
+            walk_reads: ReadBatch::default(),
             tag_source: tags::TagSource::default(),
         }
     }
@@ -270,10 +269,18 @@ impl<M: Memory> Spy<M> {
 
     /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
     /// segments for a struct that validates through its `ids` array. Words that merely look
-    /// like one are common (thousands in some runs, as ASLR places things), so every
-    /// candidate's `ids` header is read in one batch per segment, not one call each.
+    /// like one are common (thousands in some runs, as ASLR places things), so only those
+    /// whose `ids` lies in a mapping a Ruby object can live in are candidates, and all their
+    /// `ids` headers are read in one batch per segment (`read_each` costs one more call per
+    /// unreadable address, which the mapping filter makes rare).
     pub(super) fn find_symbol_table(&self) -> Option<u64> {
         let l = self.layout;
+        // A memory image for tests has no /proc entry: then every candidate is kept.
+        let heap = read_maps(self.pid).ok().map(|maps| heap_ranges(&maps));
+        let in_heap = |p: u64| {
+            heap.as_ref()
+                .is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)))
+        };
         for &(start, end) in &self.writable {
             let len = (end - start).min(16 << 20) as usize;
             let Ok(data) = self.mem.read_vec(start, len) else {
@@ -284,7 +291,9 @@ impl<M: Memory> Spy<M> {
                 .step_by(8)
                 .filter_map(|off| {
                     let bytes = data.get(off..off + l.symbols_size)?;
-                    SymbolTable::candidate(l, bytes).map(|(last_id, ids)| (off, last_id, ids))
+                    SymbolTable::candidate(l, bytes)
+                        .filter(|(_, ids)| in_heap(*ids))
+                        .map(|(last_id, ids)| (off, last_id, ids))
                 })
                 .collect();
             let head_len = crate::objects::array_head_len(l);

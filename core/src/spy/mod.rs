@@ -4,7 +4,7 @@
 //! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
 //! environments + iseq headers, and method-entry headers.
 use crate::error::{Error, MemoryError, Result};
-use crate::memory::{Memory, ProcessMemory};
+use crate::memory::{Memory, ProcessMemory, ReadBatch};
 use crate::objects::{word, ClassNames, ObjectError, SymbolTable};
 use crate::process::Identity;
 use rbspy_ext_bindings::Layout;
@@ -111,8 +111,10 @@ pub struct Spy<M: Memory = ProcessMemory> {
     tokens: u64,
     /// Reused buffer for the signature of the stack being walked.
     signature: Vec<u64>,
-    /// Buffers for control frames and value stacks, reused from sample to sample.
-    spare: Vec<Vec<u8>>,
+    /// The arenas of a sample's one call (spy/threads.rs) and of the walker's own reads of
+    /// frames (spy/walker.rs), reused from sample to sample.
+    sample_reads: ReadBatch,
+    walk_reads: ReadBatch,
     /// Where the target publishes `ruby_profiler_state` (spy/tags.rs).
     tag_source: tags::TagSource,
 }

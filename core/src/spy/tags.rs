@@ -6,6 +6,7 @@
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::{word, Memory, Spy};
+use crate::memory::{ReadBatch, Span};
 use crate::objects::{is_heap_object, read_string, ObjResult, ObjectError, T_MASK, T_STRING};
 use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
@@ -59,23 +60,20 @@ struct LastTable {
     at: Instant,
 }
 
-/// What `sample_threads` reads for one thread's tags, in its one call: the thread's
-/// `ruby_profiler_state` pointer (`slot`, read into `pointer`) and, where the thread had a
-/// table last time, that table's bytes again (`last`: its address and a buffer).
-#[derive(Debug)]
+/// What `sample_threads` reads for one thread's tags, in its one call (spans of its batch):
+/// the owner and `ruby_profiler_state` pointer on the native thread the Ruby thread was on
+/// last time and, where it had a table then, that table's bytes again (`last`: the table's
+/// address and span). No spans while the thread's native thread is not known yet.
+#[derive(Debug, Clone, Copy)]
 pub(super) struct TagRead {
-    /// The native thread `slot` is on (0 before 3.2) and the published offset.
+    /// The native thread the pointer was read on (0 before 3.2) and the published offset.
     pub nt: u64,
     pub offset: i64,
-    /// That native thread's `ruby_profiler_state` (read into `pointer`); None while the
-    /// thread's native thread is not known yet.
-    pub slot: Option<u64>,
-    /// Where that native thread's `ruby_profiler_state_owner` is (read into `owner`, before
-    /// `slot`), when the extension publishes it.
-    pub owner_slot: Option<u64>,
-    pub owner: [u8; 8],
-    pub pointer: [u8; 8],
-    pub last: Option<(u64, Vec<u8>)>,
+    /// `ruby_profiler_state_owner` (read before the pointer; empty when not published).
+    pub owner: Span,
+    /// `ruby_profiler_state`; None while the native thread is not known yet.
+    pub pointer: Option<Span>,
+    pub last: Option<(u64, Span)>,
 }
 
 impl<M: Memory> Spy<M> {
@@ -183,37 +181,35 @@ impl<M: Memory> Spy<M> {
     /// on last time (the sample also reads `th->nt`, and `sampled_tags` checks it is still the
     /// same), and the table it had then. Nothing to read for a thread not seen on a native
     /// thread yet: `sampled_tags` finds its pointer from the `th->nt` the sample read, so the
-    /// sample's one call is never preceded by a read of its own. The buffer for the last
-    /// table comes from the pool.
-    pub(super) fn tag_read(&mut self, thread: u64, offset: i64) -> TagRead {
+    /// sample's one call is never preceded by a read of its own. Each read is added to
+    /// `reads`, the sample's batch, in that order (owner before pointer).
+    pub(super) fn tag_read(&mut self, thread: u64, offset: i64, reads: &mut ReadBatch) -> TagRead {
         let Some(&(nt, tp)) = self.tag_source.pointers.get(&thread) else {
             return TagRead {
                 nt: 0,
                 offset,
-                slot: None,
-                owner_slot: None,
-                owner: [0; 8],
-                pointer: [0; 8],
+                owner: Span::default(),
+                pointer: None,
                 last: None,
             };
         };
+        // The owner before the pointer: see profiler_state.c.
+        let owner = match self.tag_source.owner_offset {
+            Some(o) => reads.add(tp.wrapping_add(o as u64), 8),
+            None => Span::default(),
+        };
+        let pointer = Some(reads.add(tp.wrapping_add(offset as u64), 8));
         let last = self
             .tag_source
             .last
             .get(&thread)
             .map(|l| (l.table, l.raw.len()));
-        let owner_slot = self
-            .tag_source
-            .owner_offset
-            .map(|o| tp.wrapping_add(o as u64));
         TagRead {
             nt,
             offset,
-            slot: Some(tp.wrapping_add(offset as u64)),
-            owner_slot,
-            owner: [0; 8],
-            pointer: [0; 8],
-            last: last.map(|(table, len)| (table, self.buffer(len))),
+            owner,
+            pointer,
+            last: last.map(|(table, len)| (table, reads.add(table, len))),
         }
     }
 
@@ -228,18 +224,17 @@ impl<M: Memory> Spy<M> {
         thread: u64,
         nt: u64,
         read: TagRead,
+        reads: &ReadBatch,
         called: Instant,
     ) -> Tags {
         let mut pointer_read_at = called;
-        let mut table = word(&read.pointer, 0);
-        if read.owner_slot.is_some() && word(&read.owner, 0) != thread {
+        let mut table = read.pointer.map_or(0, |p| word(reads.get(p), 0));
+        if !read.owner.is_empty() && word(reads.get(read.owner), 0) != thread {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
         }
-        let mut bytes = read.last.map(|(_, bytes)| bytes);
-        if read.slot.is_none() || nt != read.nt {
-            if let Some(bytes) = bytes.take() {
-                self.recycle(bytes);
-            }
+        let mut bytes = read.last.map(|(_, span)| reads.get(span));
+        if read.pointer.is_none() || nt != read.nt {
+            bytes = None;
             pointer_read_at = Instant::now();
             table = match self.thread_pointer_on(thread, nt) {
                 Some(tp) => self.owned_table(thread, tp, read.offset),
@@ -250,14 +245,11 @@ impl<M: Memory> Spy<M> {
         // for a decoding that fails now (a value on a page Ruby 3.0/3.1's GC.compact has
         // protected for the moment).
         let same = match (&bytes, self.tag_source.last.get(&thread)) {
-            (Some(bytes), Some(last)) if last.table == table && *bytes == last.raw => {
+            (Some(bytes), Some(last)) if last.table == table && *bytes == &last.raw[..] => {
                 Some((last.tags.clone(), last.at.elapsed() < TAGS_TTL))
             }
             _ => None,
         };
-        if let Some(bytes) = bytes {
-            self.recycle(bytes);
-        }
         if let Some((tags, true)) = same {
             return tags;
         }

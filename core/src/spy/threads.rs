@@ -6,6 +6,7 @@ use super::tags::TagRead;
 use super::{word, Attempt, Frame, Memory, Prefetched, Spy, Stack};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
+use crate::memory::{ReadBatch, Span};
 use crate::objects::{is_heap_object, read_string};
 use crate::profile::{ThreadInfo, ThreadState};
 use rbspy_ext_bindings::Layout;
@@ -268,7 +269,7 @@ impl<M: Memory> Spy<M> {
         Ok((sampled, dropped))
     }
 
-    /// What one sample reads for every thread, with the buffers its one call fills: the GVL
+    /// What one sample reads for every thread, added to one `ReadBatch`: the GVL
     /// owner, the GC's flags, for every thread its execution context, status and native
     /// thread (one span of the thread struct), the stack fields of the context it had last
     /// time (a thread's context changes only when it switches fibers), and, on the guess
@@ -288,44 +289,53 @@ impl<M: Memory> Spy<M> {
         let span_from = fields.iter().copied().min().unwrap_or(0);
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
         let objspace = self.objspace();
-        let guessed: Vec<u64> = self
-            .thread_list
-            .threads
-            .iter()
-            .map(|(t, _)| self.thread_list.ecs.get(t).copied().unwrap_or(0))
-            .collect();
+        let mut reads = std::mem::take(&mut self.sample_reads);
+        reads.clear();
+        let owner = reads.add(self.gvl_owner, 8);
+        let gc_flags = if is_heap_object(objspace) {
+            reads.add(objspace.wrapping_add(l.objspace_flags as u64), 4)
+        } else {
+            Span::default()
+        };
         let tag_offset = self.profiler_state_offset();
-        let mut prefetched = Vec::with_capacity(count);
-        let mut tag_reads = Vec::with_capacity(count);
+        let mut threads = Vec::with_capacity(count);
         for i in 0..count {
             let thread = self.thread_list.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
-            tag_reads.push(match tag_offset {
-                Some(offset) if wanted => Some(self.tag_read(thread, offset)),
+            let tag = match tag_offset {
+                Some(offset) if wanted => Some(self.tag_read(thread, offset, &mut reads)),
                 _ => None,
-            });
-            let pre = match self.thread_list.stacks.get(&thread).copied() {
-                Some(g) if wanted => Some(Prefetched {
+            };
+            let fields = reads.add(thread.wrapping_add(span_from as u64), span);
+            let guessed = self.thread_list.ecs.get(&thread).copied().unwrap_or(0);
+            let head = match guessed {
+                0 => Span::default(),
+                ec => reads.add(ec.wrapping_add(l.ec_vm_stack as u64), 24),
+            };
+            let prefetch = match self.thread_list.stacks.get(&thread).copied() {
+                Some(g) if wanted => Some(PrefetchSpans {
                     vm_stack: g.vm_stack,
                     from: g.from,
-                    frames: self.buffer((g.end - g.from) as usize),
-                    values: self.buffer(g.values),
+                    frames: reads.add(g.from, (g.end - g.from) as usize),
+                    values: reads.add(g.vm_stack, g.values),
                 }),
                 _ => None,
             };
-            prefetched.push(pre);
+            threads.push(ThreadReads {
+                fields,
+                guessed,
+                head,
+                prefetch,
+                tag,
+            });
         }
         Batch {
+            reads,
             span_from,
-            span,
-            objspace,
-            gc_flags: [0; 4],
-            owner: [0; 8],
-            spans: vec![0; count * span],
+            owner,
+            gc_flags,
+            threads,
             heads: vec![[0; 24]; count],
-            guessed,
-            prefetched,
-            tag_reads,
             called: Instant::now(),
         }
     }
@@ -344,46 +354,14 @@ impl<M: Memory> Spy<M> {
 
     /// The sample's one call (see `plan_sample`).
     fn read_sample(&mut self, batch: &mut Batch) -> std::result::Result<(), MemoryError> {
-        let l = self.layout;
-        let span_from = batch.span_from as u64;
-        let mut requests: Vec<(u64, &mut [u8])> = vec![(self.gvl_owner, &mut batch.owner[..])];
-        if is_heap_object(batch.objspace) {
-            let flags = batch.objspace.wrapping_add(l.objspace_flags as u64);
-            requests.push((flags, &mut batch.gc_flags[..]));
-        }
-        let per_thread = self
-            .thread_list
-            .threads
-            .iter()
-            .zip(batch.spans.chunks_exact_mut(batch.span))
-            .zip(batch.heads.iter_mut().zip(&batch.guessed))
-            .zip(batch.prefetched.iter_mut().zip(batch.tag_reads.iter_mut()));
-        for ((((thread, _), span), (head, guess)), (pre, tag)) in per_thread {
-            if let Some(tag) = tag {
-                // The owner before the pointer: see profiler_state.c.
-                if let Some(owner_slot) = tag.owner_slot {
-                    requests.push((owner_slot, &mut tag.owner[..]));
-                }
-                if let Some(slot) = tag.slot {
-                    requests.push((slot, &mut tag.pointer[..]));
-                }
-                if let Some((table, bytes)) = &mut tag.last {
-                    requests.push((*table, &mut bytes[..]));
-                }
-            }
-            requests.push((thread.wrapping_add(span_from), span));
-            if *guess != 0 {
-                requests.push((guess.wrapping_add(l.ec_vm_stack as u64), &mut head[..]));
-            }
-            if let Some(pre) = pre {
-                requests.push((pre.from, &mut pre.frames[..]));
-                if !pre.values.is_empty() {
-                    requests.push((pre.vm_stack, &mut pre.values[..]));
-                }
-            }
-        }
         batch.called = Instant::now();
-        self.mem.read_many(&mut requests)
+        batch.reads.read(&self.mem)?;
+        for (head, t) in batch.heads.iter_mut().zip(&batch.threads) {
+            if !t.head.is_empty() {
+                head.copy_from_slice(batch.reads.get(t.head));
+            }
+        }
+        Ok(())
     }
 
     /// Each thread's state from what the sample read, for the threads `which` wants and
@@ -391,10 +369,11 @@ impl<M: Memory> Spy<M> {
     fn classify(&mut self, batch: &Batch, which: ThreadSelection) -> Vec<(usize, ThreadState)> {
         let l = self.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
-        let owner = word(&batch.owner, 0);
+        let owner = word(batch.reads.get(batch.owner), 0);
         self.thread_list.last_owner = owner;
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
-        let holder_state = gc_state(u32::from_le_bytes(batch.gc_flags));
+        let gc_flags = batch.reads.get(batch.gc_flags);
+        let holder_state = gc_state(gc_flags.try_into().map_or(0, u32::from_le_bytes));
         let mut chosen = Vec::new();
         for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
             let status = batch.field(i, status_byte)[0] & status_mask;
@@ -435,7 +414,7 @@ impl<M: Memory> Spy<M> {
         let stale: Vec<usize> = chosen
             .iter()
             .map(|(i, _)| *i)
-            .filter(|i| batch.ec(*i, l) != batch.guessed[*i])
+            .filter(|i| batch.ec(*i, l) != batch.threads[*i].guessed)
             .collect();
         if stale.is_empty() {
             return Ok(());
@@ -473,9 +452,17 @@ impl<M: Memory> Spy<M> {
             .iter()
             .map(|(i, _)| self.ec_fields(&batch.heads[*i]))
             .collect();
+        let reads = &batch.reads;
         let pre: Vec<Option<Prefetched>> = chosen
             .iter()
-            .map(|(i, _)| batch.prefetched[*i].take())
+            .map(|(i, _)| {
+                batch.threads[*i].prefetch.map(|p| Prefetched {
+                    vm_stack: p.vm_stack,
+                    from: p.from,
+                    frames: reads.get(p.frames),
+                    values: reads.get(p.values),
+                })
+            })
             .collect();
         let results = self.walk_many(&contexts, pre);
         let mut sampled = Vec::with_capacity(chosen.len());
@@ -493,13 +480,13 @@ impl<M: Memory> Spy<M> {
             };
             self.guess_stack(thread, ec);
             // Tags only for a sample that is kept: a dropped one decodes nothing.
-            let tags = match batch.tag_reads[i].take() {
+            let tags = match batch.threads[i].tag {
                 Some(read) => {
                     let nt = self
                         .layout
                         .thread_nt
                         .map_or(0, |off| word(batch.field(i, off), 0));
-                    self.sampled_tags(thread, nt, read, batch.called)
+                    self.sampled_tags(thread, nt, read, &batch.reads, batch.called)
                 }
                 None => super::Tags::default(),
             };
@@ -536,15 +523,9 @@ impl<M: Memory> Spy<M> {
         }
     }
 
-    /// The buffers a sample did not hand on, back to the pool.
+    /// The sample's arena, kept for the next sample.
     fn discard(&mut self, batch: Batch) {
-        for pre in batch.prefetched.into_iter().flatten() {
-            self.recycle(pre.frames);
-            self.recycle(pre.values);
-        }
-        for (_, bytes) in batch.tag_reads.into_iter().flatten().filter_map(|t| t.last) {
-            self.recycle(bytes);
-        }
+        self.sample_reads = batch.reads;
     }
 
     /// The thread list is re-read every LIST_TTL, so a thread that ended since is still in
@@ -566,29 +547,46 @@ impl<M: Memory> Spy<M> {
     }
 }
 
-/// One sample's reads (see `Spy::plan_sample`).
+/// One sample's reads (see `Spy::plan_sample`), all in one arena.
 struct Batch {
-    /// Every thread's span of its struct starts at this field offset and is this long.
+    reads: ReadBatch,
+    /// Every thread's span of its struct starts at this field offset.
     span_from: usize,
-    span: usize,
-    objspace: u64,
-    gc_flags: [u8; 4],
-    owner: [u8; 8],
-    spans: Vec<u8>,
-    /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`).
+    owner: Span,
+    /// `rb_objspace.flags` (empty when the objspace is unknown).
+    gc_flags: Span,
+    threads: Vec<ThreadReads>,
+    /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`): from the
+    /// sample's call for the context it had last time, refreshed for one that changed.
     heads: Vec<[u8; 24]>,
-    /// The context each thread had last time, whose stack fields `heads` were read from.
-    guessed: Vec<u64>,
-    prefetched: Vec<Option<Prefetched>>,
-    tag_reads: Vec<Option<TagRead>>,
     /// When the one call began (see spy/tags.rs, TABLE_WINDOW).
     called: Instant,
+}
+
+/// What one sample reads for one thread.
+struct ThreadReads {
+    /// The span of its `rb_thread_t` (see `Batch::span_from`).
+    fields: Span,
+    /// The context it had last time (0: none yet), and that context's stack fields.
+    guessed: u64,
+    head: Span,
+    prefetch: Option<PrefetchSpans>,
+    tag: Option<TagRead>,
+}
+
+/// A thread's control frames and value stack, read with it where its stack was last time.
+#[derive(Clone, Copy)]
+struct PrefetchSpans {
+    vm_stack: u64,
+    from: u64,
+    frames: Span,
+    values: Span,
 }
 
 impl Batch {
     /// Thread `i`'s bytes from struct offset `offset` on.
     fn field(&self, i: usize, offset: usize) -> &[u8] {
-        &self.spans[i * self.span + offset - self.span_from..]
+        &self.reads.get(self.threads[i].fields)[offset - self.span_from..]
     }
 
     /// Thread `i`'s execution context as read.

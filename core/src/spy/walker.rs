@@ -1,8 +1,9 @@
 //! The walk: a thread's execution context → its control frames and environments → raw
 //! frames, memoised by raw stack, with one batched read per step.
 use super::*;
-use crate::memory::Memory;
+use crate::memory::{Memory, ReadBatch, Span};
 use crate::objects::word;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 impl<M: Memory> Spy<M> {
@@ -120,63 +121,63 @@ impl<M: Memory> Spy<M> {
     pub(super) fn walk_many(
         &mut self,
         ecs: &[[u64; 3]],
-        prefetched: Vec<Option<Prefetched>>,
+        prefetched: Vec<Option<Prefetched<'_>>>,
     ) -> Vec<std::result::Result<Stack, Attempt>> {
         let plans: Vec<_> = ecs.iter().map(|ec| self.plan(*ec)).collect();
-        let mut bufs = self.frame_buffers(&plans, prefetched);
-        let reads = self.read_frames(&plans, &mut bufs);
-        plans
+        // The walker's own batch, out of `self` while its bytes are borrowed.
+        let mut reads = std::mem::take(&mut self.walk_reads);
+        reads.clear();
+        let bufs = self.frame_buffers(&plans, prefetched, &mut reads);
+        let results = self.read_frames(&plans, &bufs, &mut reads);
+        let stacks = plans
             .into_iter()
-            .zip(bufs)
-            .zip(reads)
-            .map(|((plan, buf), read)| {
-                let result = match (read, plan) {
-                    (Ok(()), Ok(plan)) => self.resolve(plan, &buf.cfps, buf.values),
-                    (Err(e), _) | (_, Err(e)) => {
-                        self.recycle(buf.values);
-                        Err(e)
-                    }
-                };
-                self.recycle(buf.cfps);
-                result
+            .zip(&bufs)
+            .zip(results)
+            .map(|((plan, buf), read)| match (read, plan) {
+                (Ok(()), Ok(plan)) => {
+                    self.resolve(plan, buf.cfps.bytes(&reads), buf.values.bytes(&reads))
+                }
+                (Err(e), _) | (_, Err(e)) => Err(e),
             })
-            .collect()
+            .collect();
+        self.walk_reads = reads;
+        stacks
     }
 
-    /// Each planned stack's buffers: what `prefetched` already holds when the frames fit in
-    /// it, else pooled buffers for `read_frames` to fill.
-    fn frame_buffers(
-        &mut self,
+    /// Each planned stack's bytes: what `prefetched` already holds when the frames fit in
+    /// it, else reads added to `reads` for `read_frames` to make.
+    fn frame_buffers<'a>(
+        &self,
         plans: &[std::result::Result<Plan, Attempt>],
-        prefetched: Vec<Option<Prefetched>>,
-    ) -> Vec<FrameBuffers> {
+        prefetched: Vec<Option<Prefetched<'a>>>,
+        reads: &mut ReadBatch,
+    ) -> Vec<FrameBuffers<'a>> {
         let cfp_size = self.layout.cfp_size;
         let mut prefetched = prefetched;
         prefetched.resize_with(plans.len(), || None);
         let mut bufs = Vec::with_capacity(plans.len());
         for (p, pre) in plans.iter().zip(prefetched) {
-            let want = p.as_ref().map_or(0, |p| p.count as usize * cfp_size);
-            let fits = |pre: &Prefetched, p: &Plan| {
-                pre.vm_stack == p.vm_stack
-                    && p.cfp >= pre.from
-                    && (p.cfp - pre.from) as usize + want <= pre.frames.len()
+            let Ok(p) = p else {
+                bufs.push(FrameBuffers::done(&[], &[]));
+                continue;
             };
-            match (p, pre) {
-                (Ok(p), Some(mut pre)) if fits(&pre, p) => {
-                    pre.frames.drain(..(p.cfp - pre.from) as usize);
-                    pre.frames.truncate(want);
-                    bufs.push(FrameBuffers::read(pre.frames, pre.values));
+            let want = p.count as usize * cfp_size;
+            match pre {
+                Some(pre)
+                    if pre.vm_stack == p.vm_stack
+                        && p.cfp >= pre.from
+                        && (p.cfp - pre.from) as usize + want <= pre.frames.len() =>
+                {
+                    let skip = (p.cfp - pre.from) as usize;
+                    bufs.push(FrameBuffers::done(
+                        &pre.frames[skip..skip + want],
+                        pre.values,
+                    ));
                 }
-                (p, pre) => {
-                    if let Some(pre) = pre {
-                        self.recycle(pre.frames);
-                        self.recycle(pre.values);
-                    }
-                    bufs.push(match p {
-                        Ok(p) => FrameBuffers::to_read(self.buffer(want), self.buffer(p.guess)),
-                        Err(_) => FrameBuffers::read(Vec::new(), Vec::new()),
-                    });
-                }
+                _ => bufs.push(FrameBuffers {
+                    cfps: Bytes::Read(p.cfp, reads.add(p.cfp, want)),
+                    values: Bytes::Read(p.vm_stack, reads.add(p.vm_stack, p.guess)),
+                }),
             }
         }
         bufs
@@ -187,54 +188,28 @@ impl<M: Memory> Spy<M> {
     fn read_frames(
         &mut self,
         plans: &[std::result::Result<Plan, Attempt>],
-        bufs: &mut [FrameBuffers],
+        bufs: &[FrameBuffers<'_>],
+        reads: &mut ReadBatch,
     ) -> Vec<std::result::Result<(), Attempt>> {
         let mut results: Vec<std::result::Result<(), Attempt>> =
             plans.iter().map(|_| Ok(())).collect();
-        let all = {
-            let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
-            for (plan, buf) in plans.iter().zip(bufs.iter_mut()) {
-                if let (Ok(p), false) = (plan, buf.done) {
-                    buf.requests(p, &mut requests);
-                }
-            }
-            if requests.is_empty() {
-                return results;
-            }
-            self.mem.read_many(&mut requests)
-        };
-        let Err(e) = all else {
+        let Err(e) = reads.read(&self.mem) else {
             return results;
         };
         if plans.len() == 1 {
             results[0] = Err(self.moved("reading control frames")(e));
             return results;
         }
-        for ((plan, buf), result) in plans.iter().zip(bufs.iter_mut()).zip(results.iter_mut()) {
-            if let (Ok(p), false) = (plan, buf.done) {
-                let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
-                buf.requests(p, &mut requests);
-                if let Err(e) = self.mem.read_many(&mut requests) {
-                    *result = Err(self.moved("reading control frames")(e));
-                }
+        for (buf, result) in bufs.iter().zip(results.iter_mut()) {
+            let spans = buf.spans();
+            if spans.is_empty() {
+                continue;
+            }
+            if let Err(e) = reads.reread(&self.mem, &spans) {
+                *result = Err(self.moved("reading control frames")(e));
             }
         }
         results
-    }
-
-    /// A zeroed buffer of `len` bytes, reusing one from an earlier sample when there is one
-    /// (a sample then allocates nothing for its reads).
-    pub(super) fn buffer(&mut self, len: usize) -> Vec<u8> {
-        let mut b = self.spare.pop().unwrap_or_default();
-        b.clear();
-        b.resize(len, 0);
-        b
-    }
-
-    pub(super) fn recycle(&mut self, b: Vec<u8>) {
-        if self.spare.len() < 16 && b.capacity() <= 1 << 20 {
-            self.spare.push(b);
-        }
     }
 
     /// Turns one context's control frames and value stack into frames: from the memo when
@@ -243,18 +218,10 @@ impl<M: Memory> Spy<M> {
         &mut self,
         plan: Plan,
         cfps: &[u8],
-        values: Vec<u8>,
+        values: &[u8],
     ) -> std::result::Result<Stack, Attempt> {
-        let (frames, envs) = match self.raw_frames(plan, cfps, values) {
-            Ok(x) => x,
-            Err((e, values)) => {
-                self.recycle(values);
-                return Err(e);
-            }
-        };
-        let result = self.resolve_raw(&frames, &envs);
-        self.recycle(envs.values);
-        result
+        let (frames, envs) = self.raw_frames(plan, cfps, values)?;
+        self.resolve_raw(&frames, &envs)
     }
 
     pub(super) fn resolve_raw(
@@ -319,12 +286,12 @@ impl<M: Memory> Spy<M> {
 
     /// The raw control frames of one context, and the value stack under them (read further
     /// when the frames' environments reach past what was read along with them).
-    pub(super) fn raw_frames(
+    pub(super) fn raw_frames<'a>(
         &mut self,
         plan: Plan,
         cfps: &[u8],
-        mut values: Vec<u8>,
-    ) -> std::result::Result<(Vec<RawFrame>, Envs), (Attempt, Vec<u8>)> {
+        values: &'a [u8],
+    ) -> std::result::Result<(Vec<RawFrame>, Envs<'a>), Attempt> {
         let l = self.layout;
         let Plan { vm_stack, cfp, .. } = plan;
         let frames: Vec<RawFrame> = cfps
@@ -347,21 +314,20 @@ impl<M: Memory> Spy<M> {
             .max()
             .unwrap_or(0);
         if needed > MAX_VALUE_STACK {
-            return Err((
-                Attempt::Changed(format!("a value stack of {needed} bytes")),
-                values,
-            ));
+            return Err(Attempt::Changed(format!("a value stack of {needed} bytes")));
         }
-        if needed > values.len() {
+        let values: Cow<'a, [u8]> = if needed > values.len() {
+            // Deeper than read along with the frames: the rest, in a call of its own.
             let have = values.len();
-            values.resize(needed, 0);
-            if let Err(e) = self
-                .mem
-                .read(vm_stack.wrapping_add(have as u64), &mut values[have..])
-            {
-                return Err((self.moved("reading the value stack")(e), values));
-            }
-        }
+            let mut more = values.to_vec();
+            more.resize(needed, 0);
+            self.mem
+                .read(vm_stack.wrapping_add(have as u64), &mut more[have..])
+                .map_err(self.moved("reading the value stack"))?;
+            Cow::Owned(more)
+        } else {
+            Cow::Borrowed(values)
+        };
         // Slack so that a slightly deeper stack next time still fits in one read.
         if self.stack_hints.len() >= MAX_CACHED_ENVS {
             self.stack_hints.clear();
@@ -470,14 +436,14 @@ pub(super) fn slots(buf: &[u8; 24]) -> Slots {
     }
 }
 
-/// The environments of one sample: a copy of the value stack `[base, base + len)`.
+/// The environments of one sample: the value stack `[base, base + len)` as read.
 #[derive(Debug, Default)]
-pub(super) struct Envs {
+pub(super) struct Envs<'a> {
     pub(super) base: u64,
-    pub(super) values: Vec<u8>,
+    pub(super) values: Cow<'a, [u8]>,
 }
 
-impl Envs {
+impl Envs<'_> {
     pub(super) fn on_stack(&self, ep: u64) -> Option<Slots> {
         let start = ep.checked_sub(16)?.checked_sub(self.base)? as usize;
         let bytes: &[u8; 24] = self.values.get(start..start + 24)?.try_into().ok()?;
@@ -498,13 +464,13 @@ pub(super) struct Plan {
 /// A thread's control frames and value stack, read along with the thread on the guess that
 /// its stack is where it was last time (see spy/threads.rs).
 #[derive(Debug)]
-pub(super) struct Prefetched {
+pub(super) struct Prefetched<'a> {
     pub(super) vm_stack: u64,
     /// Address of `frames[0]`: somewhat below the last sample's `cfp`, so a stack a few
     /// frames deeper still fits.
     pub(super) from: u64,
-    pub(super) frames: Vec<u8>,
-    pub(super) values: Vec<u8>,
+    pub(super) frames: &'a [u8],
+    pub(super) values: &'a [u8],
 }
 
 /// A frame to report and the candidates for its method entry.
@@ -514,36 +480,46 @@ pub(super) struct Wanted {
     pub(super) chain: Vec<u64>,
 }
 
-/// One stack's control frames and value stack, and whether they hold what was read already
-/// (prefetched with the thread, or nothing to read).
-pub(super) struct FrameBuffers {
-    cfps: Vec<u8>,
-    values: Vec<u8>,
-    done: bool,
+/// One stack's control frames and value stack: read already (prefetched with its thread, or
+/// nothing to read), or to be read at an address into the walker's batch.
+pub(super) struct FrameBuffers<'a> {
+    cfps: Bytes<'a>,
+    values: Bytes<'a>,
 }
 
-impl FrameBuffers {
-    fn read(cfps: Vec<u8>, values: Vec<u8>) -> Self {
+enum Bytes<'a> {
+    Done(&'a [u8]),
+    Read(u64, Span),
+}
+
+impl<'a> Bytes<'a> {
+    fn bytes<'b>(&'b self, reads: &'b ReadBatch) -> &'b [u8]
+    where
+        'a: 'b,
+    {
+        match self {
+            Bytes::Done(b) => b,
+            Bytes::Read(_, span) => reads.get(*span),
+        }
+    }
+}
+
+impl<'a> FrameBuffers<'a> {
+    fn done(cfps: &'a [u8], values: &'a [u8]) -> Self {
         FrameBuffers {
-            cfps,
-            values,
-            done: true,
+            cfps: Bytes::Done(cfps),
+            values: Bytes::Done(values),
         }
     }
 
-    fn to_read(cfps: Vec<u8>, values: Vec<u8>) -> Self {
-        FrameBuffers {
-            cfps,
-            values,
-            done: false,
-        }
-    }
-
-    /// The reads that fill these buffers for `plan`.
-    fn requests<'a>(&'a mut self, plan: &Plan, requests: &mut Vec<(u64, &'a mut [u8])>) {
-        requests.push((plan.cfp, &mut self.cfps[..]));
-        if !self.values.is_empty() {
-            requests.push((plan.vm_stack, &mut self.values[..]));
-        }
+    /// The reads this stack makes (none when done).
+    fn spans(&self) -> Vec<(u64, Span)> {
+        [&self.cfps, &self.values]
+            .into_iter()
+            .filter_map(|b| match b {
+                Bytes::Read(addr, span) if !span.is_empty() => Some((*addr, *span)),
+                _ => None,
+            })
+            .collect()
     }
 }
