@@ -53,6 +53,7 @@ impl Spy<ProcessMemory> {
         spy.warning = warning;
         spy.identity = identity.map(|i| (i, std::time::Instant::now()));
         spy.writable = binary.writable.clone();
+        spy.heap = heap_ranges(&maps);
         Ok(spy)
     }
 }
@@ -203,6 +204,7 @@ impl<M: Memory> Spy<M> {
             main_thread: roots.main_thread,
             symbols: symbols.map(SymbolTable::new),
             writable: Vec::new(),
+            heap: Vec::new(),
             classes: ClassNames::default(),
             iseqs: FxHashMap::default(),
             methods: FxHashMap::default(),
@@ -272,15 +274,23 @@ impl<M: Memory> Spy<M> {
     /// like one are common (thousands in some runs, as ASLR places things), so only those
     /// whose `ids` lies in a mapping a Ruby object can live in are candidates, and all their
     /// `ids` headers are read in one batch per segment (`read_each` costs one more call per
-    /// unreadable address, which the mapping filter makes rare).
+    /// unreadable address, which the mapping filter makes rare). The mappings of attach
+    /// time come first; the `ids` array may have moved to a newer one since, so a miss
+    /// looks again with the mappings of now. A memory image (tests) has none: no filter.
     pub(super) fn find_symbol_table(&self) -> Option<u64> {
+        if self.heap.is_empty() {
+            return self.scan_for_symbol_table(None);
+        }
+        self.scan_for_symbol_table(Some(&self.heap)).or_else(|| {
+            let now = heap_ranges(&read_maps(self.pid).ok()?);
+            self.scan_for_symbol_table(Some(&now))
+        })
+    }
+
+    /// One scan of `find_symbol_table`, keeping candidates whose `ids` lies in `heap`.
+    fn scan_for_symbol_table(&self, heap: Option<&[(u64, u64)]>) -> Option<u64> {
         let l = self.layout;
-        // A memory image for tests has no /proc entry: then every candidate is kept.
-        let heap = read_maps(self.pid).ok().map(|maps| heap_ranges(&maps));
-        let in_heap = |p: u64| {
-            heap.as_ref()
-                .is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)))
-        };
+        let in_heap = |p: u64| heap.is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)));
         for &(start, end) in &self.writable {
             let len = (end - start).min(16 << 20) as usize;
             let Ok(data) = self.mem.read_vec(start, len) else {

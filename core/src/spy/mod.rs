@@ -79,6 +79,9 @@ pub struct Spy<M: Memory = ProcessMemory> {
     main_thread: u64,
     symbols: Option<SymbolTable>,
     writable: Vec<(u64, u64)>,
+    /// The mappings Ruby objects lived in at attach (`process::heap_ranges`; empty for a
+    /// memory image): where the symbol-table scan looks first.
+    heap: Vec<(u64, u64)>,
     classes: ClassNames,
     iseqs: FxHashMap<u64, IseqInfo>,
     methods: FxHashMap<u64, MethodInfo>,
