@@ -145,6 +145,81 @@ pub fn array_len(l: &Layout, head: &[u8]) -> Option<u64> {
     })
 }
 
+/// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
+const T_SYMBOL: u64 = 0x14;
+/// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
+const RSYMBOL_FSTR: u64 = 24;
+
+/// A VALUE as text, the way a tag is shown: Strings, Symbols, Integers, Floats,
+/// true/false/nil as themselves, anything else as its class name. None when the object
+/// cannot be read now (a live value can sit on a page that Ruby 3.0/3.1's `GC.compact` has
+/// made unreadable, PROT_NONE, while it compacts: a placeholder would be an invented tag),
+/// when `v` is no VALUE at all, or when an object's class needs the symbol table and there
+/// is none.
+pub fn value_text<M: Memory>(
+    mem: &M,
+    l: &Layout,
+    symbols: Option<&mut SymbolTable>,
+    classes: &mut ClassNames,
+    v: u64,
+) -> Option<Arc<str>> {
+    match v {
+        0x00 => return Some("false".into()),
+        // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value is
+        // anything else under the other scheme.
+        0x04 | 0x08 => return Some("nil".into()),
+        0x14 => return Some("true".into()),
+        _ => {}
+    }
+    if v & 1 == 1 {
+        return Some(((v as i64) >> 1).to_string().into());
+    }
+    if v & 3 == 2 {
+        return Some(flonum(v).to_string().into());
+    }
+    if v & 0xff == 0x0c {
+        let name = symbols.and_then(|s| s.name(mem, l, v >> 8).ok());
+        return Some(name.unwrap_or_else(|| Arc::from("Symbol")));
+    }
+    if !is_heap_object(v) {
+        return None;
+    }
+    let flags = mem.read_u64(v.wrapping_add(l.rbasic_flags as u64)).ok()?;
+    Some(match flags & T_MASK {
+        T_STRING => string_or(read_string(mem, l, v), "String")?,
+        T_SYMBOL => {
+            let fstr = mem.read_u64(v.wrapping_add(RSYMBOL_FSTR)).ok()?;
+            string_or(read_string(mem, l, fstr), "Symbol")?
+        }
+        _ => {
+            let class = mem.read_u64(v.wrapping_add(8)).ok()?;
+            classes
+                .class_name(mem, l, symbols?, class)
+                .unwrap_or_else(|| Arc::from("Object"))
+        }
+    })
+}
+
+/// A String's text; `shape` when it is too long or not a String after all; None when its
+/// memory cannot be read now.
+fn string_or(read: ObjResult<String>, shape: &str) -> Option<Arc<str>> {
+    match read {
+        Ok(text) => Some(text.into()),
+        Err(ObjectError::Shape(..)) => Some(shape.into()),
+        Err(ObjectError::Memory(_)) => None,
+    }
+}
+
+/// The Float a flonum VALUE stands for (Ruby's `rb_float_flonum_value`).
+fn flonum(v: u64) -> f64 {
+    if v == 0x8000_0000_0000_0002 {
+        return 0.0;
+    }
+    let b63 = v >> 63;
+    let t = (2u64.wrapping_sub(b63)) | (v & !3);
+    f64::from_bits(t.rotate_right(3))
+}
+
 /// Resolves IDs (method and ivar names) through the target's global symbol table
 /// (`ruby_global_symbols`), caching every answer: IDs never change meaning.
 #[derive(Debug)]
@@ -374,4 +449,20 @@ fn ivar<M: Memory>(
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::flonum;
+
+    #[test]
+    fn flonums_decode_like_ruby() {
+        // Ruby encodes a flonum as the double's bits rotated left by 3, low bits 0b10.
+        for x in [1.5f64, -2.25, 1e10, 0.1] {
+            let bits = x.to_bits();
+            let v = (bits.rotate_left(3) & !1) | 2;
+            assert_eq!(flonum(v), x, "{x}");
+        }
+        assert_eq!(flonum(0x8000_0000_0000_0002), 0.0);
+    }
 }

@@ -86,9 +86,7 @@ module RubySpy
     #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc_marking", "gc_sweeping",
     #   "gc_compacting", or "gc" between GC phases)
     def threads
-      @native.threads.map do |pid, tid, name, main, states|
-        { pid: pid, tid: tid, name: name, main: main, states: states }
-      end
+      @native.threads
     end
 
     # The profile in +format+, as a String (binary for pprof).
@@ -118,7 +116,7 @@ module RubySpy
     # @return [Array<Hash>] +{tags: {Symbol => String}, samples: Integer}+; samples without
     #   tags have +tags: {}+
     def tags
-      @native.tag_sets.map { |pairs, n| { tags: pairs.to_h { |k, v| [k.to_sym, v] }, samples: n } }
+      @native.tag_sets.map { |set| set.merge(tags: set[:tags].to_h { |k, v| [k.to_sym, v] }) }
     end
 
     # The samples whose tags have all these values (compared as text, the way they were
@@ -142,7 +140,7 @@ module RubySpy
     # @param key [Symbol, String]
     # @return [Hash{String, nil => RubySpy::Profile}] nil collects the samples without the tag
     def group_by(key)
-      @native.group_by_tag(key.to_s).to_h { |value, native| [value, Profile.new(native)] }
+      @native.group_by_tag(key.to_s).transform_values { |native| Profile.new(native) }
     end
 
     # Every distinct stack and how many samples it had.
@@ -150,9 +148,7 @@ module RubySpy
     #   state: String, thread: Integer (index into #threads)}+
     def stacks
       frames = @native.frames.map { |row| Frame.from_row(row) }
-      @native.stacks.map do |indexes, samples, thread, state, _tags|
-        { frames: indexes.map { |i| frames[i] }, samples: samples, state: state, thread: thread }
-      end
+      @native.stacks.map { |stack| stack.merge(frames: stack[:frames].map { |i| frames[i] }) }
     end
 
     # Functions by samples: +self+ counts the samples with the function on top of the stack,

@@ -7,7 +7,8 @@
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::{word, Memory, Spy};
 use crate::memory::{ReadBatch, Span};
-use crate::objects::{is_heap_object, read_string, ObjResult, ObjectError, T_MASK, T_STRING};
+use crate::objects::is_heap_object;
+
 use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,10 +32,6 @@ const FIRST_SLOTS: usize = 8;
 /// a millisecond; one whose reader was held up longer (descheduled) gets no tags for that
 /// thread rather than doubtful ones.
 const TABLE_WINDOW: Duration = Duration::from_millis(8);
-/// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
-const T_SYMBOL: u64 = 0x14;
-/// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
-const RSYMBOL_FSTR: u64 = 24;
 
 /// Where the target's `ruby_profiler_state` is, once known.
 #[derive(Debug, Default)]
@@ -69,8 +66,10 @@ pub(super) struct TagRead {
     /// The native thread the pointer was read on (0 before 3.2) and the published offset.
     pub nt: u64,
     pub offset: i64,
-    /// `ruby_profiler_state_owner` (read before the pointer; empty when not published).
+    /// `ruby_profiler_state_owner`, read before the pointer and again after it (see
+    /// profiler_state.c; empty when not published).
     pub owner: Span,
+    pub owner_again: Span,
     /// `ruby_profiler_state`; None while the native thread is not known yet.
     pub pointer: Option<Span>,
     pub last: Option<(u64, Span)>,
@@ -163,17 +162,27 @@ impl<M: Memory> Spy<M> {
     }
 
     /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
-    /// `thread`'s (its owner, read first, says so; see profiler_state.c), else 0.
+    /// `thread`'s (its owner, read before and after the table, says so both times; see
+    /// profiler_state.c), else 0.
     fn owned_table(&self, thread: u64, tp: u64, offset: i64) -> u64 {
-        if let Some(owner_offset) = self.tag_source.owner_offset {
-            let owner = self.mem.read_u64(tp.wrapping_add(owner_offset as u64));
-            if owner.ok() != Some(thread) {
-                return 0;
-            }
+        let owner_addr = self
+            .tag_source
+            .owner_offset
+            .map(|o| tp.wrapping_add(o as u64));
+        let owned =
+            |addr: Option<u64>| addr.is_none_or(|a| self.mem.read_u64(a).ok() == Some(thread));
+        if !owned(owner_addr) {
+            return 0;
         }
-        self.mem
+        let table = self
+            .mem
             .read_u64(tp.wrapping_add(offset as u64))
-            .unwrap_or(0)
+            .unwrap_or(0);
+        if owned(owner_addr) {
+            table
+        } else {
+            0
+        }
     }
 
     /// What to read for a thread's tags along with the rest of a sample, given the target's
@@ -182,23 +191,30 @@ impl<M: Memory> Spy<M> {
     /// same), and the table it had then. Nothing to read for a thread not seen on a native
     /// thread yet: `sampled_tags` finds its pointer from the `th->nt` the sample read, so the
     /// sample's one call is never preceded by a read of its own. Each read is added to
-    /// `reads`, the sample's batch, in that order (owner before pointer).
+    /// `reads`, the sample's batch, in that order (the owner before and after the pointer).
     pub(super) fn tag_read(&mut self, thread: u64, offset: i64, reads: &mut ReadBatch) -> TagRead {
         let Some(&(nt, tp)) = self.tag_source.pointers.get(&thread) else {
             return TagRead {
                 nt: 0,
                 offset,
                 owner: Span::default(),
+                owner_again: Span::default(),
                 pointer: None,
                 last: None,
             };
         };
-        // The owner before the pointer: see profiler_state.c.
-        let owner = match self.tag_source.owner_offset {
-            Some(o) => reads.add(tp.wrapping_add(o as u64), 8),
+        // The owner before and after the pointer: see profiler_state.c.
+        let owner_addr = self
+            .tag_source
+            .owner_offset
+            .map(|o| tp.wrapping_add(o as u64));
+        let owner_read = |reads: &mut ReadBatch| match owner_addr {
+            Some(addr) => reads.add(addr, 8),
             None => Span::default(),
         };
+        let owner = owner_read(reads);
         let pointer = Some(reads.add(tp.wrapping_add(offset as u64), 8));
+        let owner_again = owner_read(reads);
         let last = self
             .tag_source
             .last
@@ -208,6 +224,7 @@ impl<M: Memory> Spy<M> {
             nt,
             offset,
             owner,
+            owner_again,
             pointer,
             last: last.map(|(table, len)| (table, reads.add(table, len))),
         }
@@ -229,7 +246,8 @@ impl<M: Memory> Spy<M> {
     ) -> Tags {
         let mut pointer_read_at = called;
         let mut table = read.pointer.map_or(0, |p| word(reads.get(p), 0));
-        if !read.owner.is_empty() && word(reads.get(read.owner), 0) != thread {
+        let owned = |span: Span| span.is_empty() || word(reads.get(span), 0) == thread;
+        if !(owned(read.owner) && owned(read.owner_again)) {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
         }
         let mut bytes = read.last.map(|(_, span)| reads.get(span));
@@ -344,86 +362,10 @@ impl<M: Memory> Spy<M> {
         symbols.name(&self.mem, l, id).ok()
     }
 
-    /// A VALUE as text: Strings, Symbols, Integers, Floats, true/false/nil as themselves,
-    /// anything else as its class name. None when the object cannot be read now: a live
-    /// value can sit on a page that Ruby 3.0/3.1's `GC.compact` has made unreadable
-    /// (PROT_NONE) while it compacts, and a placeholder would be an invented tag.
+    /// A VALUE as text (`objects::value_text`); None when it cannot be read now.
     fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
         let l = self.layout;
-        match v {
-            0x00 => return Some("false".into()),
-            // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value
-            // is anything else under the other scheme.
-            0x04 | 0x08 => return Some("nil".into()),
-            0x14 => return Some("true".into()),
-            _ => {}
-        }
-        if v & 1 == 1 {
-            return Some(((v as i64) >> 1).to_string().into());
-        }
-        if v & 3 == 2 {
-            return Some(flonum(v).to_string().into());
-        }
-        if v & 0xff == 0x0c {
-            return Some(self.id_name(v >> 8).unwrap_or_else(|| Arc::from("Symbol")));
-        }
-        if !is_heap_object(v) {
-            return None; // no VALUE a table holds: the table changed under us
-        }
-        let flags = self
-            .mem
-            .read_u64(v.wrapping_add(l.rbasic_flags as u64))
-            .ok()?;
-        Some(match flags & T_MASK {
-            T_STRING => string_or(read_string(&self.mem, l, v), "String")?,
-            T_SYMBOL => {
-                let fstr = self.mem.read_u64(v.wrapping_add(RSYMBOL_FSTR)).ok()?;
-                string_or(read_string(&self.mem, l, fstr), "Symbol")?
-            }
-            _ => {
-                let class = self.mem.read_u64(v.wrapping_add(8)).ok()?;
-                self.symbols().ok()?;
-                let symbols = self.symbols.as_mut()?;
-                self.classes
-                    .class_name(&self.mem, l, symbols, class)
-                    .unwrap_or_else(|| Arc::from("Object"))
-            }
-        })
-    }
-}
-
-/// A String's text; `shape` when it is too long or not a String after all; None when its
-/// memory cannot be read now.
-fn string_or(read: ObjResult<String>, shape: &str) -> Option<Arc<str>> {
-    match read {
-        Ok(text) => Some(text.into()),
-        Err(ObjectError::Shape(..)) => Some(shape.into()),
-        Err(ObjectError::Memory(_)) => None,
-    }
-}
-
-/// The Float a flonum VALUE stands for (Ruby's `rb_float_flonum_value`).
-fn flonum(v: u64) -> f64 {
-    if v == 0x8000_0000_0000_0002 {
-        return 0.0;
-    }
-    let b63 = v >> 63;
-    let t = (2u64.wrapping_sub(b63)) | (v & !3);
-    f64::from_bits(t.rotate_right(3))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::flonum;
-
-    #[test]
-    fn flonums_decode_like_ruby() {
-        // Ruby encodes a flonum as the double's bits rotated left by 3, low bits 0b10.
-        for x in [1.5f64, -2.25, 1e10, 0.1] {
-            let bits = x.to_bits();
-            let v = (bits.rotate_left(3) & !1) | 2;
-            assert_eq!(flonum(v), x, "{x}");
-        }
-        assert_eq!(flonum(0x8000_0000_0000_0002), 0.0);
+        let symbols = self.symbols.as_mut();
+        crate::objects::value_text(&self.mem, l, symbols, &mut self.classes, v)
     }
 }

@@ -81,15 +81,20 @@ __attribute__((tls_model("initial-exec"))) static __thread unsigned long publish
  * Publishes `state` (the table of the State object `object`, or NULL and 0) for the Ruby
  * thread `owner`, and returns the State object published here until now.
  *
- * The table first, then its owner: a reader that reads the owner before the table and finds
- * its thread there is then sure to read that thread's table (or a later one of the same
- * thread). The release store keeps the two in that order for any observer.
+ * Like a seqlock with the owner as its sequence: the owner is cleared, then the table
+ * stored, then the owner set, each store ordered after the one before for any observer. A
+ * reader reads the owner, the table, then the owner again, and takes the table only when
+ * both owner reads name its thread: a table stored between them would have cleared the
+ * owner first. (Reading the owner once is not enough: it can be the old thread's while
+ * the table read after it is already the new thread's.)
  */
 unsigned long rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner,
                                   unsigned long object) {
     unsigned long previous = published_object;
     published_object = object;
-    ruby_profiler_state = state;
+    __atomic_store_n(&ruby_profiler_state_owner, (void *)0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&ruby_profiler_state, state, __ATOMIC_RELAXED);
     __atomic_store_n(&ruby_profiler_state_owner, owner, __ATOMIC_RELEASE);
     return previous;
 }

@@ -194,21 +194,26 @@ impl NativeProfile {
         self.0.notes.clone()
     }
 
-    /// [[[[key, value], ...], samples], ...]: every set of tags seen, with its samples.
-    fn tag_sets(&self) -> Vec<(Vec<(String, String)>, u64)> {
-        let p = &self.0;
+    /// `[{tags: [[key, value], ...], samples:}, ...]`: every set of tags seen.
+    fn tag_sets(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let p = &rb_self.0;
         let mut counts = vec![0u64; p.tag_sets.len().max(1)];
         for s in &p.stacks {
             if let Some(c) = counts.get_mut(s.tags as usize) {
                 *c += s.count;
             }
         }
-        counts
-            .into_iter()
-            .enumerate()
-            .filter(|(_, n)| *n > 0)
-            .map(|(i, n)| (p.tag_sets.get(i).cloned().unwrap_or_default(), n))
-            .collect()
+        let out = ruby.ary_new();
+        for (i, n) in counts.into_iter().enumerate().filter(|(_, n)| *n > 0) {
+            let h = ruby.hash_new();
+            h.aset(
+                ruby.to_symbol("tags"),
+                p.tag_sets.get(i).cloned().unwrap_or_default(),
+            )?;
+            h.aset(ruby.to_symbol("samples"), n)?;
+            out.push(h)?;
+        }
+        Ok(out)
     }
 
     /// Every distinct frame, as rows for `RubySpy::Frame.from_row`; `stacks` index them.
@@ -217,14 +222,19 @@ impl NativeProfile {
         self.0.frames.iter().map(crate::handle::frame_row).collect()
     }
 
-    /// Every distinct stack: `[frame indexes innermost first, samples, thread index, state,
-    /// tag-set index]`.
-    fn stacks(&self) -> Vec<(Vec<u32>, u64, u32, &'static str, u32)> {
-        self.0
-            .stacks
-            .iter()
-            .map(|s| (s.frames.clone(), s.count, s.thread, s.state.name(), s.tags))
-            .collect()
+    /// Every distinct stack: `{frames: [indexes into #frames, innermost first], samples:,
+    /// thread: (index into #threads' source list), state:}`.
+    fn stacks(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let out = ruby.ary_new_capa(rb_self.0.stacks.len());
+        for s in &rb_self.0.stacks {
+            let h = ruby.hash_new();
+            h.aset(ruby.to_symbol("frames"), s.frames.clone())?;
+            h.aset(ruby.to_symbol("samples"), s.count)?;
+            h.aset(ruby.to_symbol("thread"), s.thread)?;
+            h.aset(ruby.to_symbol("state"), s.state.name())?;
+            out.push(h)?;
+        }
+        Ok(out)
     }
 
     /// The samples that carry tag `key`, whatever its value.
@@ -243,8 +253,8 @@ impl NativeProfile {
         }))
     }
 
-    /// [[value or nil, profile], ...]: the samples split by the value of tag `key`.
-    fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RArray, Error> {
+    /// `{value or nil => profile}`: the samples split by the value of tag `key`.
+    fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RHash, Error> {
         let p = &rb_self.0;
         let mut values: Vec<Option<String>> = p
             .stacks
@@ -253,15 +263,15 @@ impl NativeProfile {
             .collect();
         values.sort();
         values.dedup();
-        let out = ruby.ary_new_capa(values.len());
+        let out = ruby.hash_new();
         for v in values {
             let part = p.filtered(|s| p.tag_value(s, &key) == v.as_deref());
-            out.push((v, ruby.obj_wrap(NativeProfile(part))))?;
+            out.aset(v, ruby.obj_wrap(NativeProfile(part)))?;
         }
         Ok(out)
     }
 
-    /// [[pid, tid, name, main?, {state => samples}], ...]
+    /// `[{pid:, tid:, name:, main:, states: {state => samples}}, ...]`
     fn threads(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let p = &rb_self.0;
         let out = ruby.ary_new();
@@ -277,7 +287,13 @@ impl NativeProfile {
             if states.is_empty() {
                 continue;
             }
-            out.push((t.pid, t.tid, t.name.clone(), t.main, states))?;
+            let h = ruby.hash_new();
+            h.aset(ruby.to_symbol("pid"), t.pid)?;
+            h.aset(ruby.to_symbol("tid"), t.tid)?;
+            h.aset(ruby.to_symbol("name"), t.name.clone())?;
+            h.aset(ruby.to_symbol("main"), t.main)?;
+            h.aset(ruby.to_symbol("states"), states)?;
+            out.push(h)?;
         }
         Ok(out)
     }
