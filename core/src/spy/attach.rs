@@ -11,6 +11,30 @@ use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
 use rustc_hash::FxHashMap;
 
+/// What attaching to a process found, fixed for the spy's life: the process, its memory, the
+/// layout of its Ruby, and the VM's roots.
+pub(super) struct Target<M: Memory> {
+    pub(super) pid: i32,
+    pub(super) mem: M,
+    pub(super) layout: &'static Layout,
+    pub(super) version: String,
+    pub(super) warning: Option<String>,
+    pub(super) vm: u64,
+    /// Address of the word naming the thread that holds the GVL (0 when none does).
+    pub(super) gvl_owner: u64,
+    pub(super) main_thread: u64,
+    /// libruby's writable segments (where the VM and symbol-table scans look).
+    pub(super) writable: Vec<(u64, u64)>,
+    /// The mappings Ruby objects lived in at attach (`process::heap_ranges`; empty for a
+    /// memory image): where the symbol-table scan looks first.
+    pub(super) heap: Vec<(u64, u64)>,
+    /// The attached process's identity and when it was last checked (None for memory that
+    /// is not a live process's): see `check_identity`.
+    pub(super) identity: Option<(Identity, std::time::Instant)>,
+    /// Address of the list of every Ruby thread.
+    pub(super) thread_list_head: u64,
+}
+
 impl Spy<ProcessMemory> {
     /// Attaches to a live process: finds libruby, its version and its VM.
     pub fn attach(pid: i32) -> Result<Self> {
@@ -50,10 +74,10 @@ impl Spy<ProcessMemory> {
             roots,
             binary.symbol("ruby_global_symbols"),
         );
-        spy.warning = warning;
-        spy.identity = identity.map(|i| (i, std::time::Instant::now()));
-        spy.writable = binary.writable.clone();
-        spy.heap = heap_ranges(&maps);
+        spy.target.warning = warning;
+        spy.target.identity = identity.map(|i| (i, std::time::Instant::now()));
+        spy.target.writable = binary.writable.clone();
+        spy.target.heap = heap_ranges(&maps);
         Ok(spy)
     }
 }
@@ -194,17 +218,21 @@ impl<M: Memory> Spy<M> {
         symbols: Option<u64>,
     ) -> Self {
         Spy {
-            pid,
-            mem,
-            layout,
-            version: version.to_string(),
-            warning: None,
-            vm: roots.vm,
-            gvl_owner: roots.gvl_owner,
-            main_thread: roots.main_thread,
+            target: Target {
+                pid,
+                mem,
+                layout,
+                version: version.to_string(),
+                warning: None,
+                vm: roots.vm,
+                gvl_owner: roots.gvl_owner,
+                main_thread: roots.main_thread,
+                writable: Vec::new(),
+                heap: Vec::new(),
+                identity: None,
+                thread_list_head: roots.thread_list,
+            },
             symbols: symbols.map(SymbolTable::new),
-            writable: Vec::new(),
-            heap: Vec::new(),
             classes: ClassNames::default(),
             iseqs: FxHashMap::default(),
             methods: FxHashMap::default(),
@@ -213,8 +241,6 @@ impl<M: Memory> Spy<M> {
             heap_envs: FxHashMap::default(),
             not_methods: Default::default(),
             validated_at: None,
-            identity: None,
-            thread_list_head: roots.thread_list,
             thread_list: threads::ThreadList::default(),
             memo: FxHashMap::default(),
             memo_bytes: 0,
@@ -232,8 +258,8 @@ impl<M: Memory> Spy<M> {
     /// is taken for the old process's. Checked at most every [`IDENTITY_TTL`] (two small
     /// /proc reads) unless `now`, which the read paths ask for after a failure.
     pub fn check_identity(&mut self, now: bool) -> Result<()> {
-        let pid = self.pid;
-        let Some((identity, checked)) = &mut self.identity else {
+        let pid = self.target.pid;
+        let Some((identity, checked)) = &mut self.target.identity else {
             return Ok(());
         };
         if !now && checked.elapsed() < IDENTITY_TTL {
@@ -260,7 +286,7 @@ impl<M: Memory> Spy<M> {
             let addr = self
                 .find_symbol_table()
                 .ok_or(Attempt::Fatal(Error::Corrupt {
-                    pid: self.pid,
+                    pid: self.target.pid,
                     what: "symbol table (not found in libruby's data)",
                     addr: 0,
                 }))?;
@@ -278,22 +304,23 @@ impl<M: Memory> Spy<M> {
     /// time come first; the `ids` array may have moved to a newer one since, so a miss
     /// looks again with the mappings of now. A memory image (tests) has none: no filter.
     pub(super) fn find_symbol_table(&self) -> Option<u64> {
-        if self.heap.is_empty() {
+        if self.target.heap.is_empty() {
             return self.scan_for_symbol_table(None);
         }
-        self.scan_for_symbol_table(Some(&self.heap)).or_else(|| {
-            let now = heap_ranges(&read_maps(self.pid).ok()?);
-            self.scan_for_symbol_table(Some(&now))
-        })
+        self.scan_for_symbol_table(Some(&self.target.heap))
+            .or_else(|| {
+                let now = heap_ranges(&read_maps(self.target.pid).ok()?);
+                self.scan_for_symbol_table(Some(&now))
+            })
     }
 
     /// One scan of `find_symbol_table`, keeping candidates whose `ids` lies in `heap`.
     fn scan_for_symbol_table(&self, heap: Option<&[(u64, u64)]>) -> Option<u64> {
-        let l = self.layout;
+        let l = self.target.layout;
         let in_heap = |p: u64| heap.is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)));
-        for &(start, end) in &self.writable {
+        for &(start, end) in &self.target.writable {
             let len = (end - start).min(16 << 20) as usize;
-            let Ok(data) = self.mem.read_vec(start, len) else {
+            let Ok(data) = self.target.mem.read_vec(start, len) else {
                 continue;
             };
             let candidates: Vec<(usize, u64, u64)> = (0..data.len().saturating_sub(l.symbols_size)
@@ -313,7 +340,7 @@ impl<M: Memory> Spy<M> {
                 .zip(heads.chunks_exact_mut(head_len))
                 .map(|((_, _, ids), head)| (*ids, head))
                 .collect();
-            let read = self.mem.read_each(&mut requests);
+            let read = self.target.mem.read_each(&mut requests);
             let found = candidates
                 .iter()
                 .zip(&requests)

@@ -60,7 +60,7 @@ impl<M: Memory> Spy<M> {
         frames: &[RawFrame],
         wanted: &[Wanted],
     ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let full = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
         let (iseq_addrs, candidates, me_addrs) = self.to_validate(frames, wanted, full);
         if full {
@@ -85,7 +85,8 @@ impl<M: Memory> Spy<M> {
             for (addr, buf) in me_addrs.iter().zip(me_bufs.iter_mut()) {
                 requests.push((*addr, &mut buf[..]));
             }
-            self.mem
+            self.target
+                .mem
                 .read_many(&mut requests)
                 .map_err(self.moved("reading iseqs and method entries"))?;
         }
@@ -152,7 +153,7 @@ impl<M: Memory> Spy<M> {
         iseq_bufs: &[[u8; 24]],
         body_bufs: &[[u8; 16]],
     ) -> std::result::Result<(), Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(iseq_bufs).zip(body_bufs) {
             if imemo_type(l, word(ibuf, l.rbasic_flags)) != Some(l.imemo_iseq) {
                 return Err(Attempt::Changed(format!(
@@ -176,46 +177,27 @@ impl<M: Memory> Spy<M> {
 
     /// Reads and decodes everything an iseq's frames need (cold path, once per iseq).
     pub(super) fn load_iseq(&mut self, body: u64) -> std::result::Result<IseqInfo, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let b = self
+            .target
             .mem
             .read_vec(body, l.body_read_size)
             .map_err(self.moved("reading an iseq body"))?;
         let strings = |spy: &Self, v: u64| {
-            read_string(&spy.mem, l, v).map_err(|e| spy.object_moved("reading an iseq label", e))
+            read_string(&spy.target.mem, l, v)
+                .map_err(|e| spy.object_moved("reading an iseq label", e))
         };
         let kind = word32(&b, l.body_type);
         let mut label = strings(self, word(&b, l.body_location_label))?;
         if l.labels_clauses_as_their_code() {
-            // 3.4 labels rescue, ensure and eval code like the code it belongs to
-            // (calculate_iseq_label): the label of the nearest other ancestor.
-            let mut body = b.clone();
-            for _ in 0..64 {
-                let kind = word32(&body, l.body_type);
-                if ![l.iseq_type_rescue, l.iseq_type_ensure, l.iseq_type_eval].contains(&kind) {
-                    break;
-                }
-                let parent = word(&body, l.body_parent_iseq);
-                if parent == 0 {
-                    break;
-                }
-                let parent_body = self
-                    .mem
-                    .read_u64(parent.wrapping_add(l.iseq_body as u64))
-                    .map_err(self.moved("reading a parent iseq"))?;
-                body = self
-                    .mem
-                    .read_vec(parent_body, l.body_read_size)
-                    .map_err(self.moved("reading a parent iseq"))?;
-                label = strings(self, word(&body, l.body_location_label))?;
-            }
+            label = self.clause_label(&b, label)?;
         }
         let label: Arc<str> = label.into();
         let base_label: Arc<str> = strings(self, word(&b, l.body_location_base_label))?.into();
         let (path, absolute_path) = self.read_pathobj(word(&b, l.body_location_pathobj))?;
         let size = word32(&b, l.body_iseq_size);
         let lines = LineTable::read(
-            &self.mem,
+            &self.target.mem,
             l,
             word(&b, l.body_insns_info_body),
             word32(&b, l.body_insns_info_size) as u64,
@@ -228,11 +210,13 @@ impl<M: Memory> Spy<M> {
             false
         } else {
             let local_body = self
+                .target
                 .mem
                 .read_u64(local.wrapping_add(l.iseq_body as u64))
                 .map_err(self.moved("reading a local iseq"))?;
             let mut t = [0u8; 4];
-            self.mem
+            self.target
+                .mem
                 .read(local_body.wrapping_add(l.body_type as u64), &mut t)
                 .map_err(self.moved("reading a local iseq"))?;
             u32::from_le_bytes(t) == l.iseq_type_method
@@ -254,28 +238,60 @@ impl<M: Memory> Spy<M> {
         })
     }
 
+    /// The label Ruby 3.4 gives the iseq whose body is `b`: for rescue, ensure and eval code,
+    /// the label of the nearest ancestor of another kind (`calculate_iseq_label`); `label`,
+    /// its own, for any other iseq.
+    fn clause_label(&self, b: &[u8], label: String) -> std::result::Result<String, Attempt> {
+        let l = self.target.layout;
+        let mem = &self.target.mem;
+        let mut label = label;
+        let mut body = b.to_vec();
+        for _ in 0..64 {
+            let kind = word32(&body, l.body_type);
+            if ![l.iseq_type_rescue, l.iseq_type_ensure, l.iseq_type_eval].contains(&kind) {
+                break;
+            }
+            let parent = word(&body, l.body_parent_iseq);
+            if parent == 0 {
+                break;
+            }
+            let parent_body = mem
+                .read_u64(parent.wrapping_add(l.iseq_body as u64))
+                .map_err(self.moved("reading a parent iseq"))?;
+            body = mem
+                .read_vec(parent_body, l.body_read_size)
+                .map_err(self.moved("reading a parent iseq"))?;
+            label = read_string(mem, l, word(&body, l.body_location_label))
+                .map_err(|e| self.object_moved("reading an iseq label", e))?;
+        }
+        Ok(label)
+    }
+
     /// An iseq's `pathobj` is either the path String or a frozen [path, realpath] Array.
     pub(super) fn read_pathobj(
         &self,
         pathobj: u64,
     ) -> std::result::Result<(Arc<str>, Option<Arc<str>>), Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let fail = |e| self.object_moved("reading an iseq path", e);
         let flags = self
+            .target
             .mem
             .read_u64(pathobj)
             .map_err(self.moved("reading an iseq path"))?;
         match flags & T_MASK {
             T_STRING => {
-                let p: Arc<str> = read_string(&self.mem, l, pathobj).map_err(fail)?.into();
+                let p: Arc<str> = read_string(&self.target.mem, l, pathobj)
+                    .map_err(fail)?
+                    .into();
                 Ok((p.clone(), Some(p)))
             }
             T_ARRAY => {
-                let path = read_array_entry(&self.mem, l, pathobj, 0).map_err(fail)?;
-                let real = read_array_entry(&self.mem, l, pathobj, 1).map_err(fail)?;
-                let path: Arc<str> = read_string(&self.mem, l, path).map_err(fail)?.into();
+                let path = read_array_entry(&self.target.mem, l, pathobj, 0).map_err(fail)?;
+                let real = read_array_entry(&self.target.mem, l, pathobj, 1).map_err(fail)?;
+                let path: Arc<str> = read_string(&self.target.mem, l, path).map_err(fail)?.into();
                 let real = if is_heap_object(real) {
-                    Some(read_string(&self.mem, l, real).map_err(fail)?.into())
+                    Some(read_string(&self.target.mem, l, real).map_err(fail)?.into())
                 } else {
                     None
                 };
@@ -296,7 +312,7 @@ impl<M: Memory> Spy<M> {
         ep: u64,
         envs: &Envs,
     ) -> std::result::Result<Vec<u64>, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let mut ep = ep;
         let mut chain = Vec::new();
         for _ in 0..MAX_EP_DEPTH {
@@ -318,7 +334,7 @@ impl<M: Memory> Spy<M> {
         wanted: Vec<Wanted>,
         mes: &FxHashMap<u64, MethodInfo>,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
         let mut pending_cfuncs: Vec<usize> = Vec::new();
         // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
@@ -387,7 +403,7 @@ impl<M: Memory> Spy<M> {
         addrs: &[u64],
         bufs: &[Vec<u8>],
     ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let mut out = FxHashMap::default();
         for (addr, buf) in addrs.iter().zip(bufs) {
             let mut head = buf.clone();
@@ -398,7 +414,8 @@ impl<M: Memory> Spy<M> {
                 if !is_heap_object(inner) {
                     continue;
                 }
-                self.mem
+                self.target
+                    .mem
                     .read(inner, &mut head)
                     .map_err(self.moved("reading a method entry"))?;
                 imemo = imemo_type(l, word(&head, l.rbasic_flags));
@@ -429,8 +446,9 @@ impl<M: Memory> Spy<M> {
         def: u64,
         owner: u64,
     ) -> std::result::Result<MethodInfo, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let d = self
+            .target
             .mem
             .read_vec(def, l.me_def_original_id.max(l.me_def_iseqptr) + 8)
             .map_err(self.moved("reading a method definition"))?;
@@ -440,10 +458,12 @@ impl<M: Memory> Spy<M> {
             iseqs[0] = word(&d, l.me_def_iseqptr);
             if let Some(mandatory_only) = l.body_mandatory_only_iseq {
                 let body = self
+                    .target
                     .mem
                     .read_u64(iseqs[0].wrapping_add(l.iseq_body as u64))
                     .map_err(self.moved("reading a method's iseq"))?;
                 iseqs[1] = self
+                    .target
                     .mem
                     .read_u64(body.wrapping_add(mandatory_only as u64))
                     .map_err(self.moved("reading a method's iseq"))?;
@@ -469,16 +489,16 @@ impl<M: Memory> Spy<M> {
         if let (Some(label), Some(name)) = (&info.cfunc_label, &info.name) {
             return Ok((label.clone(), name.clone()));
         }
-        let l = self.layout;
+        let l = self.target.layout;
         let id = info.original_id;
         self.symbols()?;
         let symbols = self.symbols.as_mut().expect("found by symbols()");
         let name = symbols
-            .name(&self.mem, l, id)
+            .name(&self.target.mem, l, id)
             .map_err(|_| Attempt::Changed(format!("method name ID {id:#x} does not resolve")))?;
         let label: Arc<str> = self
             .classes
-            .qualify(&self.mem, l, symbols, info.owner, &name)
+            .qualify(&self.target.mem, l, symbols, info.owner, &name)
             .into();
         if let Some(m) = self.methods.get_mut(&me) {
             m.cfunc_label = Some(label.clone());
@@ -492,7 +512,7 @@ impl<M: Memory> Spy<M> {
         f: &RawFrame,
         owner: Option<u64>,
     ) -> std::result::Result<Frame, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let info = self
             .iseqs
             .get(&f.iseq)
@@ -515,7 +535,9 @@ impl<M: Memory> Spy<M> {
                     let (label, base) = (info.label.clone(), info.base_label.clone());
                     self.symbols()?;
                     let symbols = self.symbols.as_mut().expect("found by symbols()");
-                    let qualified = self.classes.qualify(&self.mem, l, symbols, owner, &base);
+                    let qualified =
+                        self.classes
+                            .qualify(&self.target.mem, l, symbols, owner, &base);
                     // "block (2 levels) in foo" → "block (2 levels) in Foo#foo".
                     let q: Arc<str> = match label.strip_suffix(&*base) {
                         Some(prefix) => format!("{prefix}{qualified}").into(),

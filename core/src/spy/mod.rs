@@ -6,14 +6,13 @@
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{Memory, ProcessMemory, ReadBatch};
 use crate::objects::{word, ClassNames, ObjectError, SymbolTable};
-use crate::process::Identity;
-use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 mod attach;
 mod frames;
 mod tags;
+mod thread_list;
 mod threads;
 mod walker;
 use frames::{IseqInfo, MethodInfo};
@@ -66,22 +65,13 @@ pub struct Config {
     pub scan_for_vm: bool,
 }
 
-/// A handle on one Ruby process.
+/// A handle on one Ruby process: what attaching found (`target`, spy/attach.rs), and the
+/// caches and per-sample state of the walker (walker.rs, frames.rs), the thread sampler
+/// (threads.rs) and the tag reader (tags.rs), whose methods are `impl Spy` blocks in those
+/// files.
 pub struct Spy<M: Memory = ProcessMemory> {
-    pid: i32,
-    mem: M,
-    layout: &'static Layout,
-    version: String,
-    warning: Option<String>,
-    vm: u64,
-    /// Address of the word naming the thread that holds the GVL (0 when none does).
-    gvl_owner: u64,
-    main_thread: u64,
+    target: attach::Target<M>,
     symbols: Option<SymbolTable>,
-    writable: Vec<(u64, u64)>,
-    /// The mappings Ruby objects lived in at attach (`process::heap_ranges`; empty for a
-    /// memory image): where the symbol-table scan looks first.
-    heap: Vec<(u64, u64)>,
     classes: ClassNames,
     iseqs: FxHashMap<u64, IseqInfo>,
     methods: FxHashMap<u64, MethodInfo>,
@@ -96,11 +86,7 @@ pub struct Spy<M: Memory = ProcessMemory> {
     not_methods: rustc_hash::FxHashSet<u64>,
     /// When cached iseqs and method entries were last all read again.
     validated_at: Option<std::time::Instant>,
-    /// The attached process's identity and when it was last checked (None for memory that
-    /// is not a live process's): see `check_identity`.
-    identity: Option<(Identity, std::time::Instant)>,
-    /// Address of the list of every Ruby thread, and its last reading (spy/threads.rs).
-    thread_list_head: u64,
+    /// The last reading of the thread list (spy/threads.rs).
     thread_list: threads::ThreadList,
     /// Frames already resolved, by raw stack (see `Signature`): a stack seen before in the
     /// current validation epoch is answered without resolving anything. The walker is a
@@ -152,31 +138,31 @@ impl From<Error> for Attempt {
 
 impl<M: Memory> Spy<M> {
     pub fn pid(&self) -> i32 {
-        self.pid
+        self.target.pid
     }
 
     /// The Ruby version the target reports (e.g. "3.1.2").
     pub fn version(&self) -> &str {
-        &self.version
+        &self.target.version
     }
 
     /// Set when the layout came from the newest known release of the same minor series.
     pub fn warning(&self) -> Option<&str> {
-        self.warning.as_deref()
+        self.target.warning.as_deref()
     }
 
     pub fn memory(&self) -> &M {
-        &self.mem
+        &self.target.mem
     }
 
     /// The memory source, writable: tests rewrite a memory image between samples.
     pub fn memory_mut(&mut self) -> &mut M {
-        &mut self.mem
+        &mut self.target.mem
     }
 
     /// The address of the target's `rb_vm_t`.
     pub fn vm_address(&self) -> u64 {
-        self.vm
+        self.target.vm
     }
 
     /// The stack of the thread holding the GVL (the main thread when none does), innermost
@@ -203,12 +189,14 @@ impl<M: Memory> Spy<M> {
         }
         // A process that vanished between attempts reports as exited, not as a moving stack;
         // one that ran exec, or whose pid was taken by another, as replaced.
-        if !std::path::Path::new(&format!("/proc/{}", self.pid)).exists() {
-            return Err(Error::ProcessExited { pid: self.pid });
+        if !std::path::Path::new(&format!("/proc/{}", self.target.pid)).exists() {
+            return Err(Error::ProcessExited {
+                pid: self.target.pid,
+            });
         }
         self.check_identity(true)?;
         Err(Error::StackChanged {
-            pid: self.pid,
+            pid: self.target.pid,
             attempts: SNAPSHOT_ATTEMPTS,
             last,
         })
@@ -227,8 +215,12 @@ impl<M: Memory> Spy<M> {
     fn moved(&self, what: &str) -> impl Fn(MemoryError) -> Attempt + '_ {
         let what = what.to_string();
         move |e| match e {
-            MemoryError::Gone => Attempt::Fatal(Error::ProcessExited { pid: self.pid }),
-            MemoryError::Denied => Attempt::Fatal(Error::PermissionDenied { pid: self.pid }),
+            MemoryError::Gone => Attempt::Fatal(Error::ProcessExited {
+                pid: self.target.pid,
+            }),
+            MemoryError::Denied => Attempt::Fatal(Error::PermissionDenied {
+                pid: self.target.pid,
+            }),
             other => Attempt::Changed(format!("{what}: {other}")),
         }
     }

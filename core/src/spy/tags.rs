@@ -90,14 +90,14 @@ impl<M: Memory> Spy<M> {
             return None;
         }
         self.tag_source.checked_at = Some(Instant::now());
-        let maps = read_maps(self.pid).ok()?;
-        let symbols = find_profiler_state_symbols(self.pid, &maps)?;
+        let maps = read_maps(self.target.pid).ok()?;
+        let symbols = find_profiler_state_symbols(self.target.pid, &maps)?;
         // Both 0 until the extension has initialised, which sets the owner's first.
-        let offset = self.mem.read_u64(symbols.offset).ok()? as i64;
+        let offset = self.target.mem.read_u64(symbols.offset).ok()? as i64;
         self.tag_source.offset = (offset != 0).then_some(offset);
         self.tag_source.owner_offset = symbols
             .owner_offset
-            .and_then(|addr| self.mem.read_u64(addr).ok())
+            .and_then(|addr| self.target.mem.read_u64(addr).ok())
             .map(|o| o as i64)
             .filter(|o| *o != 0);
         self.tag_source.offset
@@ -106,8 +106,9 @@ impl<M: Memory> Spy<M> {
     /// The native thread a Ruby thread is on now: `th->nt` (3.2+), or 0 before 3.2, where the
     /// thread pointer is a field of the Ruby thread itself and never changes.
     pub(super) fn native_thread(&self, thread: u64) -> u64 {
-        match self.layout.thread_nt {
+        match self.target.layout.thread_nt {
             Some(nt) => self
+                .target
                 .mem
                 .read_u64(thread.wrapping_add(nt as u64))
                 .unwrap_or(0),
@@ -126,13 +127,13 @@ impl<M: Memory> Spy<M> {
                 return Some(*tp);
             }
         }
-        let l = self.layout;
+        let l = self.target.layout;
         let addr = match (l.thread_pthread, l.native_thread_pthread) {
             (Some(off), _) => thread.wrapping_add(off as u64),
             (None, Some(off)) if is_heap_object(nt) => nt.wrapping_add(off as u64),
             _ => return None,
         };
-        let tp = self.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
+        let tp = self.target.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
         if self.tag_source.pointers.len() >= 4096 {
             self.tag_source.pointers.clear();
         }
@@ -169,12 +170,14 @@ impl<M: Memory> Spy<M> {
             .tag_source
             .owner_offset
             .map(|o| tp.wrapping_add(o as u64));
-        let owned =
-            |addr: Option<u64>| addr.is_none_or(|a| self.mem.read_u64(a).ok() == Some(thread));
+        let owned = |addr: Option<u64>| {
+            addr.is_none_or(|a| self.target.mem.read_u64(a).ok() == Some(thread))
+        };
         if !owned(owner_addr) {
             return 0;
         }
         let table = self
+            .target
             .mem
             .read_u64(tp.wrapping_add(offset as u64))
             .unwrap_or(0);
@@ -318,10 +321,10 @@ impl<M: Memory> Spy<M> {
     /// `TABLE_WINDOW`. Small tables take one read.
     fn read_table(&mut self, table: u64, pointer_read_at: Instant) -> Option<(Vec<u8>, Tags)> {
         let mut raw = vec![0u8; 16 + 16 * FIRST_SLOTS];
-        if self.mem.read(table, &mut raw).is_err() {
+        if self.target.mem.read(table, &mut raw).is_err() {
             // Maybe a small table near the end of a mapping: the header alone.
             raw.truncate(16);
-            self.mem.read(table, &mut raw).ok()?;
+            self.target.mem.read(table, &mut raw).ok()?;
         }
         let (size, capacity) = (word(&raw, 0), word(&raw, 8));
         if capacity == 0
@@ -333,7 +336,7 @@ impl<M: Memory> Spy<M> {
         }
         let len = 16 + 16 * capacity as usize;
         if raw.len() < len {
-            raw = self.mem.read_vec(table, len).ok()?;
+            raw = self.target.mem.read_vec(table, len).ok()?;
         } else {
             raw.truncate(len);
         }
@@ -356,16 +359,16 @@ impl<M: Memory> Spy<M> {
     }
 
     fn id_name(&mut self, id: u64) -> Option<Arc<str>> {
-        let l = self.layout;
+        let l = self.target.layout;
         self.symbols().ok()?;
         let symbols = self.symbols.as_mut()?;
-        symbols.name(&self.mem, l, id).ok()
+        symbols.name(&self.target.mem, l, id).ok()
     }
 
     /// A VALUE as text (`objects::value_text`); None when it cannot be read now.
     fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
-        let l = self.layout;
+        let l = self.target.layout;
         let symbols = self.symbols.as_mut();
-        crate::objects::value_text(&self.mem, l, symbols, &mut self.classes, v)
+        crate::objects::value_text(&self.target.mem, l, symbols, &mut self.classes, v)
     }
 }

@@ -3,21 +3,18 @@
 //!
 //! A child module of `spy` so that it shares the walker's private machinery.
 use super::tags::TagRead;
+use super::thread_list::MAX_THREADS;
 use super::{word, Attempt, Frame, Memory, Prefetched, Spy, Stack};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
 use crate::memory::{ReadBatch, Span};
-use crate::objects::{is_heap_object, read_string};
+use crate::objects::is_heap_object;
 use crate::profile::{ThreadInfo, ThreadState};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// Most threads followed along the thread list.
-const MAX_THREADS: usize = 4096;
-/// How long a thread list is trusted before it is read again (threads come and go).
-const LIST_TTL: Duration = Duration::from_millis(100);
 /// How often one thread's walk is retried when its stack moves while read.
 const THREAD_ATTEMPTS: u32 = 2;
 
@@ -45,8 +42,8 @@ pub struct SampledThread {
 
 #[derive(Debug, Default)]
 pub(super) struct ThreadList {
-    threads: Vec<(u64, Arc<ThreadInfo>)>,
-    read_at: Option<Instant>,
+    pub(super) threads: Vec<(u64, Arc<ThreadInfo>)>,
+    pub(super) read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
     ecs: FxHashMap<u64, u64>,
     /// Where each thread's stack was when last sampled (see `guess_stack`).
@@ -83,110 +80,11 @@ fn gc_state(flags: u32) -> ThreadState {
 const PREFETCH_FRAMES: u64 = 16;
 
 impl<M: Memory> Spy<M> {
-    /// Follows the thread list (`vm->living_threads` or `ractor->threads.set`).
-    fn read_thread_list(&mut self) -> std::result::Result<(), Attempt> {
-        let l = self.layout;
-        let node_offset = l.thread_list_node as u64;
-        let head = self.thread_list_head;
-        let mut node = self
-            .mem
-            .read_u64(head)
-            .map_err(self.moved("reading the thread list"))?;
-        let mut threads = Vec::new();
-        while node != head {
-            if threads.len() >= MAX_THREADS || !is_heap_object(node) {
-                return Err(Attempt::Changed("thread list does not close".into()));
-            }
-            let thread = node - node_offset;
-            threads.push((thread, Arc::new(self.thread_info(thread)?)));
-            node = self
-                .mem
-                .read_u64(node)
-                .map_err(self.moved("reading the thread list"))?;
-        }
-        self.thread_list.threads = threads;
-        self.thread_list.read_at = Some(Instant::now());
-        Ok(())
-    }
-
-    fn thread_info(&self, thread: u64) -> std::result::Result<ThreadInfo, Attempt> {
-        let l = self.layout;
-        let name_value = self
-            .mem
-            .read_u64(thread.wrapping_add(l.thread_name as u64))
-            .map_err(self.moved("reading a thread"))?;
-        let name = if is_heap_object(name_value) {
-            read_string(&self.mem, l, name_value).ok()
-        } else {
-            None
-        };
-        let tid_addr = match (l.thread_tid, l.thread_nt, l.native_thread_tid) {
-            (Some(off), _, _) => Some(thread.wrapping_add(off as u64)),
-            (None, Some(nt), Some(off)) => {
-                let nt = self
-                    .mem
-                    .read_u64(thread.wrapping_add(nt as u64))
-                    .unwrap_or(0);
-                is_heap_object(nt).then_some(nt.wrapping_add(off as u64))
-            }
-            _ => None,
-        };
-        let tid = tid_addr
-            .and_then(|a| {
-                let mut b = [0u8; 4];
-                self.mem
-                    .read(a, &mut b)
-                    .ok()
-                    .map(|_| i32::from_le_bytes(b) as i64)
-            })
-            .unwrap_or(0);
-        Ok(ThreadInfo {
-            pid: self.pid,
-            tid,
-            name,
-            ruby_thread: thread,
-            main: thread == self.main_thread,
-        })
-    }
-
-    /// The Ruby threads of the target, as last read (re-read when older than 100 ms).
-    pub fn threads(&mut self) -> Result<Vec<ThreadInfo>> {
-        self.fresh_thread_list()?;
-        Ok(self
-            .thread_list
-            .threads
-            .iter()
-            .map(|(_, i)| ThreadInfo::clone(i))
-            .collect())
-    }
-
-    fn fresh_thread_list(&mut self) -> Result<()> {
-        let stale = self
-            .thread_list
-            .read_at
-            .is_none_or(|t| t.elapsed() >= LIST_TTL);
-        if !stale {
-            return Ok(());
-        }
-        for _ in 0..super::SNAPSHOT_ATTEMPTS {
-            match self.read_thread_list() {
-                Ok(()) => return Ok(()),
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Changed(_)) => {}
-            }
-        }
-        Err(Error::StackChanged {
-            pid: self.pid,
-            attempts: super::SNAPSHOT_ATTEMPTS,
-            last: "the thread list kept changing".into(),
-        })
-    }
-
     /// Where to read a thread's stack next time, along with the thread: from a little below
     /// where its frames are now to the end of its stack, and as much of the value stack as
     /// its frames used.
     fn guess_stack(&mut self, thread: u64, [vm_stack, vm_stack_size, cfp]: [u64; 3]) {
-        let cfp_size = self.layout.cfp_size as u64;
+        let cfp_size = self.target.layout.cfp_size as u64;
         let end = vm_stack
             .wrapping_add(vm_stack_size.wrapping_mul(8))
             .wrapping_sub(cfp_size);
@@ -276,7 +174,7 @@ impl<M: Memory> Spy<M> {
     /// that its stack is about where it was, its control frames and value stack, plus its
     /// tag pointer and last table. In the steady state that one call is the whole sample.
     fn plan_sample(&mut self, which: ThreadSelection) -> Batch {
-        let l = self.layout;
+        let l = self.target.layout;
         let count = self.thread_list.threads.len();
         let fields = [
             l.thread_ec,
@@ -291,7 +189,7 @@ impl<M: Memory> Spy<M> {
         let objspace = self.objspace();
         let mut reads = std::mem::take(&mut self.sample_reads);
         reads.clear();
-        let owner = reads.add(self.gvl_owner, 8);
+        let owner = reads.add(self.target.gvl_owner, 8);
         let gc_flags = if is_heap_object(objspace) {
             reads.add(objspace.wrapping_add(l.objspace_flags as u64), 4)
         } else {
@@ -346,8 +244,11 @@ impl<M: Memory> Spy<M> {
         if let Some(o) = self.thread_list.objspace {
             return o;
         }
-        let addr = self.vm.wrapping_add(self.layout.vm_objspace as u64);
-        let o = self.mem.read_u64(addr).unwrap_or(0);
+        let addr = self
+            .target
+            .vm
+            .wrapping_add(self.target.layout.vm_objspace as u64);
+        let o = self.target.mem.read_u64(addr).unwrap_or(0);
         self.thread_list.objspace = Some(o);
         o
     }
@@ -355,7 +256,7 @@ impl<M: Memory> Spy<M> {
     /// The sample's one call (see `plan_sample`).
     fn read_sample(&mut self, batch: &mut Batch) -> std::result::Result<(), MemoryError> {
         batch.called = Instant::now();
-        batch.reads.read(&self.mem)?;
+        batch.reads.read(&self.target.mem)?;
         for (head, t) in batch.heads.iter_mut().zip(&batch.threads) {
             if !t.head.is_empty() {
                 head.copy_from_slice(batch.reads.get(t.head));
@@ -367,7 +268,7 @@ impl<M: Memory> Spy<M> {
     /// Each thread's state from what the sample read, for the threads `which` wants and
     /// that have an execution context.
     fn classify(&mut self, batch: &Batch, which: ThreadSelection) -> Vec<(usize, ThreadState)> {
-        let l = self.layout;
+        let l = self.target.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
         let owner = word(batch.reads.get(batch.owner), 0);
         self.thread_list.last_owner = owner;
@@ -410,7 +311,7 @@ impl<M: Memory> Spy<M> {
         batch: &mut Batch,
         chosen: &[(usize, ThreadState)],
     ) -> std::result::Result<(), MemoryError> {
-        let l = self.layout;
+        let l = self.target.layout;
         let stale: Vec<usize> = chosen
             .iter()
             .map(|(i, _)| *i)
@@ -430,7 +331,7 @@ impl<M: Memory> Spy<M> {
                 )
             })
             .collect();
-        self.mem.read_many(&mut requests)?;
+        self.target.mem.read_many(&mut requests)?;
         for (i, h) in stale.into_iter().zip(fresh) {
             batch.heads[i] = h;
             let thread = self.thread_list.threads[i].0;
@@ -483,6 +384,7 @@ impl<M: Memory> Spy<M> {
             let tags = match batch.threads[i].tag {
                 Some(read) => {
                     let nt = self
+                        .target
                         .layout
                         .thread_nt
                         .map_or(0, |off| word(batch.field(i, off), 0));

@@ -10,34 +10,44 @@ impl<M: Memory> Spy<M> {
     /// Reads the current thread's execution context: one call that reads the GVL owner
     /// together with the last thread's `ec` field and that ec's stack fields.
     pub(super) fn current_ec(&mut self) -> std::result::Result<[u64; 3], Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let mut owner = [0u8; 8];
         let mut ec_field = [0u8; 8];
         let mut ec_head = [0u8; 24];
         if let Some((thread, ec)) = self.last_ec {
-            self.mem
+            self.target
+                .mem
                 .read_many(&mut [
-                    (self.gvl_owner, &mut owner[..]),
+                    (self.target.gvl_owner, &mut owner[..]),
                     (thread.wrapping_add(l.thread_ec as u64), &mut ec_field[..]),
                     (ec.wrapping_add(l.ec_vm_stack as u64), &mut ec_head[..]),
                 ])
                 .map_err(self.moved("reading the GVL owner"))?;
             let owner = word(&owner, 0);
-            let current = if owner == 0 { self.main_thread } else { owner };
+            let current = if owner == 0 {
+                self.target.main_thread
+            } else {
+                owner
+            };
             if current == thread && word(&ec_field, 0) == ec {
                 return Ok(self.ec_fields(&ec_head));
             }
             return self.read_ec_of(current);
         }
-        self.mem
-            .read(self.gvl_owner, &mut owner)
+        self.target
+            .mem
+            .read(self.target.gvl_owner, &mut owner)
             .map_err(self.moved("reading the GVL owner"))?;
         let owner = word(&owner, 0);
-        self.read_ec_of(if owner == 0 { self.main_thread } else { owner })
+        self.read_ec_of(if owner == 0 {
+            self.target.main_thread
+        } else {
+            owner
+        })
     }
 
     pub(super) fn ec_fields(&self, head: &[u8]) -> [u64; 3] {
-        let l = self.layout;
+        let l = self.target.layout;
         let base = l.ec_vm_stack;
         [
             word(head, l.ec_vm_stack - base),
@@ -47,13 +57,15 @@ impl<M: Memory> Spy<M> {
     }
 
     pub(super) fn read_ec_of(&mut self, thread: u64) -> std::result::Result<[u64; 3], Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let ec = self
+            .target
             .mem
             .read_u64(thread.wrapping_add(l.thread_ec as u64))
             .map_err(self.moved("reading the thread's execution context"))?;
         let mut head = [0u8; 24];
-        self.mem
+        self.target
+            .mem
             .read(ec.wrapping_add(l.ec_vm_stack as u64), &mut head)
             .map_err(self.moved("reading the execution context"))?;
         self.last_ec = Some((thread, ec));
@@ -84,7 +96,7 @@ impl<M: Memory> Spy<M> {
         &self,
         [vm_stack, vm_stack_size, cfp]: [u64; 3],
     ) -> std::result::Result<Plan, Attempt> {
-        let cfp_size = self.layout.cfp_size as u64;
+        let cfp_size = self.target.layout.cfp_size as u64;
         // Control frames grow down from the end of the VM stack; the last slot is a dummy
         // frame that Ruby's own backtrace skips.
         let end = vm_stack.wrapping_add(vm_stack_size.wrapping_mul(8));
@@ -152,7 +164,7 @@ impl<M: Memory> Spy<M> {
         prefetched: Vec<Option<Prefetched<'a>>>,
         reads: &mut ReadBatch,
     ) -> Vec<FrameBuffers<'a>> {
-        let cfp_size = self.layout.cfp_size;
+        let cfp_size = self.target.layout.cfp_size;
         let mut prefetched = prefetched;
         prefetched.resize_with(plans.len(), || None);
         let mut bufs = Vec::with_capacity(plans.len());
@@ -193,7 +205,7 @@ impl<M: Memory> Spy<M> {
     ) -> Vec<std::result::Result<(), Attempt>> {
         let mut results: Vec<std::result::Result<(), Attempt>> =
             plans.iter().map(|_| Ok(())).collect();
-        let Err(e) = reads.read(&self.mem) else {
+        let Err(e) = reads.read(&self.target.mem) else {
             return results;
         };
         if plans.len() == 1 {
@@ -205,7 +217,7 @@ impl<M: Memory> Spy<M> {
             if spans.is_empty() {
                 continue;
             }
-            if let Err(e) = reads.reread(&self.mem, &spans) {
+            if let Err(e) = reads.reread(&self.target.mem, &spans) {
                 *result = Err(self.moved("reading control frames")(e));
             }
         }
@@ -292,7 +304,7 @@ impl<M: Memory> Spy<M> {
         cfps: &[u8],
         values: &'a [u8],
     ) -> std::result::Result<(Vec<RawFrame>, Envs<'a>), Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         let Plan { vm_stack, cfp, .. } = plan;
         let frames: Vec<RawFrame> = cfps
             .chunks_exact(l.cfp_size)
@@ -321,7 +333,8 @@ impl<M: Memory> Spy<M> {
             let have = values.len();
             let mut more = values.to_vec();
             more.resize(needed, 0);
-            self.mem
+            self.target
+                .mem
                 .read(vm_stack.wrapping_add(have as u64), &mut more[have..])
                 .map_err(self.moved("reading the value stack"))?;
             Cow::Owned(more)
@@ -347,7 +360,7 @@ impl<M: Memory> Spy<M> {
         frames: &[RawFrame],
         envs: &Envs,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
-        let l = self.layout;
+        let l = self.target.layout;
         // Which frames are reported, and the candidates for the method entry each needs (for
         // C functions: its name; for Ruby methods and their blocks: the owner's name).
         let mut wanted: Vec<Wanted> = Vec::new();
@@ -401,7 +414,8 @@ impl<M: Memory> Spy<M> {
             return Ok(*s);
         }
         let mut buf = [0u8; 24];
-        self.mem
+        self.target
+            .mem
             .read(ep.wrapping_sub(16), &mut buf)
             .map_err(self.moved("reading an environment"))?;
         let s = slots(&buf);
