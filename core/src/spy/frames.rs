@@ -209,11 +209,7 @@ impl<M: Memory> Spy<M> {
         let in_method = if local == 0 {
             false
         } else {
-            let local_body = self
-                .target
-                .mem
-                .read_u64(local.wrapping_add(l.iseq_body as u64))
-                .map_err(self.moved("reading a local iseq"))?;
+            let local_body = self.read_word(local, l.iseq_body, "reading a local iseq")?;
             let mut t = [0u8; 4];
             self.target
                 .mem
@@ -255,9 +251,7 @@ impl<M: Memory> Spy<M> {
             if parent == 0 {
                 break;
             }
-            let parent_body = mem
-                .read_u64(parent.wrapping_add(l.iseq_body as u64))
-                .map_err(self.moved("reading a parent iseq"))?;
+            let parent_body = self.read_word(parent, l.iseq_body, "reading a parent iseq")?;
             body = mem
                 .read_vec(parent_body, l.body_read_size)
                 .map_err(self.moved("reading a parent iseq"))?;
@@ -457,11 +451,7 @@ impl<M: Memory> Spy<M> {
         if def_type == l.method_type_iseq {
             iseqs[0] = word(&d, l.me_def_iseqptr);
             if let Some(mandatory_only) = l.body_mandatory_only_iseq {
-                let body = self
-                    .target
-                    .mem
-                    .read_u64(iseqs[0].wrapping_add(l.iseq_body as u64))
-                    .map_err(self.moved("reading a method's iseq"))?;
+                let body = self.read_word(iseqs[0], l.iseq_body, "reading a method's iseq")?;
                 iseqs[1] = self
                     .target
                     .mem

@@ -225,6 +225,14 @@ impl<M: Memory> Spy<M> {
         }
     }
 
+    /// The word at `base + offset` in the target (wrapping); a failed read is `moved(what)`.
+    fn read_word(&self, base: u64, offset: usize, what: &str) -> std::result::Result<u64, Attempt> {
+        self.target
+            .mem
+            .read_u64(base.wrapping_add(offset as u64))
+            .map_err(self.moved(what))
+    }
+
     fn object_moved(&self, what: &str, e: ObjectError) -> Attempt {
         match e {
             ObjectError::Memory(m) => self.moved(what)(m),

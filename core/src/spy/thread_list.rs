@@ -43,11 +43,7 @@ impl<M: Memory> Spy<M> {
 
     pub(super) fn thread_info(&self, thread: u64) -> std::result::Result<ThreadInfo, Attempt> {
         let l = self.target.layout;
-        let name_value = self
-            .target
-            .mem
-            .read_u64(thread.wrapping_add(l.thread_name as u64))
-            .map_err(self.moved("reading a thread"))?;
+        let name_value = self.read_word(thread, l.thread_name, "reading a thread")?;
         let name = if is_heap_object(name_value) {
             read_string(&self.target.mem, l, name_value).ok()
         } else {

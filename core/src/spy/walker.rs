@@ -58,11 +58,11 @@ impl<M: Memory> Spy<M> {
 
     pub(super) fn read_ec_of(&mut self, thread: u64) -> std::result::Result<[u64; 3], Attempt> {
         let l = self.target.layout;
-        let ec = self
-            .target
-            .mem
-            .read_u64(thread.wrapping_add(l.thread_ec as u64))
-            .map_err(self.moved("reading the thread's execution context"))?;
+        let ec = self.read_word(
+            thread,
+            l.thread_ec,
+            "reading the thread's execution context",
+        )?;
         let mut head = [0u8; 24];
         self.target
             .mem
