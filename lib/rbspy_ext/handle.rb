@@ -1,5 +1,7 @@
 # frozen_string_literal: true
 
+require "forwardable"
+
 module RubySpy
   # The frames of one thread, innermost first (an Array of {RubySpy::Frame}), with the tags
   # of the fiber the thread was running.
@@ -66,31 +68,19 @@ module RubySpy
       end
     end
 
-    # @return [Integer] the process this handle reads
-    def pid
-      @native.pid
-    end
-
-    # @return [String] the Ruby version the process reports, e.g. "3.1.2"
-    def ruby_version
-      @native.ruby_version
-    end
-
-    # @return [String, nil] set when the struct layout came from another patch release
-    def warning
-      @native.warning
-    end
-
-    # @return [Integer] how many +process_vm_readv+ calls this handle has made
-    def read_calls
-      @native.read_calls
-    end
-
-    # @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
-    #   this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
-    #   rbspy_ext; what a BPF program needs (docs/profiler-state.md)
-    def profiler_state_offset
-      @native.profiler_state_offset
-    end
+    extend Forwardable
+    # @!method pid
+    #   @return [Integer] the process this handle reads
+    # @!method ruby_version
+    #   @return [String] the Ruby version the process reports, e.g. "3.1.2"
+    # @!method warning
+    #   @return [String, nil] set when the struct layout came from another patch release
+    # @!method read_calls
+    #   @return [Integer] how many +process_vm_readv+ calls this handle has made
+    # @!method profiler_state_offset
+    #   @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
+    #     this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
+    #     rbspy_ext; what a BPF program needs (docs/profiler-state.md)
+    def_delegators :@native, :pid, :ruby_version, :warning, :read_calls, :profiler_state_offset
   end
 end
