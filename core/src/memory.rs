@@ -48,6 +48,15 @@ pub trait Memory {
     }
 }
 
+/// The address `offset` bytes into the struct at `base`. `base` is usually a word read from
+/// the target, which may be garbage while the target runs: the sum wraps rather than
+/// overflowing (a panic in debug builds), and the read at a wrapped address fails as any
+/// unmapped one does. Every field address of a target struct is made here.
+#[inline]
+pub fn field(base: u64, offset: usize) -> u64 {
+    base.wrapping_add(offset as u64)
+}
+
 /// Reads gathered into one reusable arena and made together: [`ReadBatch::add`] a range and
 /// keep its [`Span`], [`ReadBatch::read`] them all with one `read_many` (one
 /// `process_vm_readv` for a live process), then look each up with [`ReadBatch::get`]. The
@@ -99,9 +108,7 @@ impl ReadBatch {
 
     /// Makes every read added since the last `read` (or `clear`) in one `read_many`.
     pub fn read<M: Memory + ?Sized>(&mut self, mem: &M) -> Result<(), MemoryError> {
-        let pending = std::mem::take(&mut self.reads);
-        let result = self.read_spans(mem, &pending);
-        self.reads = pending;
+        let result = read_spans(&mut self.arena, &self.reads, mem);
         self.reads.clear();
         result
     }
@@ -112,35 +119,36 @@ impl ReadBatch {
         mem: &M,
         spans: &[(u64, Span)],
     ) -> Result<(), MemoryError> {
-        self.read_spans(mem, spans)
-    }
-
-    fn read_spans<M: Memory + ?Sized>(
-        &mut self,
-        mem: &M,
-        spans: &[(u64, Span)],
-    ) -> Result<(), MemoryError> {
-        if spans.is_empty() {
-            return Ok(());
-        }
-        // Spans are disjoint and in arena order: split the arena into one slice per read.
-        let mut requests: Vec<(u64, &mut [u8])> = Vec::with_capacity(spans.len());
-        let mut rest: &mut [u8] = &mut self.arena;
-        let mut at = 0;
-        for (addr, span) in spans {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(span.start - at);
-            let (buf, tail) = tail.split_at_mut(span.len);
-            requests.push((*addr, buf));
-            rest = tail;
-            at = span.start + span.len;
-        }
-        mem.read_many(&mut requests)
+        read_spans(&mut self.arena, spans, mem)
     }
 
     /// The bytes of `span`.
     pub fn get(&self, span: Span) -> &[u8] {
         &self.arena[span.start..span.start + span.len]
     }
+}
+
+/// Reads `spans` of `arena` in one `read_many`. Spans are disjoint and in arena order (as
+/// [`ReadBatch::add`] makes them), so the arena splits into one slice per read.
+fn read_spans<M: Memory + ?Sized>(
+    arena: &mut [u8],
+    spans: &[(u64, Span)],
+    mem: &M,
+) -> Result<(), MemoryError> {
+    if spans.is_empty() {
+        return Ok(());
+    }
+    let mut requests: Vec<(u64, &mut [u8])> = Vec::with_capacity(spans.len());
+    let mut rest = arena;
+    let mut at = 0;
+    for (addr, span) in spans {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(span.start - at);
+        let (buf, tail) = tail.split_at_mut(span.len);
+        requests.push((*addr, buf));
+        rest = tail;
+        at = span.start + span.len;
+    }
+    mem.read_many(&mut requests)
 }
 
 /// The memory of a live process, read with `process_vm_readv`. Never writes.

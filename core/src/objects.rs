@@ -2,7 +2,7 @@
 //! class paths. Everything here is bounded (lengths capped, loops limited) because the
 //! memory may be garbage: a racing target, or a wrong guess during the VM search.
 use crate::error::MemoryError;
-use crate::memory::Memory;
+use crate::memory::{field, Memory};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -85,7 +85,7 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
             head[start..start + len].to_vec()
         } else {
             // Since 3.2 embedded strings may fill a larger heap slot than the header read.
-            mem.read_vec(value.wrapping_add(start as u64), len)?
+            mem.read_vec(field(value, start), len)?
         }
     };
     Ok(String::from_utf8_lossy(&bytes).into_owned())
@@ -105,7 +105,7 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
     let (len, ptr) = if flags & l.rarray_embed_flag != 0 {
         (
             (flags & l.rarray_embed_len_mask) >> l.rarray_embed_len_shift,
-            value.wrapping_add(l.rarray_embed_ary as u64),
+            field(value, l.rarray_embed_ary),
         )
     } else {
         (
@@ -184,7 +184,7 @@ pub fn value_text<M: Memory>(
     if !is_heap_object(v) {
         return None;
     }
-    let flags = mem.read_u64(v.wrapping_add(l.rbasic_flags as u64)).ok()?;
+    let flags = mem.read_u64(field(v, l.rbasic_flags)).ok()?;
     Some(match flags & T_MASK {
         T_STRING => string_or(read_string(mem, l, v), "String")?,
         T_SYMBOL => {
@@ -346,9 +346,7 @@ fn method_prefix<M: Memory>(
     let Some(flags) = flags else { return Ok(None) };
     if flags & l.fl_singleton != 0 {
         let attached = match l.classext_attached_object {
-            Some(offset) => {
-                Some(mem.read_u64(class_ext(mem, l, owner)?.wrapping_add(offset as u64))?)
-            }
+            Some(offset) => Some(mem.read_u64(field(class_ext(mem, l, owner)?, offset))?),
             None => ivar(mem, l, symbols, owner, "__attached__")?,
         };
         let Some(attached) = attached else {
@@ -366,8 +364,8 @@ fn method_prefix<M: Memory>(
 /// The address of a class's `rb_classext_t`.
 fn class_ext<M: Memory>(mem: &M, l: &Layout, class: u64) -> ObjResult<u64> {
     match (l.rclass_ext_inline, l.rclass_ext_ptr) {
-        (Some(offset), _) => Ok(class.wrapping_add(offset as u64)),
-        (None, Some(offset)) => Ok(mem.read_u64(class.wrapping_add(offset as u64))?),
+        (Some(offset), _) => Ok(field(class, offset)),
+        (None, Some(offset)) => Ok(mem.read_u64(field(class, offset))?),
         (None, None) => Err(ObjectError::Shape("class (layout has no extension)", class)),
     }
 }
@@ -377,7 +375,7 @@ fn class_flags<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Option<u
     if !is_heap_object(value) {
         return Ok(None);
     }
-    let flags = mem.read_u64(value.wrapping_add(l.rbasic_flags as u64))?;
+    let flags = mem.read_u64(field(value, l.rbasic_flags))?;
     Ok(matches!(flags & T_MASK, T_CLASS | T_MODULE).then_some(flags))
 }
 
@@ -394,11 +392,11 @@ fn permanent_name<M: Memory>(
         (Some(offset), Some((flag_offset, mask))) => {
             let ext = class_ext(mem, l, class)?;
             let mut flag = [0u8; 1];
-            mem.read(ext.wrapping_add(flag_offset as u64), &mut flag)?;
+            mem.read(field(ext, flag_offset), &mut flag)?;
             if flag[0] & mask == 0 {
                 return Ok(None);
             }
-            Some(mem.read_u64(ext.wrapping_add(offset as u64))?)
+            Some(mem.read_u64(field(ext, offset))?)
         }
         _ => ivar(mem, l, symbols, class, "__classpath__")?,
     };
@@ -423,7 +421,7 @@ fn ivar<M: Memory>(
     if ext == 0 {
         return Ok(None);
     }
-    let table = mem.read_u64(ext.wrapping_add(iv_tbl as u64))?;
+    let table = mem.read_u64(field(ext, iv_tbl))?;
     if table == 0 {
         return Ok(None);
     }

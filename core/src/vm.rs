@@ -5,7 +5,7 @@
 //! pointers stored in libruby's writable data, the one whose target validates as a VM
 //! through its own back-pointers (its main thread points back at it; its main ractor names
 //! the same main thread). Candidates are checked in batches, a few system calls in all.
-use crate::memory::Memory;
+use crate::memory::{field, Memory};
 use crate::objects::word;
 use rbspy_ext_bindings::Layout;
 
@@ -36,23 +36,23 @@ pub fn check_vm<M: Memory>(mem: &M, l: &Layout, vm: u64) -> Option<VmRoots> {
     let mut head = vec![0u8; l.vm_main_thread.max(l.vm_main_ractor.unwrap_or(0)) + 8];
     mem.read(vm, &mut head).ok()?;
     let thread = word(&head, l.vm_main_thread);
-    if !plausible(thread) || mem.read_u64(thread.wrapping_add(l.thread_vm as u64)).ok()? != vm {
+    if !plausible(thread) || mem.read_u64(field(thread, l.thread_vm)).ok()? != vm {
         return None;
     }
     let ractor = l.vm_main_ractor.map_or(0, |offset| word(&head, offset));
     if let Some(main) = l.ractor_threads_main {
-        if !plausible(ractor) || mem.read_u64(ractor.wrapping_add(main as u64)).ok()? != thread {
+        if !plausible(ractor) || mem.read_u64(field(ractor, main)).ok()? != thread {
             return None;
         }
     }
     let gvl_owner = match (l.vm_gvl_owner, l.ractor_gvl_owner) {
-        (Some(offset), _) => vm.wrapping_add(offset as u64),
-        (None, Some(offset)) => ractor.wrapping_add(offset as u64),
+        (Some(offset), _) => field(vm, offset),
+        (None, Some(offset)) => field(ractor, offset),
         (None, None) => return None,
     };
     let thread_list = match (l.vm_living_threads, l.ractor_threads_set) {
-        (Some(offset), _) => vm.wrapping_add(offset as u64),
-        (None, Some(offset)) => ractor.wrapping_add(offset as u64),
+        (Some(offset), _) => field(vm, offset),
+        (None, Some(offset)) => field(ractor, offset),
         (None, None) => return None,
     };
     Some(VmRoots {

@@ -3,13 +3,12 @@
 use super::*;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{Memory, ProcessMemory};
-use crate::objects::{ClassNames, SymbolTable};
+use crate::objects::SymbolTable;
 use crate::process::{
     find_ruby_binary, heap_ranges, read_maps, Identity, Mapping, Replaced, RubyBinary,
 };
 use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
-use rustc_hash::FxHashMap;
 
 /// What attaching to a process found, fixed for the spy's life: the process, its memory, the
 /// layout of its Ruby, and the VM's roots.
@@ -232,24 +231,14 @@ impl<M: Memory> Spy<M> {
                 identity: None,
                 thread_list_head: roots.thread_list,
             },
-            symbols: symbols.map(SymbolTable::new),
-            classes: ClassNames::default(),
-            iseqs: FxHashMap::default(),
-            methods: FxHashMap::default(),
-            last_ec: None,
-            stack_hints: FxHashMap::default(),
-            heap_envs: FxHashMap::default(),
-            not_methods: Default::default(),
-            validated_at: None,
-            thread_list: threads::ThreadList::default(),
-            memo: FxHashMap::default(),
-            memo_bytes: 0,
-            epoch: 0,
-            tokens: 0,
-            signature: Vec::new(),
-            sample_reads: ReadBatch::default(),
-            walk_reads: ReadBatch::default(),
-            tag_source: tags::TagSource::default(),
+            cache: frames::Cache {
+                symbols: symbols.map(SymbolTable::new),
+                ..Default::default()
+            },
+            walk: Default::default(),
+            memo: Default::default(),
+            sampler: Default::default(),
+            tags: Default::default(),
         }
     }
 
@@ -282,7 +271,7 @@ impl<M: Memory> Spy<M> {
 
 impl<M: Memory> Spy<M> {
     pub(super) fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
-        if self.symbols.is_none() {
+        if self.cache.symbols.is_none() {
             let addr = self
                 .find_symbol_table()
                 .ok_or(Attempt::Fatal(Error::Corrupt {
@@ -290,9 +279,9 @@ impl<M: Memory> Spy<M> {
                     what: "symbol table (not found in libruby's data)",
                     addr: 0,
                 }))?;
-            self.symbols = Some(SymbolTable::new(addr));
+            self.cache.symbols = Some(SymbolTable::new(addr));
         }
-        Ok(self.symbols.as_mut().expect("just set"))
+        Ok(self.cache.symbols.as_mut().expect("just set"))
     }
 
     /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
@@ -347,7 +336,7 @@ impl<M: Memory> Spy<M> {
                 .zip(read)
                 .find(|((c, (_, head)), ok)| *ok && SymbolTable::confirms(l, c.1, head));
             if let Some((((off, _, _), _), _)) = found {
-                return Some(start.wrapping_add(*off as u64));
+                return Some(field(start, *off));
             }
         }
         None

@@ -2,7 +2,7 @@
 //! validations, then labels, paths and line numbers the way Ruby prints them.
 use super::*;
 use crate::lines::LineTable;
-use crate::memory::Memory;
+use crate::memory::{field, Memory, ReadBatch, Span};
 use crate::objects::{
     is_heap_object, read_array_entry, read_string, word, word32, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
 };
@@ -48,6 +48,23 @@ pub(super) struct MethodInfo {
     pub(super) cfunc_label: Option<Arc<str>>,
     pub(super) name: Option<Arc<str>>,
 }
+/// What is known about the target's code and names: trusted between full validations
+/// (every [`REVALIDATE`], see `read_iseqs_and_method_entries`), except class and symbol
+/// names, which do not change while their objects live.
+#[derive(Debug, Default)]
+pub(super) struct Cache {
+    pub(super) symbols: Option<SymbolTable>,
+    pub(super) classes: ClassNames,
+    pub(super) iseqs: FxHashMap<u64, IseqInfo>,
+    pub(super) methods: FxHashMap<u64, MethodInfo>,
+    /// Candidate method-entry addresses that turned out to be crefs (not method entries).
+    pub(super) not_methods: rustc_hash::FxHashSet<u64>,
+    /// When cached iseqs and method entries were last all read again.
+    pub(super) validated_at: Option<std::time::Instant>,
+    /// The arena of the one read that validates them, reused from sample to sample.
+    pub(super) reads: ReadBatch,
+}
+
 impl<M: Memory> Spy<M> {
     /// Iseqs and method entries the frames need. What is cached is trusted between full
     /// validations (every [`REVALIDATE`]): an iseq while the frame's pc lies inside its
@@ -61,50 +78,48 @@ impl<M: Memory> Spy<M> {
         wanted: &[Wanted],
     ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
         let l = self.target.layout;
-        let full = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
+        let full = self
+            .cache
+            .validated_at
+            .is_none_or(|t| t.elapsed() >= REVALIDATE);
         let (iseq_addrs, candidates, me_addrs) = self.to_validate(frames, wanted, full);
         if full {
-            self.not_methods.clear();
+            self.cache.not_methods.clear();
         }
         let head_len = l.me_owner.max(l.me_def).max(l.svar_cref_or_me) + 8;
-        let mut iseq_bufs = vec![[0u8; 24]; iseq_addrs.len()];
-        let mut body_bufs = vec![[0u8; 16]; iseq_addrs.len()];
-        let mut me_bufs = vec![vec![0u8; head_len]; me_addrs.len()];
-        if !iseq_addrs.is_empty() || !me_addrs.is_empty() {
-            let mut requests: Vec<(u64, &mut [u8])> = Vec::new();
-            for ((addr, ibuf), bbuf) in iseq_addrs
-                .iter()
-                .zip(iseq_bufs.iter_mut())
-                .zip(body_bufs.iter_mut())
-            {
-                requests.push((*addr, &mut ibuf[..]));
-                if let Some(info) = self.iseqs.get(addr) {
-                    requests.push((info.body, &mut bbuf[..]));
-                }
-            }
-            for (addr, buf) in me_addrs.iter().zip(me_bufs.iter_mut()) {
-                requests.push((*addr, &mut buf[..]));
-            }
-            self.target
-                .mem
-                .read_many(&mut requests)
-                .map_err(self.moved("reading iseqs and method entries"))?;
-        }
-        self.refresh_iseqs(&iseq_addrs, &iseq_bufs, &body_bufs)?;
-        let mut mes = self.method_entries(&me_addrs, &me_bufs)?;
+        // The cache's batch, out of `self` while its bytes are borrowed.
+        let mut reads = std::mem::take(&mut self.cache.reads);
+        reads.clear();
+        let iseq_spans: Vec<(Span, Span)> = iseq_addrs
+            .iter()
+            .map(|addr| {
+                let header = reads.add(*addr, 24);
+                // A body not cached yet is read on the cold path (`load_iseq`).
+                let (body, len) = self.cache.iseqs.get(addr).map_or((0, 0), |i| (i.body, 16));
+                (header, reads.add(body, len))
+            })
+            .collect();
+        let me_spans: Vec<Span> = me_addrs.iter().map(|a| reads.add(*a, head_len)).collect();
+        let read = reads
+            .read(&self.target.mem)
+            .map_err(self.moved("reading iseqs and method entries"))
+            .and_then(|()| self.refresh_iseqs(&iseq_addrs, &reads, &iseq_spans))
+            .and_then(|()| self.method_entries(&me_addrs, &reads, &me_spans));
+        self.cache.reads = reads;
+        let mut mes = read?;
         for addr in &me_addrs {
             if !mes.contains_key(addr) {
-                self.not_methods.insert(*addr);
+                self.cache.not_methods.insert(*addr);
             }
         }
         for addr in candidates {
-            if let Some(info) = self.methods.get(&addr) {
+            if let Some(info) = self.cache.methods.get(&addr) {
                 mes.entry(addr).or_insert_with(|| info.clone());
             }
         }
         if full {
-            self.validated_at = Some(std::time::Instant::now());
-            self.epoch += 1;
+            self.cache.validated_at = Some(std::time::Instant::now());
+            self.memo.invalidate();
         }
         Ok(mes)
     }
@@ -123,7 +138,7 @@ impl<M: Memory> Spy<M> {
             .iter()
             .filter(|f| f.iseq != 0 && f.pc != 0)
             .filter(|f| {
-                full || self.iseqs.get(&f.iseq).is_none_or(|i| {
+                full || self.cache.iseqs.get(&f.iseq).is_none_or(|i| {
                     f.pc < i.encoded || f.pc > i.encoded.saturating_add(u64::from(i.size) * 8)
                 })
             })
@@ -138,7 +153,9 @@ impl<M: Memory> Spy<M> {
         let mut me_addrs: Vec<u64> = candidates
             .iter()
             .copied()
-            .filter(|a| full || !(self.methods.contains_key(a) || self.not_methods.contains(a)))
+            .filter(|a| {
+                full || !(self.cache.methods.contains_key(a) || self.cache.not_methods.contains(a))
+            })
             .collect();
         me_addrs.sort_unstable();
         me_addrs.dedup();
@@ -150,26 +167,27 @@ impl<M: Memory> Spy<M> {
     fn refresh_iseqs(
         &mut self,
         iseq_addrs: &[u64],
-        iseq_bufs: &[[u8; 24]],
-        body_bufs: &[[u8; 16]],
+        reads: &ReadBatch,
+        spans: &[(Span, Span)],
     ) -> std::result::Result<(), Attempt> {
         let l = self.target.layout;
-        for ((addr, ibuf), bbuf) in iseq_addrs.iter().zip(iseq_bufs).zip(body_bufs) {
+        for (addr, (header, body)) in iseq_addrs.iter().zip(spans) {
+            let (ibuf, bbuf) = (reads.get(*header), reads.get(*body));
             if imemo_type(l, word(ibuf, l.rbasic_flags)) != Some(l.imemo_iseq) {
                 return Err(Attempt::Changed(format!(
                     "iseq at {addr:#x} is not an iseq"
                 )));
             }
             let body = word(ibuf, l.iseq_body);
-            let valid = self.iseqs.get(addr).is_some_and(|info| {
+            let valid = self.cache.iseqs.get(addr).is_some_and(|info| {
                 info.body == body
                     && word32(bbuf, l.body_iseq_size) == info.size
                     && word(bbuf, l.body_iseq_encoded) == info.encoded
             });
             if !valid {
-                self.iseqs.remove(addr);
+                self.cache.iseqs.remove(addr);
                 let info = self.load_iseq(body)?;
-                self.iseqs.insert(*addr, info);
+                self.cache.iseqs.insert(*addr, info);
             }
         }
         Ok(())
@@ -213,7 +231,7 @@ impl<M: Memory> Spy<M> {
             let mut t = [0u8; 4];
             self.target
                 .mem
-                .read(local_body.wrapping_add(l.body_type as u64), &mut t)
+                .read(field(local_body, l.body_type), &mut t)
                 .map_err(self.moved("reading a local iseq"))?;
             u32::from_le_bytes(t) == l.iseq_type_method
         };
@@ -360,7 +378,7 @@ impl<M: Memory> Spy<M> {
                 });
                 continue;
             }
-            let info = &self.iseqs[&f.iseq];
+            let info = &self.cache.iseqs[&f.iseq];
             let is_clause = info.kind == l.iseq_type_rescue || info.kind == l.iseq_type_ensure;
             if merges_clauses && std::mem::replace(&mut skip_next, is_clause) {
                 continue;
@@ -395,12 +413,13 @@ impl<M: Memory> Spy<M> {
     pub(super) fn method_entries(
         &mut self,
         addrs: &[u64],
-        bufs: &[Vec<u8>],
+        reads: &ReadBatch,
+        spans: &[Span],
     ) -> std::result::Result<FxHashMap<u64, MethodInfo>, Attempt> {
         let l = self.target.layout;
         let mut out = FxHashMap::default();
-        for (addr, buf) in addrs.iter().zip(bufs) {
-            let mut head = buf.clone();
+        for (addr, span) in addrs.iter().zip(spans) {
+            let mut head = reads.get(*span).to_vec();
             let mut imemo = imemo_type(l, word(&head, l.rbasic_flags));
             if imemo == Some(l.imemo_svar) {
                 // Rare (methods using $~): one more read to reach the entry inside.
@@ -420,6 +439,7 @@ impl<M: Memory> Spy<M> {
             let def = word(&head, l.me_def);
             let owner = word(&head, l.me_owner);
             let cached = self
+                .cache
                 .methods
                 .get(addr)
                 .filter(|m| m.def == def && m.owner == owner)
@@ -428,7 +448,7 @@ impl<M: Memory> Spy<M> {
                 Some(info) => info,
                 None => self.load_method(def, owner)?,
             };
-            self.methods.insert(*addr, info.clone());
+            self.cache.methods.insert(*addr, info.clone());
             out.insert(*addr, info);
         }
         Ok(out)
@@ -455,7 +475,7 @@ impl<M: Memory> Spy<M> {
                 iseqs[1] = self
                     .target
                     .mem
-                    .read_u64(body.wrapping_add(mandatory_only as u64))
+                    .read_u64(field(body, mandatory_only))
                     .map_err(self.moved("reading a method's iseq"))?;
             }
         }
@@ -482,15 +502,16 @@ impl<M: Memory> Spy<M> {
         let l = self.target.layout;
         let id = info.original_id;
         self.symbols()?;
-        let symbols = self.symbols.as_mut().expect("found by symbols()");
+        let symbols = self.cache.symbols.as_mut().expect("found by symbols()");
         let name = symbols
             .name(&self.target.mem, l, id)
             .map_err(|_| Attempt::Changed(format!("method name ID {id:#x} does not resolve")))?;
         let label: Arc<str> = self
+            .cache
             .classes
             .qualify(&self.target.mem, l, symbols, info.owner, &name)
             .into();
-        if let Some(m) = self.methods.get_mut(&me) {
+        if let Some(m) = self.cache.methods.get_mut(&me) {
             m.cfunc_label = Some(label.clone());
             m.name = Some(name.clone());
         }
@@ -504,6 +525,7 @@ impl<M: Memory> Spy<M> {
     ) -> std::result::Result<Frame, Attempt> {
         let l = self.target.layout;
         let info = self
+            .cache
             .iseqs
             .get(&f.iseq)
             .expect("loaded in read_iseqs_and_method_entries");
@@ -524,23 +546,24 @@ impl<M: Memory> Spy<M> {
                 } else {
                     let (label, base) = (info.label.clone(), info.base_label.clone());
                     self.symbols()?;
-                    let symbols = self.symbols.as_mut().expect("found by symbols()");
+                    let symbols = self.cache.symbols.as_mut().expect("found by symbols()");
                     let qualified =
-                        self.classes
+                        self.cache
+                            .classes
                             .qualify(&self.target.mem, l, symbols, owner, &base);
                     // "block (2 levels) in foo" → "block (2 levels) in Foo#foo".
                     let q: Arc<str> = match label.strip_suffix(&*base) {
                         Some(prefix) => format!("{prefix}{qualified}").into(),
                         None => label.clone(),
                     };
-                    let info = self.iseqs.get_mut(&f.iseq).expect("present");
+                    let info = self.cache.iseqs.get_mut(&f.iseq).expect("present");
                     info.qualified.insert(owner, q.clone());
                     q
                 }
             }
             _ => info.label.clone(),
         };
-        let info = &self.iseqs[&f.iseq];
+        let info = &self.cache.iseqs[&f.iseq];
         Ok(Frame {
             label,
             base_label: info.base_label.clone(),

@@ -4,21 +4,21 @@
 //! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
 //! environments + iseq headers, and method-entry headers.
 use crate::error::{Error, MemoryError, Result};
-use crate::memory::{Memory, ProcessMemory, ReadBatch};
+use crate::memory::{field, Memory, ProcessMemory};
 use crate::objects::{word, ClassNames, ObjectError, SymbolTable};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 mod attach;
 mod frames;
+mod memo;
 mod tags;
 mod thread_list;
 mod threads;
 mod walker;
-use frames::{IseqInfo, MethodInfo};
 pub use tags::Tags;
 pub use threads::{SampledThread, ThreadSelection};
-use walker::{Envs, Prefetched, RawFrame, Slots, Wanted};
+use walker::{Envs, Prefetched, RawFrame, Wanted};
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
 const MAX_FRAMES: u64 = 65_536;
@@ -33,13 +33,6 @@ const REVALIDATE: std::time::Duration = std::time::Duration::from_millis(100);
 pub const IDENTITY_TTL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Most escaped environments cached between samples.
 const MAX_CACHED_ENVS: usize = 4096;
-/// Most distinct raw stacks remembered with their frames (see `Spy::memo`).
-const MAX_MEMO: usize = 16_384;
-/// And at most this many bytes of them (signatures and frames, roughly): a target that starts
-/// threads all the time puts every stack at new addresses, so the memo fills with stacks that
-/// never come back; deep stacks would make 16k of them ~100 MB, while a few thousand of the
-/// stacks a steady program repeats fit in 8 MB.
-const MAX_MEMO_BYTES: usize = 8 << 20;
 /// How often a snapshot is retried when the stack changes under it.
 pub const SNAPSHOT_ATTEMPTS: u32 = 8;
 
@@ -65,47 +58,26 @@ pub struct Config {
     pub scan_for_vm: bool,
 }
 
-/// A handle on one Ruby process: what attaching found (`target`, spy/attach.rs), and the
-/// caches and per-sample state of the walker (walker.rs, frames.rs), the thread sampler
-/// (threads.rs) and the tag reader (tags.rs), whose methods are `impl Spy` blocks in those
-/// files.
+/// A handle on one Ruby process. Each part lives in its own file:
+/// - `target` (attach.rs): what attaching found, fixed for the spy's life;
+/// - `cache` (frames.rs): iseqs, method entries, class and symbol names, trusted between
+///   validations;
+/// - `walk` (walker.rs): per-stack state of the walker and the arena of its frame reads;
+/// - `memo` (memo.rs): frames already resolved, by raw stack;
+/// - `sampler` (threads.rs, thread_list.rs): the thread list and the arena of a sample's
+///   one call;
+/// - `tags` (tags.rs): where the target publishes `ruby_profiler_state`, and the last
+///   decoding of each thread's table.
+///
+/// Their methods are `impl Spy` blocks in those files, because a step of one part needs the
+/// target's memory and often another part's cache; this file only orchestrates a snapshot.
 pub struct Spy<M: Memory = ProcessMemory> {
     target: attach::Target<M>,
-    symbols: Option<SymbolTable>,
-    classes: ClassNames,
-    iseqs: FxHashMap<u64, IseqInfo>,
-    methods: FxHashMap<u64, MethodInfo>,
-    /// The thread and execution context seen last, read speculatively in one call.
-    last_ec: Option<(u64, u64)>,
-    /// Bytes of value stack the last sample of each stack needed, by `vm_stack` address
-    /// (see `read_frames`).
-    stack_hints: FxHashMap<u64, usize>,
-    /// Environments that escaped to the heap, by `ep` (see `env_slots`).
-    heap_envs: FxHashMap<u64, Slots>,
-    /// Candidate method-entry addresses that turned out to be crefs (not method entries).
-    not_methods: rustc_hash::FxHashSet<u64>,
-    /// When cached iseqs and method entries were last all read again.
-    validated_at: Option<std::time::Instant>,
-    /// The last reading of the thread list (spy/threads.rs).
-    thread_list: threads::ThreadList,
-    /// Frames already resolved, by raw stack (see `Signature`): a stack seen before in the
-    /// current validation epoch is answered without resolving anything. The walker is a
-    /// function of the raw words and of its caches, which are trusted for exactly as long.
-    memo: FxHashMap<Box<[u64]>, Memo>,
-    /// What `memo` holds, roughly, in bytes.
-    memo_bytes: usize,
-    /// Bumped whenever the caches behind `memo` are validated or dropped.
-    epoch: u64,
-    /// Last token handed out (`Stack::token`).
-    tokens: u64,
-    /// Reused buffer for the signature of the stack being walked.
-    signature: Vec<u64>,
-    /// The arenas of a sample's one call (spy/threads.rs) and of the walker's own reads of
-    /// frames (spy/walker.rs), reused from sample to sample.
-    sample_reads: ReadBatch,
-    walk_reads: ReadBatch,
-    /// Where the target publishes `ruby_profiler_state` (spy/tags.rs).
-    tag_source: tags::TagSource,
+    cache: frames::Cache,
+    walk: walker::WalkState,
+    memo: memo::StackMemo,
+    sampler: threads::ThreadSampler,
+    tags: tags::TagReader,
 }
 
 /// One walked stack, innermost frame first.
@@ -116,12 +88,6 @@ pub struct Stack {
     /// have equal frames (equal frames may still come with different tokens). Lets the
     /// aggregator count a repeated stack without looking at its frames.
     pub token: u64,
-}
-
-#[derive(Debug)]
-struct Memo {
-    stack: Stack,
-    epoch: u64,
 }
 
 /// A failure inside one attempt: either the stack moved (retry) or a real error.
@@ -180,9 +146,9 @@ impl<M: Memory> Spy<M> {
                 Err(Attempt::Changed(why)) => {
                     // Forget what may be what changed: the speculative thread and cached
                     // heap environments.
-                    self.last_ec = None;
+                    self.walk.last_ec = None;
                     self.forget_envs();
-                    self.validated_at = None;
+                    self.cache.validated_at = None;
                     last = why;
                 }
             }
@@ -204,7 +170,7 @@ impl<M: Memory> Spy<M> {
 
     /// The tags of the thread the last [`Spy::snapshot`] read (see spy/tags.rs).
     pub fn snapshot_tags(&mut self) -> Tags {
-        match self.last_ec {
+        match self.walk.last_ec {
             Some((thread, _)) => self.thread_tags(thread),
             None => Tags::default(),
         }
@@ -229,7 +195,7 @@ impl<M: Memory> Spy<M> {
     fn read_word(&self, base: u64, offset: usize, what: &str) -> std::result::Result<u64, Attempt> {
         self.target
             .mem
-            .read_u64(base.wrapping_add(offset as u64))
+            .read_u64(field(base, offset))
             .map_err(self.moved(what))
     }
 

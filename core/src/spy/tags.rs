@@ -6,7 +6,7 @@
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::{word, Memory, Spy};
-use crate::memory::{ReadBatch, Span};
+use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
 use crate::process::{find_profiler_state_symbols, read_maps};
@@ -35,7 +35,7 @@ const TABLE_WINDOW: Duration = Duration::from_millis(8);
 
 /// Where the target's `ruby_profiler_state` is, once known.
 #[derive(Debug, Default)]
-pub(super) struct TagSource {
+pub(super) struct TagReader {
     /// The published offset from the thread pointer, once the extension is seen loaded.
     offset: Option<i64>,
     /// The offset of `ruby_profiler_state_owner` (the Ruby thread the pointer is for), when
@@ -79,39 +79,31 @@ impl<M: Memory> Spy<M> {
     /// The offset from a thread pointer to its `ruby_profiler_state`, if the target has
     /// loaded rbspy_ext (looked for again every second until it has).
     pub fn profiler_state_offset(&mut self) -> Option<i64> {
-        if self.tag_source.offset.is_some() {
-            return self.tag_source.offset;
+        if self.tags.offset.is_some() {
+            return self.tags.offset;
         }
-        if self
-            .tag_source
-            .checked_at
-            .is_some_and(|t| t.elapsed() < RECHECK)
-        {
+        if self.tags.checked_at.is_some_and(|t| t.elapsed() < RECHECK) {
             return None;
         }
-        self.tag_source.checked_at = Some(Instant::now());
+        self.tags.checked_at = Some(Instant::now());
         let maps = read_maps(self.target.pid).ok()?;
         let symbols = find_profiler_state_symbols(self.target.pid, &maps)?;
         // Both 0 until the extension has initialised, which sets the owner's first.
         let offset = self.target.mem.read_u64(symbols.offset).ok()? as i64;
-        self.tag_source.offset = (offset != 0).then_some(offset);
-        self.tag_source.owner_offset = symbols
+        self.tags.offset = (offset != 0).then_some(offset);
+        self.tags.owner_offset = symbols
             .owner_offset
             .and_then(|addr| self.target.mem.read_u64(addr).ok())
             .map(|o| o as i64)
             .filter(|o| *o != 0);
-        self.tag_source.offset
+        self.tags.offset
     }
 
     /// The native thread a Ruby thread is on now: `th->nt` (3.2+), or 0 before 3.2, where the
     /// thread pointer is a field of the Ruby thread itself and never changes.
     pub(super) fn native_thread(&self, thread: u64) -> u64 {
         match self.target.layout.thread_nt {
-            Some(nt) => self
-                .target
-                .mem
-                .read_u64(thread.wrapping_add(nt as u64))
-                .unwrap_or(0),
+            Some(nt) => self.target.mem.read_u64(field(thread, nt)).unwrap_or(0),
             None => 0,
         }
     }
@@ -122,22 +114,22 @@ impl<M: Memory> Spy<M> {
     /// threads and has none while it waits (`th->nt` is null): then there is no pointer, as
     /// the native threads' `ruby_profiler_state` belong to whichever Ruby threads run there.
     fn thread_pointer_on(&mut self, thread: u64, nt: u64) -> Option<u64> {
-        if let Some((known_nt, tp)) = self.tag_source.pointers.get(&thread) {
+        if let Some((known_nt, tp)) = self.tags.pointers.get(&thread) {
             if *known_nt == nt {
                 return Some(*tp);
             }
         }
         let l = self.target.layout;
         let addr = match (l.thread_pthread, l.native_thread_pthread) {
-            (Some(off), _) => thread.wrapping_add(off as u64),
-            (None, Some(off)) if is_heap_object(nt) => nt.wrapping_add(off as u64),
+            (Some(off), _) => field(thread, off),
+            (None, Some(off)) if is_heap_object(nt) => field(nt, off),
             _ => return None,
         };
         let tp = self.target.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
-        if self.tag_source.pointers.len() >= 4096 {
-            self.tag_source.pointers.clear();
+        if self.tags.pointers.len() >= 4096 {
+            self.tags.pointers.clear();
         }
-        self.tag_source.pointers.insert(thread, (nt, tp));
+        self.tags.pointers.insert(thread, (nt, tp));
         Some(tp)
     }
 
@@ -166,10 +158,7 @@ impl<M: Memory> Spy<M> {
     /// `thread`'s (its owner, read before and after the table, says so both times; see
     /// profiler_state.c), else 0.
     fn owned_table(&self, thread: u64, tp: u64, offset: i64) -> u64 {
-        let owner_addr = self
-            .tag_source
-            .owner_offset
-            .map(|o| tp.wrapping_add(o as u64));
+        let owner_addr = self.tags.owner_offset.map(|o| tp.wrapping_add_signed(o));
         let owned = |addr: Option<u64>| {
             addr.is_none_or(|a| self.target.mem.read_u64(a).ok() == Some(thread))
         };
@@ -179,7 +168,7 @@ impl<M: Memory> Spy<M> {
         let table = self
             .target
             .mem
-            .read_u64(tp.wrapping_add(offset as u64))
+            .read_u64(tp.wrapping_add_signed(offset))
             .unwrap_or(0);
         if owned(owner_addr) {
             table
@@ -196,7 +185,7 @@ impl<M: Memory> Spy<M> {
     /// sample's one call is never preceded by a read of its own. Each read is added to
     /// `reads`, the sample's batch, in that order (the owner before and after the pointer).
     pub(super) fn tag_read(&mut self, thread: u64, offset: i64, reads: &mut ReadBatch) -> TagRead {
-        let Some(&(nt, tp)) = self.tag_source.pointers.get(&thread) else {
+        let Some(&(nt, tp)) = self.tags.pointers.get(&thread) else {
             return TagRead {
                 nt: 0,
                 offset,
@@ -207,22 +196,15 @@ impl<M: Memory> Spy<M> {
             };
         };
         // The owner before and after the pointer: see profiler_state.c.
-        let owner_addr = self
-            .tag_source
-            .owner_offset
-            .map(|o| tp.wrapping_add(o as u64));
+        let owner_addr = self.tags.owner_offset.map(|o| tp.wrapping_add_signed(o));
         let owner_read = |reads: &mut ReadBatch| match owner_addr {
             Some(addr) => reads.add(addr, 8),
             None => Span::default(),
         };
         let owner = owner_read(reads);
-        let pointer = Some(reads.add(tp.wrapping_add(offset as u64), 8));
+        let pointer = Some(reads.add(tp.wrapping_add_signed(offset), 8));
         let owner_again = owner_read(reads);
-        let last = self
-            .tag_source
-            .last
-            .get(&thread)
-            .map(|l| (l.table, l.raw.len()));
+        let last = self.tags.last.get(&thread).map(|l| (l.table, l.raw.len()));
         TagRead {
             nt,
             offset,
@@ -265,7 +247,7 @@ impl<M: Memory> Spy<M> {
         // The table of last time, unchanged: its decoding stands while fresh, and stands in
         // for a decoding that fails now (a value on a page Ruby 3.0/3.1's GC.compact has
         // protected for the moment).
-        let same = match (&bytes, self.tag_source.last.get(&thread)) {
+        let same = match (&bytes, self.tags.last.get(&thread)) {
             (Some(bytes), Some(last)) if last.table == table && *bytes == &last.raw[..] => {
                 Some((last.tags.clone(), last.at.elapsed() < TAGS_TTL))
             }
@@ -275,18 +257,18 @@ impl<M: Memory> Spy<M> {
             return tags;
         }
         if table == 0 {
-            self.tag_source.last.remove(&thread);
+            self.tags.last.remove(&thread);
             return Tags::default();
         }
         let Some((raw, tags)) = self.read_table(table, pointer_read_at) else {
             if let Some((tags, _)) = same {
                 return tags;
             }
-            self.tag_source.last.remove(&thread);
+            self.tags.last.remove(&thread);
             return Tags::default();
         };
-        if self.tag_source.last.len() >= 4096 {
-            self.tag_source.last.clear();
+        if self.tags.last.len() >= 4096 {
+            self.tags.last.clear();
         }
         let last = LastTable {
             table,
@@ -294,14 +276,14 @@ impl<M: Memory> Spy<M> {
             tags: tags.clone(),
             at: Instant::now(),
         };
-        self.tag_source.last.insert(thread, last);
+        self.tags.last.insert(thread, last);
         tags
     }
 
     /// Forgets the tables seen last (one may have been freed and unmapped, which would fail
     /// the sample's one call again).
     pub(super) fn forget_tag_tables(&mut self) {
-        self.tag_source.last.clear();
+        self.tags.last.clear();
     }
 
     /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
@@ -361,14 +343,14 @@ impl<M: Memory> Spy<M> {
     fn id_name(&mut self, id: u64) -> Option<Arc<str>> {
         let l = self.target.layout;
         self.symbols().ok()?;
-        let symbols = self.symbols.as_mut()?;
+        let symbols = self.cache.symbols.as_mut()?;
         symbols.name(&self.target.mem, l, id).ok()
     }
 
     /// A VALUE as text (`objects::value_text`); None when it cannot be read now.
     fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
         let l = self.target.layout;
-        let symbols = self.symbols.as_mut();
-        crate::objects::value_text(&self.target.mem, l, symbols, &mut self.classes, v)
+        let symbols = self.cache.symbols.as_mut();
+        crate::objects::value_text(&self.target.mem, l, symbols, &mut self.cache.classes, v)
     }
 }

@@ -1,6 +1,6 @@
 //! The target's Ruby threads: following the thread list and naming each thread (native tid,
 //! `Thread#name`). Re-read every `LIST_TTL`, or at once when a sample finds it changed.
-use super::{Attempt, Memory, Spy};
+use super::{field, Attempt, Memory, Spy};
 use crate::error::{Error, Result};
 use crate::objects::{is_heap_object, read_string};
 use crate::profile::ThreadInfo;
@@ -36,8 +36,8 @@ impl<M: Memory> Spy<M> {
                 .read_u64(node)
                 .map_err(self.moved("reading the thread list"))?;
         }
-        self.thread_list.threads = threads;
-        self.thread_list.read_at = Some(Instant::now());
+        self.sampler.threads = threads;
+        self.sampler.read_at = Some(Instant::now());
         Ok(())
     }
 
@@ -50,14 +50,10 @@ impl<M: Memory> Spy<M> {
             None
         };
         let tid_addr = match (l.thread_tid, l.thread_nt, l.native_thread_tid) {
-            (Some(off), _, _) => Some(thread.wrapping_add(off as u64)),
+            (Some(off), _, _) => Some(field(thread, off)),
             (None, Some(nt), Some(off)) => {
-                let nt = self
-                    .target
-                    .mem
-                    .read_u64(thread.wrapping_add(nt as u64))
-                    .unwrap_or(0);
-                is_heap_object(nt).then_some(nt.wrapping_add(off as u64))
+                let nt = self.target.mem.read_u64(field(thread, nt)).unwrap_or(0);
+                is_heap_object(nt).then_some(field(nt, off))
             }
             _ => None,
         };
@@ -84,7 +80,7 @@ impl<M: Memory> Spy<M> {
     pub fn threads(&mut self) -> Result<Vec<ThreadInfo>> {
         self.fresh_thread_list()?;
         Ok(self
-            .thread_list
+            .sampler
             .threads
             .iter()
             .map(|(_, i)| ThreadInfo::clone(i))
@@ -92,10 +88,7 @@ impl<M: Memory> Spy<M> {
     }
 
     pub(super) fn fresh_thread_list(&mut self) -> Result<()> {
-        let stale = self
-            .thread_list
-            .read_at
-            .is_none_or(|t| t.elapsed() >= LIST_TTL);
+        let stale = self.sampler.read_at.is_none_or(|t| t.elapsed() >= LIST_TTL);
         if !stale {
             return Ok(());
         }

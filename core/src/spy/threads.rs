@@ -7,7 +7,7 @@ use super::thread_list::MAX_THREADS;
 use super::{word, Attempt, Frame, Memory, Prefetched, Spy, Stack};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
-use crate::memory::{ReadBatch, Span};
+use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 use crate::profile::{ThreadInfo, ThreadState};
 use rbspy_ext_bindings::Layout;
@@ -41,7 +41,8 @@ pub struct SampledThread {
 }
 
 #[derive(Debug, Default)]
-pub(super) struct ThreadList {
+pub(super) struct ThreadSampler {
+    /// The last reading of the thread list (thread_list.rs).
     pub(super) threads: Vec<(u64, Arc<ThreadInfo>)>,
     pub(super) read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
@@ -52,6 +53,8 @@ pub(super) struct ThreadList {
     last_owner: u64,
     /// The GC's `rb_objspace` (read once: it lives as long as the VM).
     objspace: Option<u64>,
+    /// The arena of a sample's one call, reused from sample to sample.
+    pub(super) reads: ReadBatch,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -89,12 +92,12 @@ impl<M: Memory> Spy<M> {
             .wrapping_add(vm_stack_size.wrapping_mul(8))
             .wrapping_sub(cfp_size);
         let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
-        let values = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
+        let values = self.walk.stack_hints.get(&vm_stack).copied().unwrap_or(0);
         let values = values.min((from - vm_stack) as usize);
-        if self.thread_list.stacks.len() >= MAX_THREADS {
-            self.thread_list.stacks.clear();
+        if self.sampler.stacks.len() >= MAX_THREADS {
+            self.sampler.stacks.clear();
         }
-        self.thread_list.stacks.insert(
+        self.sampler.stacks.insert(
             thread,
             StackGuess {
                 vm_stack,
@@ -113,8 +116,8 @@ impl<M: Memory> Spy<M> {
         what: &str,
         e: crate::error::MemoryError,
     ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
-        self.thread_list.read_at = None;
-        self.thread_list.ecs.clear();
+        self.sampler.read_at = None;
+        self.sampler.ecs.clear();
         match self.moved(what)(e) {
             Attempt::Fatal(e) => Err(e),
             Attempt::Changed(_) => Ok((Vec::new(), vec!["thread list changed"])),
@@ -149,7 +152,7 @@ impl<M: Memory> Spy<M> {
             self.discard(batch);
             // A stack may have moved away from where it was, a table may have been freed:
             // guess afresh next time.
-            self.thread_list.stacks.clear();
+            self.sampler.stacks.clear();
             self.forget_tag_tables();
             return self.thread_list_changed("reading threads", e);
         }
@@ -175,7 +178,7 @@ impl<M: Memory> Spy<M> {
     /// tag pointer and last table. In the steady state that one call is the whole sample.
     fn plan_sample(&mut self, which: ThreadSelection) -> Batch {
         let l = self.target.layout;
-        let count = self.thread_list.threads.len();
+        let count = self.sampler.threads.len();
         let fields = [
             l.thread_ec,
             l.thread_status.map_or(0, |(byte, _)| byte),
@@ -187,30 +190,30 @@ impl<M: Memory> Spy<M> {
         let span_from = fields.iter().copied().min().unwrap_or(0);
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
         let objspace = self.objspace();
-        let mut reads = std::mem::take(&mut self.sample_reads);
+        let mut reads = std::mem::take(&mut self.sampler.reads);
         reads.clear();
         let owner = reads.add(self.target.gvl_owner, 8);
         let gc_flags = if is_heap_object(objspace) {
-            reads.add(objspace.wrapping_add(l.objspace_flags as u64), 4)
+            reads.add(field(objspace, l.objspace_flags), 4)
         } else {
             Span::default()
         };
         let tag_offset = self.profiler_state_offset();
         let mut threads = Vec::with_capacity(count);
         for i in 0..count {
-            let thread = self.thread_list.threads[i].0;
-            let wanted = which == ThreadSelection::All || thread == self.thread_list.last_owner;
+            let thread = self.sampler.threads[i].0;
+            let wanted = which == ThreadSelection::All || thread == self.sampler.last_owner;
             let tag = match tag_offset {
                 Some(offset) if wanted => Some(self.tag_read(thread, offset, &mut reads)),
                 _ => None,
             };
-            let fields = reads.add(thread.wrapping_add(span_from as u64), span);
-            let guessed = self.thread_list.ecs.get(&thread).copied().unwrap_or(0);
+            let fields = reads.add(field(thread, span_from), span);
+            let guessed = self.sampler.ecs.get(&thread).copied().unwrap_or(0);
             let head = match guessed {
                 0 => Span::default(),
-                ec => reads.add(ec.wrapping_add(l.ec_vm_stack as u64), 24),
+                ec => reads.add(field(ec, l.ec_vm_stack), 24),
             };
-            let prefetch = match self.thread_list.stacks.get(&thread).copied() {
+            let prefetch = match self.sampler.stacks.get(&thread).copied() {
                 Some(g) if wanted => Some(PrefetchSpans {
                     vm_stack: g.vm_stack,
                     from: g.from,
@@ -241,15 +244,12 @@ impl<M: Memory> Spy<M> {
     /// The GC's `rb_objspace`, read once: it lives as long as the VM. 0 when unreadable (then
     /// GC is simply not told apart).
     fn objspace(&mut self) -> u64 {
-        if let Some(o) = self.thread_list.objspace {
+        if let Some(o) = self.sampler.objspace {
             return o;
         }
-        let addr = self
-            .target
-            .vm
-            .wrapping_add(self.target.layout.vm_objspace as u64);
+        let addr = field(self.target.vm, self.target.layout.vm_objspace);
         let o = self.target.mem.read_u64(addr).unwrap_or(0);
-        self.thread_list.objspace = Some(o);
+        self.sampler.objspace = Some(o);
         o
     }
 
@@ -271,19 +271,19 @@ impl<M: Memory> Spy<M> {
         let l = self.target.layout;
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
         let owner = word(batch.reads.get(batch.owner), 0);
-        self.thread_list.last_owner = owner;
+        self.sampler.last_owner = owner;
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
         let gc_flags = batch.reads.get(batch.gc_flags);
         let holder_state = gc_state(gc_flags.try_into().map_or(0, u32::from_le_bytes));
         let mut chosen = Vec::new();
-        for (i, (thread, _)) in self.thread_list.threads.iter().enumerate() {
+        for (i, (thread, _)) in self.sampler.threads.iter().enumerate() {
             let status = batch.field(i, status_byte)[0] & status_mask;
             // Queued for the GVL: its node is linked (not null, not pointing at itself).
             // Before 3.3 the node doubles as the ubf-list node of a thread blocked in a
             // blocking region, which has an unblocking function set; one queued has none.
             let node = word(batch.field(i, l.thread_gvl_wait_node), 0);
             let queued = node != 0
-                && node != thread.wrapping_add(l.thread_gvl_wait_node as u64)
+                && node != field(*thread, l.thread_gvl_wait_node)
                 && l.thread_unblock_func
                     .is_none_or(|f| word(batch.field(i, f), 0) == 0);
             let state = if *thread == owner {
@@ -324,18 +324,13 @@ impl<M: Memory> Spy<M> {
         let mut requests: Vec<(u64, &mut [u8])> = stale
             .iter()
             .zip(fresh.iter_mut())
-            .map(|(i, h)| {
-                (
-                    batch.ec(*i, l).wrapping_add(l.ec_vm_stack as u64),
-                    &mut h[..],
-                )
-            })
+            .map(|(i, h)| (field(batch.ec(*i, l), l.ec_vm_stack), &mut h[..]))
             .collect();
         self.target.mem.read_many(&mut requests)?;
         for (i, h) in stale.into_iter().zip(fresh) {
             batch.heads[i] = h;
-            let thread = self.thread_list.threads[i].0;
-            self.thread_list.ecs.insert(thread, batch.ec(i, l));
+            let thread = self.sampler.threads[i].0;
+            self.sampler.ecs.insert(thread, batch.ec(i, l));
         }
         Ok(())
     }
@@ -369,11 +364,11 @@ impl<M: Memory> Spy<M> {
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut failed = Vec::new();
         for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
-            let thread = self.thread_list.threads[i].0;
+            let thread = self.sampler.threads[i].0;
             let stack = match self.retry_walk(ec, first) {
                 Ok(Some(stack)) => stack,
                 Ok(None) => {
-                    self.thread_list.stacks.remove(&thread);
+                    self.sampler.stacks.remove(&thread);
                     failed.push(thread);
                     continue;
                 }
@@ -393,7 +388,7 @@ impl<M: Memory> Spy<M> {
                 None => super::Tags::default(),
             };
             sampled.push(SampledThread {
-                info: self.thread_list.threads[i].1.clone(),
+                info: self.sampler.threads[i].1.clone(),
                 state,
                 frames: stack.frames,
                 stack_token: stack.token,
@@ -427,7 +422,7 @@ impl<M: Memory> Spy<M> {
 
     /// The sample's arena, kept for the next sample.
     fn discard(&mut self, batch: Batch) {
-        self.sample_reads = batch.reads;
+        self.sampler.reads = batch.reads;
     }
 
     /// The thread list is re-read every LIST_TTL, so a thread that ended since is still in
@@ -438,10 +433,10 @@ impl<M: Memory> Spy<M> {
         if failed.is_empty() {
             return Ok(dropped);
         }
-        self.thread_list.read_at = None;
+        self.sampler.read_at = None;
         self.fresh_thread_list()?;
         for thread in failed {
-            if self.thread_list.threads.iter().any(|(t, _)| *t == thread) {
+            if self.sampler.threads.iter().any(|(t, _)| *t == thread) {
                 dropped.push("stack changed while read");
             }
         }

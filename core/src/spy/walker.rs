@@ -1,10 +1,24 @@
 //! The walk: a thread's execution context → its control frames and environments → raw
 //! frames, memoised by raw stack, with one batched read per step.
 use super::*;
-use crate::memory::{Memory, ReadBatch, Span};
+use crate::memory::{field, Memory, ReadBatch, Span};
 use crate::objects::word;
 use std::borrow::Cow;
 use std::sync::Arc;
+
+/// The walker's state between samples.
+#[derive(Debug, Default)]
+pub(super) struct WalkState {
+    /// The thread and execution context seen last, read speculatively in one call.
+    pub(super) last_ec: Option<(u64, u64)>,
+    /// Bytes of value stack the last sample of each stack needed, by `vm_stack` address
+    /// (see `read_frames`).
+    pub(super) stack_hints: FxHashMap<u64, usize>,
+    /// Environments that escaped to the heap, by `ep` (see `env_slots`).
+    pub(super) heap_envs: FxHashMap<u64, Slots>,
+    /// The arena of the walker's own reads of frames, reused from sample to sample.
+    pub(super) reads: ReadBatch,
+}
 
 impl<M: Memory> Spy<M> {
     /// Reads the current thread's execution context: one call that reads the GVL owner
@@ -14,13 +28,13 @@ impl<M: Memory> Spy<M> {
         let mut owner = [0u8; 8];
         let mut ec_field = [0u8; 8];
         let mut ec_head = [0u8; 24];
-        if let Some((thread, ec)) = self.last_ec {
+        if let Some((thread, ec)) = self.walk.last_ec {
             self.target
                 .mem
                 .read_many(&mut [
                     (self.target.gvl_owner, &mut owner[..]),
-                    (thread.wrapping_add(l.thread_ec as u64), &mut ec_field[..]),
-                    (ec.wrapping_add(l.ec_vm_stack as u64), &mut ec_head[..]),
+                    (field(thread, l.thread_ec), &mut ec_field[..]),
+                    (field(ec, l.ec_vm_stack), &mut ec_head[..]),
                 ])
                 .map_err(self.moved("reading the GVL owner"))?;
             let owner = word(&owner, 0);
@@ -66,9 +80,9 @@ impl<M: Memory> Spy<M> {
         let mut head = [0u8; 24];
         self.target
             .mem
-            .read(ec.wrapping_add(l.ec_vm_stack as u64), &mut head)
+            .read(field(ec, l.ec_vm_stack), &mut head)
             .map_err(self.moved("reading the execution context"))?;
-        self.last_ec = Some((thread, ec));
+        self.walk.last_ec = Some((thread, ec));
         Ok(self.ec_fields(&head))
     }
 
@@ -80,8 +94,8 @@ impl<M: Memory> Spy<M> {
     /// Drops the cached heap environments (one may have been freed and its address reused),
     /// and with them every memoized stack that relied on them.
     pub(super) fn forget_envs(&mut self) {
-        self.heap_envs.clear();
-        self.epoch += 1;
+        self.walk.heap_envs.clear();
+        self.memo.invalidate();
     }
 
     /// The frames of one execution context, given its `vm_stack`, `vm_stack_size`, `cfp`.
@@ -115,7 +129,7 @@ impl<M: Memory> Spy<M> {
         if count > MAX_FRAMES {
             return Err(Attempt::Changed(format!("{count} frames")));
         }
-        let hint = self.stack_hints.get(&vm_stack).copied().unwrap_or(0);
+        let hint = self.walk.stack_hints.get(&vm_stack).copied().unwrap_or(0);
         Ok(Plan {
             vm_stack,
             cfp,
@@ -137,7 +151,7 @@ impl<M: Memory> Spy<M> {
     ) -> Vec<std::result::Result<Stack, Attempt>> {
         let plans: Vec<_> = ecs.iter().map(|ec| self.plan(*ec)).collect();
         // The walker's own batch, out of `self` while its bytes are borrowed.
-        let mut reads = std::mem::take(&mut self.walk_reads);
+        let mut reads = std::mem::take(&mut self.walk.reads);
         reads.clear();
         let bufs = self.frame_buffers(&plans, prefetched, &mut reads);
         let results = self.read_frames(&plans, &bufs, &mut reads);
@@ -152,7 +166,7 @@ impl<M: Memory> Spy<M> {
                 (Err(e), _) | (_, Err(e)) => Err(e),
             })
             .collect();
-        self.walk_reads = reads;
+        self.walk.reads = reads;
         stacks
     }
 
@@ -241,59 +255,20 @@ impl<M: Memory> Spy<M> {
         frames: &[RawFrame],
         envs: &Envs,
     ) -> std::result::Result<Stack, Attempt> {
-        let due = self.validated_at.is_none_or(|t| t.elapsed() >= REVALIDATE);
-        self.sign(frames, envs);
+        let due = self
+            .cache
+            .validated_at
+            .is_none_or(|t| t.elapsed() >= REVALIDATE);
+        self.memo.sign(frames, envs);
         if !due {
-            if let Some(m) = self.memo.get(&self.signature[..]) {
-                if m.epoch == self.epoch {
-                    return Ok(m.stack.clone());
-                }
+            if let Some(stack) = self.memo.get() {
+                return Ok(stack);
             }
         }
         let resolved: Arc<[Frame]> = self.resolve_frames(frames, envs)?.into();
         // `resolve_frames` may have started a new epoch (a full validation).
-        let epoch = self.epoch;
-        if self.memo.len() >= MAX_MEMO || self.memo_bytes >= MAX_MEMO_BYTES {
-            self.memo.clear();
-            self.memo_bytes = 0;
-        }
-        // Keep the token while the frames stay the same, so a stack keeps one name.
-        let token = match self.memo.get(&self.signature[..]) {
-            Some(m) if m.stack.frames == resolved => m.stack.token,
-            _ => {
-                self.tokens += 1;
-                self.tokens
-            }
-        };
-        let stack = Stack {
-            frames: resolved,
-            token,
-        };
-        self.memo_bytes += self.signature.len() * 8
-            + stack.frames.len() * std::mem::size_of::<Frame>()
-            + std::mem::size_of::<Memo>();
-        self.memo.insert(
-            self.signature.as_slice().into(),
-            Memo {
-                stack: stack.clone(),
-                epoch,
-            },
-        );
-        Ok(stack)
-    }
-
-    /// What the frames of a raw stack depend on besides the walker's caches: each frame's
-    /// iseq, pc and environment address, and the environment's slots when it lives on the
-    /// value stack (method entry or cref, block handler or parent, flags).
-    pub(super) fn sign(&mut self, frames: &[RawFrame], envs: &Envs) {
-        let sig = &mut self.signature;
-        sig.clear();
-        for f in frames {
-            sig.extend_from_slice(&[f.iseq, f.pc, f.ep]);
-            if let Some(s) = envs.on_stack(f.ep) {
-                sig.extend_from_slice(&[s.me_cref, s.specval, s.flags]);
-            }
-        }
+        let epoch = self.memo.epoch();
+        Ok(self.memo.remember(resolved, epoch))
     }
 
     /// The raw control frames of one context, and the value stack under them (read further
@@ -335,17 +310,18 @@ impl<M: Memory> Spy<M> {
             more.resize(needed, 0);
             self.target
                 .mem
-                .read(vm_stack.wrapping_add(have as u64), &mut more[have..])
+                .read(field(vm_stack, have), &mut more[have..])
                 .map_err(self.moved("reading the value stack"))?;
             Cow::Owned(more)
         } else {
             Cow::Borrowed(values)
         };
         // Slack so that a slightly deeper stack next time still fits in one read.
-        if self.stack_hints.len() >= MAX_CACHED_ENVS {
-            self.stack_hints.clear();
+        if self.walk.stack_hints.len() >= MAX_CACHED_ENVS {
+            self.walk.stack_hints.clear();
         }
-        self.stack_hints
+        self.walk
+            .stack_hints
             .insert(vm_stack, needed + needed / 4 + 1024);
         let envs = Envs {
             base: vm_stack,
@@ -370,7 +346,7 @@ impl<M: Memory> Spy<M> {
                     continue; // IFUNC and dummy frames: Ruby skips them too.
                 }
                 // An iseq not seen before may belong to a method: collect its chain too.
-                let needs_owner = self.iseqs.get(&f.iseq).is_none_or(|x| x.in_method);
+                let needs_owner = self.cache.iseqs.get(&f.iseq).is_none_or(|x| x.in_method);
                 let chain = if needs_owner {
                     self.method_entry_chain(f.ep, envs)?
                 } else {
@@ -410,7 +386,7 @@ impl<M: Memory> Spy<M> {
         if let Some(s) = envs.on_stack(ep) {
             return Ok(s);
         }
-        if let Some(s) = self.heap_envs.get(&ep) {
+        if let Some(s) = self.walk.heap_envs.get(&ep) {
             return Ok(*s);
         }
         let mut buf = [0u8; 24];
@@ -419,10 +395,10 @@ impl<M: Memory> Spy<M> {
             .read(ep.wrapping_sub(16), &mut buf)
             .map_err(self.moved("reading an environment"))?;
         let s = slots(&buf);
-        if self.heap_envs.len() >= MAX_CACHED_ENVS {
+        if self.walk.heap_envs.len() >= MAX_CACHED_ENVS {
             self.forget_envs();
         }
-        self.heap_envs.insert(ep, s);
+        self.walk.heap_envs.insert(ep, s);
         Ok(s)
     }
 }
