@@ -223,7 +223,25 @@ int main(void) {
     U(imemo_iseq, imemo_iseq);
     U(imemo_svar, imemo_svar);
     OFF(svar_cref_or_me, struct vm_svar, cref_or_me);
+    /* The enum values follow the build's USE_FLONUM (on in every 64-bit build), which is why
+     * they are read here and not typed in: 3.2 renumbered them (Qnil 0x08 -> 0x04). */
+    X(qfalse, RUBY_Qfalse);
+    X(qtrue, RUBY_Qtrue);
+    X(qnil, RUBY_Qnil);
+    X(fixnum_flag, RUBY_FIXNUM_FLAG);
+    X(flonum_mask, RUBY_FLONUM_MASK);
+    X(flonum_flag, RUBY_FLONUM_FLAG);
+    X(symbol_flag, RUBY_SYMBOL_FLAG);
+    U(special_shift, RUBY_SPECIAL_SHIFT);
+    X(t_mask, RUBY_T_MASK);
+    X(t_class, RUBY_T_CLASS);
+    X(t_module, RUBY_T_MODULE);
+    X(t_string, RUBY_T_STRING);
+    X(t_array, RUBY_T_ARRAY);
+    X(t_symbol, RUBY_T_SYMBOL);
+    X(t_imemo, RUBY_T_IMEMO);
     OFF(rbasic_flags, struct RBasic, flags);
+    OFF(rbasic_klass, struct RBasic, klass);
     U(fl_ushift, RUBY_FL_USHIFT);
     X(fl_singleton, RUBY_FL_SINGLETON);
     X(rstring_noembed, RSTRING_NOEMBED);
@@ -256,6 +274,7 @@ int main(void) {
     OFF(rarray_heap_len, struct RArray, as.heap.len);
     OFF(rarray_heap_ptr, struct RArray, as.heap.ptr);
     OFF(rarray_embed_ary, struct RArray, as.ary);
+    OFF(rsymbol_fstr, struct RSymbol, fstr);
 #if RV >= 303
     /* The class extension lives right after struct RClass, with the class path and the
      * singleton's attached object as fields. */

@@ -145,8 +145,34 @@ pub struct Layout {
     pub imemo_svar: u64,
     pub svar_cref_or_me: usize,
 
+    // VALUEs that are no pointer (enum ruby_special_consts): false, true and nil, and the
+    // tags of Integers (fixnums), Floats (flonums) and static Symbols. Qnil moved from 0x08
+    // to 0x04 in 3.2, so a VALUE means nothing without its layout.
+    pub qfalse: u64,
+    pub qtrue: u64,
+    pub qnil: u64,
+    /// `v & fixnum_flag != 0`: an Integer, `v >> 1` (arithmetic).
+    pub fixnum_flag: u64,
+    /// `v & flonum_mask == flonum_flag`: a Float packed into the VALUE.
+    pub flonum_mask: u64,
+    pub flonum_flag: u64,
+    /// The low `special_shift` bits equal to `symbol_flag`: a static Symbol, whose ID is
+    /// `v >> special_shift`.
+    pub symbol_flag: u64,
+    pub special_shift: u32,
+    // Object types (enum ruby_value_type): `RBasic.flags & t_mask`.
+    pub t_mask: u64,
+    pub t_class: u64,
+    pub t_module: u64,
+    pub t_string: u64,
+    pub t_array: u64,
+    /// A dynamic Symbol (one made at run time, e.g. by `to_sym`), named by `rsymbol_fstr`.
+    pub t_symbol: u64,
+    pub t_imemo: u64,
+
     // Object headers
     pub rbasic_flags: usize,
+    pub rbasic_klass: usize,
     pub fl_ushift: u32,
     pub fl_singleton: u64,
     pub rstring_noembed: u64,
@@ -163,6 +189,8 @@ pub struct Layout {
     pub rarray_heap_len: usize,
     pub rarray_heap_ptr: usize,
     pub rarray_embed_ary: usize,
+    /// `struct RSymbol.fstr`: a dynamic Symbol's name, a String.
+    pub rsymbol_fstr: usize,
 
     // Classes. Before 3.3 a class's name is its `__classpath__` instance variable and a
     // singleton's object its `__attached__` one, both in the iv_tbl (an st_table) of the

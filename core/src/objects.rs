@@ -7,13 +7,6 @@ use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
-pub const T_MASK: u64 = 0x1f;
-pub const T_CLASS: u64 = 0x02;
-pub const T_MODULE: u64 = 0x03;
-pub const T_STRING: u64 = 0x05;
-pub const T_ARRAY: u64 = 0x07;
-pub const T_IMEMO: u64 = 0x1a;
-
 /// Longest string the spy will copy (paths and labels are far shorter).
 const MAX_STRING: usize = 64 * 1024;
 /// Most iv_tbl entries scanned when looking up a class's name.
@@ -63,7 +56,7 @@ pub fn read_string<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Stri
     let head_len = (l.rstring_embed_ary + 16).min(head.len());
     mem.read(value, &mut head[..head_len])?;
     let flags = word(&head, l.rbasic_flags);
-    if flags & T_MASK != T_STRING {
+    if flags & l.t_mask != l.t_string {
         return Err(ObjectError::Shape("String", value));
     }
     let bytes = if flags & l.rstring_noembed != 0 {
@@ -99,7 +92,7 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
     let mut head = [0u8; 48];
     mem.read(value, &mut head[..l.rarray_heap_ptr + 8])?;
     let flags = word(&head, l.rbasic_flags);
-    if flags & T_MASK != T_ARRAY {
+    if flags & l.t_mask != l.t_array {
         return Err(ObjectError::Shape("Array", value));
     }
     let (len, ptr) = if flags & l.rarray_embed_flag != 0 {
@@ -135,7 +128,7 @@ pub fn array_head_len(l: &Layout) -> usize {
 /// other object.
 pub fn array_len(l: &Layout, head: &[u8]) -> Option<u64> {
     let flags = word(head, l.rbasic_flags);
-    if flags & T_MASK != T_ARRAY {
+    if flags & l.t_mask != l.t_array {
         return None;
     }
     Some(if flags & l.rarray_embed_flag != 0 {
@@ -144,11 +137,6 @@ pub fn array_len(l: &Layout, head: &[u8]) -> Option<u64> {
         word(head, l.rarray_heap_len)
     })
 }
-
-/// `T_SYMBOL`: a dynamic symbol, whose name is the string in `RSymbol.fstr`.
-const T_SYMBOL: u64 = 0x14;
-/// `offsetof(struct RSymbol, fstr)`: after `basic` (2 words) and `hashval` (2.7–3.4).
-const RSYMBOL_FSTR: u64 = 24;
 
 /// A VALUE as text, the way a tag is shown: Strings, Symbols, Integers, Floats,
 /// true/false/nil as themselves, anything else as its class name. None when the object
@@ -163,40 +151,41 @@ pub fn value_text<M: Memory>(
     classes: &mut ClassNames,
     v: u64,
 ) -> Option<Arc<str>> {
-    match v {
-        0x00 => return Some("false".into()),
-        // Qnil is 0x08 up to 3.1 and 0x04 from 3.2 (Qtrue stayed 0x14); neither value is
-        // anything else under the other scheme.
-        0x04 | 0x08 => return Some("nil".into()),
-        0x14 => return Some("true".into()),
-        _ => {}
+    if v == l.qfalse {
+        return Some("false".into());
     }
-    if v & 1 == 1 {
+    if v == l.qnil {
+        return Some("nil".into());
+    }
+    if v == l.qtrue {
+        return Some("true".into());
+    }
+    if v & l.fixnum_flag != 0 {
         return Some(((v as i64) >> 1).to_string().into());
     }
-    if v & 3 == 2 {
+    if v & l.flonum_mask == l.flonum_flag {
         return Some(flonum(v).to_string().into());
     }
-    if v & 0xff == 0x0c {
-        let name = symbols.and_then(|s| s.name(mem, l, v >> 8).ok());
+    if v & ((1 << l.special_shift) - 1) == l.symbol_flag {
+        let name = symbols.and_then(|s| s.name(mem, l, v >> l.special_shift).ok());
         return Some(name.unwrap_or_else(|| Arc::from("Symbol")));
     }
     if !is_heap_object(v) {
         return None;
     }
     let flags = mem.read_u64(field(v, l.rbasic_flags)).ok()?;
-    Some(match flags & T_MASK {
-        T_STRING => string_or(read_string(mem, l, v), "String")?,
-        T_SYMBOL => {
-            let fstr = mem.read_u64(v.wrapping_add(RSYMBOL_FSTR)).ok()?;
-            string_or(read_string(mem, l, fstr), "Symbol")?
-        }
-        _ => {
-            let class = mem.read_u64(v.wrapping_add(8)).ok()?;
-            classes
-                .class_name(mem, l, symbols?, class)
-                .unwrap_or_else(|| Arc::from("Object"))
-        }
+    let t = flags & l.t_mask;
+    Some(if t == l.t_string {
+        string_or(read_string(mem, l, v), "String")?
+    } else if t == l.t_symbol {
+        // A dynamic Symbol (made at run time): its name is a String of its own.
+        let fstr = mem.read_u64(field(v, l.rsymbol_fstr)).ok()?;
+        string_or(read_string(mem, l, fstr), "Symbol")?
+    } else {
+        let class = mem.read_u64(field(v, l.rbasic_klass)).ok()?;
+        classes
+            .class_name(mem, l, symbols?, class)
+            .unwrap_or_else(|| Arc::from("Object"))
     })
 }
 
@@ -376,7 +365,8 @@ fn class_flags<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<Option<u
         return Ok(None);
     }
     let flags = mem.read_u64(field(value, l.rbasic_flags))?;
-    Ok(matches!(flags & T_MASK, T_CLASS | T_MODULE).then_some(flags))
+    let t = flags & l.t_mask;
+    Ok((t == l.t_class || t == l.t_module).then_some(flags))
 }
 
 /// A class's path once it is reachable from a constant (Ruby's "permanent" name: the

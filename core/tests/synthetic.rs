@@ -5,7 +5,6 @@
 //! symbol table. The walk must name every frame as Ruby would.
 use rbspy_ext_bindings::{Layout, LAYOUTS};
 use rbspy_ext_core::memory::{Memory, MemoryImage};
-use rbspy_ext_core::objects::{T_ARRAY, T_CLASS, T_IMEMO, T_MODULE, T_STRING};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::vm::VmRoots;
 use rbspy_ext_core::Spy;
@@ -97,7 +96,7 @@ impl Image {
         let l = self.l;
         let v = self.alloc(l.rstring_embed_ary + 64);
         if s.len() < 16 {
-            let mut flags = T_STRING;
+            let mut flags = l.t_string;
             match l.rstring_embed_len {
                 Some(off) => self.put(v + off as u64, s.len() as u64),
                 None => flags |= (s.len() as u64) << l.rstring_embed_len_shift,
@@ -107,7 +106,7 @@ impl Image {
         } else {
             let buf = self.alloc(s.len() + 1);
             self.put_bytes(buf, s.as_bytes());
-            self.put(v, T_STRING | l.rstring_noembed);
+            self.put(v, l.t_string | l.rstring_noembed);
             self.put(v + l.rstring_heap_len as u64, s.len() as u64);
             self.put(v + l.rstring_heap_ptr as u64, buf);
         }
@@ -121,7 +120,7 @@ impl Image {
         for (i, e) in elements.iter().enumerate() {
             self.put(buf + i as u64 * 8, *e);
         }
-        self.put(v, T_ARRAY);
+        self.put(v, l.t_array);
         self.put(v + l.rarray_heap_len as u64, elements.len() as u64);
         self.put(v + l.rarray_heap_ptr as u64, buf);
         v
@@ -142,20 +141,14 @@ impl Image {
     /// (a power of two, twice the tags), then (ID, VALUE) pairs placed by linear probing from
     /// `key & (capacity - 1)`. Before `symbol_table`, which must list its keys.
     fn tag_table(&mut self) -> u64 {
-        let nil = if self.l.name.starts_with("2.")
-            || self.l.name.starts_with("3.0")
-            || self.l.name.starts_with("3.1")
-        {
-            0x08
-        } else {
-            0x04
-        };
+        let l = self.l;
         let values = [
             self.string(TAGS[0].1),
-            (42 << 1) | 1,
-            nil,
-            0x14,
-            (self.id(TAGS[4].1) << 8) | 0x0c,
+            (42 << 1) | l.fixnum_flag,
+            l.qnil,
+            l.qtrue,
+            (self.id(TAGS[4].1) << l.special_shift) | l.symbol_flag,
+            self.dynamic_symbol(TAGS[5].1),
         ];
         let capacity = 16u64;
         let table = self.alloc(16 + 16 * capacity as usize);
@@ -171,6 +164,16 @@ impl Image {
             self.put(table + 24 + 16 * slot, value);
         }
         table
+    }
+
+    /// A Symbol made at run time (`to_sym`): an object of its own, named by a String.
+    fn dynamic_symbol(&mut self, name: &str) -> u64 {
+        let l = self.l;
+        let v = self.alloc(l.rsymbol_fstr + 16);
+        let fstr = self.string(name);
+        self.put(v, l.t_symbol);
+        self.put(v + l.rsymbol_fstr as u64, fstr);
+        v
     }
 
     fn get(&self, addr: u64) -> u64 {
@@ -212,7 +215,7 @@ impl Image {
     fn class(&mut self, path: Option<&str>, module: bool, attached: Option<u64>) -> u64 {
         let l = self.l;
         let class = self.alloc(512);
-        let mut flags = if module { T_MODULE } else { T_CLASS };
+        let mut flags = if module { l.t_module } else { l.t_class };
         if attached.is_some() {
             flags |= l.fl_singleton;
         }
@@ -281,7 +284,7 @@ impl Image {
         );
         let encoded = self.alloc(64 * 8);
         let insns = self.alloc(l.insn_info_entry_size);
-        self.put(iseq, T_IMEMO | (l.imemo_iseq << l.fl_ushift));
+        self.put(iseq, l.t_imemo | (l.imemo_iseq << l.fl_ushift));
         self.put(iseq + l.iseq_body as u64, body);
         self.put32(body + l.body_type as u64, kind);
         self.put32(body + l.body_iseq_size as u64, 64);
@@ -332,7 +335,7 @@ impl Image {
         self.put(def + l.me_def_iseqptr as u64, iseq);
         let id = self.id(name);
         self.put(def + l.me_def_original_id as u64, id);
-        self.put(me, T_IMEMO | (l.imemo_ment << l.fl_ushift));
+        self.put(me, l.t_imemo | (l.imemo_ment << l.fl_ushift));
         self.put(me + l.me_def as u64, def);
         self.put(me + l.me_owner as u64, owner);
         me
@@ -357,13 +360,15 @@ struct Handles {
     tags: u64,
 }
 
-/// The tags of the synthetic image's table: a String, an Integer, nil, true and a Symbol.
-const TAGS: [(&str, &str); 5] = [
+/// The tags of the synthetic image's table: a String, an Integer, nil, true, a static
+/// Symbol and a dynamic one.
+const TAGS: [(&str, &str); 6] = [
     ("request_id", "abc-123"),
     ("user", "42"),
     ("note", "nil"),
     ("admin", "true"),
     ("endpoint", "build"),
+    ("reason", "refund"),
 ];
 
 fn build(l: &'static Layout) -> (MemoryImage, VmRoots, u64, Handles) {

@@ -3,9 +3,7 @@
 use super::*;
 use crate::lines::LineTable;
 use crate::memory::{field, Memory, ReadBatch, Span};
-use crate::objects::{
-    is_heap_object, read_array_entry, read_string, word, word32, T_ARRAY, T_IMEMO, T_MASK, T_STRING,
-};
+use crate::objects::{is_heap_object, read_array_entry, read_string, word, word32};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -291,14 +289,14 @@ impl<M: Memory> Spy<M> {
             .mem
             .read_u64(pathobj)
             .map_err(self.moved("reading an iseq path"))?;
-        match flags & T_MASK {
-            T_STRING => {
+        match flags & l.t_mask {
+            t if t == l.t_string => {
                 let p: Arc<str> = read_string(&self.target.mem, l, pathobj)
                     .map_err(fail)?
                     .into();
                 Ok((p.clone(), Some(p)))
             }
-            T_ARRAY => {
+            t if t == l.t_array => {
                 let path = read_array_entry(&self.target.mem, l, pathobj, 0).map_err(fail)?;
                 let real = read_array_entry(&self.target.mem, l, pathobj, 1).map_err(fail)?;
                 let path: Arc<str> = read_string(&self.target.mem, l, path).map_err(fail)?.into();
@@ -577,5 +575,5 @@ impl<M: Memory> Spy<M> {
 
 /// The imemo type of an object whose flags are given, if it is a T_IMEMO.
 pub(super) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {
-    (flags & T_MASK == T_IMEMO).then_some((flags >> l.fl_ushift) & 0xf)
+    (flags & l.t_mask == l.t_imemo).then_some((flags >> l.fl_ushift) & 0xf)
 }

@@ -97,8 +97,8 @@ pub fn check_field_list(ours: &Layout, theirs: &[String]) -> bool {
 }
 
 /// Compares one release field by field with its probe layout and prints every mismatch of a
-/// measured field. Not-measured fields are listed (with whether they agree) but not
-/// counted. Returns the number of mismatches.
+/// measured or transcribed field. Not-measured fields are listed (with whether they agree)
+/// but not counted. Returns the number of mismatches.
 pub fn check_release(release: &str, ours: &Layout, generated: &Generated) -> usize {
     let Some(&index) = generated.versions.get(release) else {
         println!("{release}: no C-probe layout in generated.rs, nothing to compare");
@@ -116,6 +116,7 @@ pub fn check_release(release: &str, ours: &Layout, generated: &Generated) -> usi
     };
     let mut mismatches = 0;
     let mut compared = 0;
+    let mut transcribed = 0;
     let mut not_compared = Vec::new();
 
     // The name: the probe's is the first release of a shared layout, so only the minor
@@ -146,8 +147,9 @@ pub fn check_release(release: &str, ours: &Layout, generated: &Generated) -> usi
                 let verdict = if here == there { "=" } else { "DIFFERS from" };
                 not_compared.push(format!("{} {here} {verdict} {there}", field.name));
             }
-            (Source::Measured, Some(there)) => {
+            (Source::Measured | Source::Transcribed(_), Some(there)) => {
                 compared += 1;
+                transcribed += matches!(field.source, Source::Transcribed(_)) as usize;
                 if here != there {
                     println!(
                         "{release}: MISMATCH {}: here {here}, probe {there}",
@@ -165,8 +167,8 @@ pub fn check_release(release: &str, ours: &Layout, generated: &Generated) -> usi
         }
     }
     println!(
-        "{release}: {compared} measured fields compared with LAYOUTS[{index}] (\"{probe_name}\"): \
-         {mismatches} mismatch(es)"
+        "{release}: {compared} fields ({transcribed} of them transcribed) compared with \
+         LAYOUTS[{index}] (\"{probe_name}\"): {mismatches} mismatch(es)"
     );
     if !not_compared.is_empty() {
         println!(

@@ -44,6 +44,11 @@ pub enum Source {
     /// Not in rbspy-ruby-structs for this release: copied from Ruby sources. The note says
     /// from where, and is printed as a `// from ...` line before the field. Not compared.
     NotMeasured(&'static str),
+    /// Not in rbspy-ruby-structs for any release (enums bindgen did not emit, a struct it
+    /// left out), so typed in from Ruby's headers like `NotMeasured`, but compared by
+    /// `--check`: the probe compiles the same headers, so a mismatch is a wrong transcription
+    /// (or a release where the headers changed and this program did not follow).
+    Transcribed(&'static str),
 }
 
 #[derive(Clone, Debug)]
@@ -99,6 +104,11 @@ impl Layout {
     pub fn copied(&mut self, name: &'static str, val: Val, from: &'static str) {
         self.push(name, val, Source::NotMeasured(from))
     }
+
+    /// A value typed in from Ruby's headers and checked (see [`Source::Transcribed`]).
+    pub fn transcribed(&mut self, name: &'static str, val: Val, from: &'static str) {
+        self.push(name, val, Source::Transcribed(from))
+    }
 }
 
 fn to_u64(v: impl TryInto<u64>) -> u64 {
@@ -115,7 +125,7 @@ impl fmt::Display for Layout {
         let mut last_note = None;
         for field in &self.fields {
             let note = match field.source {
-                Source::NotMeasured(from) => Some(from),
+                Source::NotMeasured(from) | Source::Transcribed(from) => Some(from),
                 Source::Measured => None,
             };
             if let Some(from) = note {

@@ -5,7 +5,9 @@
 //! of `offsetof`/`sizeof`. It takes the crate's module for a release, so one body covers
 //! every release. What the crate lacks for a release (private structs of iseq.c, st.c and
 //! symbol.c, enums bindgen did not emit, RClass before 3.3...) is copied from the Ruby
-//! sources and marked `NotMeasured`, which prints a `// from ...` line before the field.
+//! sources and marked `NotMeasured`, which prints a `// from ...` line before the field;
+//! what the crate has for no release at all (special constants, object types, RSymbol) is
+//! marked `Transcribed` instead, which `--check` compares with the probe.
 
 use crate::layout::{Layout, Val};
 use std::ffi::c_void;
@@ -143,6 +145,45 @@ struct ClassextWithIvTbl {
 }
 const FROM_CLASS_H_CLASSEXT: &str =
     "from internal/class.h: rb_classext_struct {iv_index_tbl, iv_tbl, ...} (as in 2.7.4 and 3.1.2)";
+
+/// special_consts.h (ruby.h in 2.7): `enum ruby_special_consts` with USE_FLONUM, which
+/// every 64-bit build has. ruby/ruby#6599 renumbered it for 3.2.0 (Qnil 0x08 -> 0x04, Qundef
+/// 0x34 -> 0x24); the rest did not change.
+const QFALSE: u64 = 0x00;
+const QTRUE: u64 = 0x14;
+const QNIL_BEFORE_3_2: u64 = 0x08;
+const QNIL: u64 = 0x04;
+const FIXNUM_FLAG: u64 = 0x01;
+const FLONUM_MASK: u64 = 0x03;
+const FLONUM_FLAG: u64 = 0x02;
+const SYMBOL_FLAG: u64 = 0x0c;
+const SPECIAL_SHIFT: u64 = 8;
+const FROM_SPECIAL_CONSTS_H: &str =
+    "from special_consts.h (ruby.h in 2.7): enum ruby_special_consts with USE_FLONUM\n\
+     (not in the crate; as in 2.7.4-3.4.5, Qnil renumbered in 3.2.0)";
+
+/// value_type.h (ruby.h in 2.7): `enum ruby_value_type`.
+const T_MASK: u64 = 0x1f;
+const T_CLASS: u64 = 0x02;
+const T_MODULE: u64 = 0x03;
+const T_STRING: u64 = 0x05;
+const T_ARRAY: u64 = 0x07;
+const T_SYMBOL: u64 = 0x14;
+const T_IMEMO: u64 = 0x1a;
+const FROM_VALUE_TYPE_H: &str =
+    "from value_type.h (ruby.h in 2.7): enum ruby_value_type (not in the crate; same in 2.7.4-3.4.5)";
+
+/// symbol.h: `struct RSymbol`, around the crate's RBasic. `hashval` is an `st_index_t`.
+#[allow(dead_code)]
+#[repr(C)]
+struct RSymbol<RBasic> {
+    basic: RBasic,
+    hashval: usize,
+    fstr: usize,
+    id: usize,
+}
+const FROM_SYMBOL_H_RSYMBOL: &str =
+    "from symbol.h: struct RSymbol {basic, hashval, fstr, id} (not in the crate; same in 2.7.4-3.4.5)";
 
 const CLASSES_3_2: &str =
     "None: the crate has no class extension for 3.2, and 3.2's differs (inline after RClass,\n\
@@ -384,6 +425,27 @@ macro_rules! layout {
         l.dec("imemo_svar", r::imemo_type_imemo_svar);
         l.dec("svar_cref_or_me", offset_of!(r::vm_svar, cref_or_me));
 
+        // Special constants and object types: the crate has neither enum (see above).
+        l.transcribed("qfalse", Val::Hex(QFALSE), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("qtrue", Val::Hex(QTRUE), FROM_SPECIAL_CONSTS_H);
+        since!($rv >= 302 {
+            l.transcribed("qnil", Val::Hex(QNIL), FROM_SPECIAL_CONSTS_H);
+        } else {
+            l.transcribed("qnil", Val::Hex(QNIL_BEFORE_3_2), FROM_SPECIAL_CONSTS_H);
+        });
+        l.transcribed("fixnum_flag", Val::Hex(FIXNUM_FLAG), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("flonum_mask", Val::Hex(FLONUM_MASK), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("flonum_flag", Val::Hex(FLONUM_FLAG), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("symbol_flag", Val::Hex(SYMBOL_FLAG), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("special_shift", Val::Dec(SPECIAL_SHIFT), FROM_SPECIAL_CONSTS_H);
+        l.transcribed("t_mask", Val::Hex(T_MASK), FROM_VALUE_TYPE_H);
+        l.transcribed("t_class", Val::Hex(T_CLASS), FROM_VALUE_TYPE_H);
+        l.transcribed("t_module", Val::Hex(T_MODULE), FROM_VALUE_TYPE_H);
+        l.transcribed("t_string", Val::Hex(T_STRING), FROM_VALUE_TYPE_H);
+        l.transcribed("t_array", Val::Hex(T_ARRAY), FROM_VALUE_TYPE_H);
+        l.transcribed("t_symbol", Val::Hex(T_SYMBOL), FROM_VALUE_TYPE_H);
+        l.transcribed("t_imemo", Val::Hex(T_IMEMO), FROM_VALUE_TYPE_H);
+
         // Object headers. The RSTRING_*/RARRAY_* flags are enums bindgen did not emit;
         // they are built here from the crate's RUBY_FL_USERn exactly as the headers
         // (include/ruby/internal/core/rstring.h, rarray.h; ruby.h in 2.7) define them.
@@ -418,6 +480,7 @@ macro_rules! layout {
         assert_eq!(rarray_embed_len, since!($rv >= 302 { 1 } else { 3 }), "{release}: USE_RVARGC?");
 
         l.dec("rbasic_flags", offset_of!(r::RBasic, flags));
+        l.dec("rbasic_klass", offset_of!(r::RBasic, klass));
         l.dec("fl_ushift", fl_ushift);
         l.hex("fl_singleton", r::ruby_fl_type_RUBY_FL_SINGLETON as u64);
         l.hex("rstring_noembed", user(1)); // RSTRING_NOEMBED = RUBY_FL_USER1
@@ -461,6 +524,11 @@ macro_rules! layout {
         l.dec("rarray_heap_len", offset_of!(r::RArray, as_.heap.len));
         l.dec("rarray_heap_ptr", offset_of!(r::RArray, as_.heap.ptr));
         l.dec("rarray_embed_ary", offset_of!(r::RArray, as_.ary));
+        l.transcribed(
+            "rsymbol_fstr",
+            Val::Dec(offset_of!(RSymbol<r::RBasic>, fstr) as u64),
+            FROM_SYMBOL_H_RSYMBOL,
+        );
 
         // Classes.
         since!($rv >= 303 {
