@@ -32,6 +32,9 @@ const FIRST_SLOTS: usize = 8;
 /// a millisecond; one whose reader was held up longer (descheduled) gets no tags for that
 /// thread rather than doubtful ones.
 const TABLE_WINDOW: Duration = Duration::from_millis(8);
+/// How long the extension keeps a table alive after it stops publishing it, at the least
+/// (docs/profiler-state.md).
+const UNPUBLISHED_ALIVE: Duration = Duration::from_millis(10);
 
 /// Where the target's `ruby_profiler_state` is, once known.
 #[derive(Debug, Default)]
@@ -260,10 +263,14 @@ impl<M: Memory> Spy<M> {
             self.tags.last.remove(&thread);
             return Tags::default();
         }
-        let Some((raw, tags)) = self.read_table(table, pointer_read_at) else {
-            if let Some((tags, _)) = same {
-                return tags;
-            }
+        let decoded = match self.read_table(table, pointer_read_at) {
+            Some((raw, tags)) => Some((table, raw, tags)),
+            None => match same {
+                Some((tags, _)) => return tags,
+                None => self.table_still_published(thread, nt, read.offset, table, pointer_read_at),
+            },
+        };
+        let Some((table, raw, tags)) = decoded else {
             self.tags.last.remove(&thread);
             return Tags::default();
         };
@@ -278,6 +285,33 @@ impl<M: Memory> Spy<M> {
         };
         self.tags.last.insert(thread, last);
         tags
+    }
+
+    /// `table`, decoded again from a fresh read of its pointer, when the thread still
+    /// publishes it and its pointer was first read less than `UNPUBLISHED_ALIVE` ago: for a
+    /// decoding that failed. The usual cause is time: a process's first sample walks every
+    /// thread with cold caches and finds the symbol table before it decodes, which took
+    /// 8.3 ms, past `TABLE_WINDOW`, once per Puma worker under load. A table that is
+    /// published at both pointer reads, less than the extension's grace period apart, is the
+    /// same table throughout (it could not have been freed and its address reused between),
+    /// so its tags are the ones the sample's stack ran under.
+    fn table_still_published(
+        &mut self,
+        thread: u64,
+        nt: u64,
+        offset: i64,
+        table: u64,
+        first_read_at: Instant,
+    ) -> Option<(u64, Vec<u8>, Tags)> {
+        let tp = self.thread_pointer_on(thread, nt)?;
+        let pointer_read_at = Instant::now();
+        if pointer_read_at.duration_since(first_read_at) >= UNPUBLISHED_ALIVE
+            || self.owned_table(thread, tp, offset) != table
+        {
+            return None;
+        }
+        let (raw, tags) = self.read_table(table, pointer_read_at)?;
+        Some((table, raw, tags))
     }
 
     /// Forgets the tables seen last (one may have been freed and unmapped, which would fail

@@ -360,13 +360,21 @@ impl<M: Memory> Spy<M> {
                 })
             })
             .collect();
+        // Tags before stacks: a table is trusted only when decoded within `TABLE_WINDOW` of
+        // the batch's read, and walking every thread with cold caches (a process's first
+        // sample) can take longer than that.
+        let tags: Vec<super::Tags> = chosen
+            .iter()
+            .map(|(i, _)| self.thread_tags_of(batch, *i))
+            .collect();
         let results = self.walk_many(&contexts, pre);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut failed = Vec::new();
-        for (((i, state), ec), first) in chosen.into_iter().zip(contexts).zip(results) {
+        let chosen = chosen.into_iter().zip(tags);
+        for ((((i, state), tags), ec), first) in chosen.zip(contexts).zip(results) {
             let thread = self.sampler.threads[i].0;
-            let stack = match self.retry_walk(ec, first) {
-                Ok(Some(stack)) => stack,
+            let (stack, tags) = match self.retry_walk(thread, ec, first, tags) {
+                Ok(Some(walked)) => walked,
                 Ok(None) => {
                     self.sampler.stacks.remove(&thread);
                     failed.push(thread);
@@ -375,18 +383,6 @@ impl<M: Memory> Spy<M> {
                 Err(e) => return (sampled, Err(e)),
             };
             self.guess_stack(thread, ec);
-            // Tags only for a sample that is kept: a dropped one decodes nothing.
-            let tags = match batch.threads[i].tag {
-                Some(read) => {
-                    let nt = self
-                        .target
-                        .layout
-                        .thread_nt
-                        .map_or(0, |off| word(batch.field(i, off), 0));
-                    self.sampled_tags(thread, nt, read, &batch.reads, batch.called)
-                }
-                None => super::Tags::default(),
-            };
             sampled.push(SampledThread {
                 info: self.sampler.threads[i].1.clone(),
                 state,
@@ -398,29 +394,56 @@ impl<M: Memory> Spy<M> {
         (sampled, Ok(failed))
     }
 
-    /// The stack from a thread's first walk, else from up to `THREAD_ATTEMPTS - 1` more
-    /// walks of its own; None when it kept moving.
+    /// The tags of thread `i` of the batch, from what the batch read.
+    fn thread_tags_of(&mut self, batch: &Batch, i: usize) -> super::Tags {
+        let Some(read) = batch.threads[i].tag else {
+            return super::Tags::default();
+        };
+        let thread = self.sampler.threads[i].0;
+        let nt = self
+            .target
+            .layout
+            .thread_nt
+            .map_or(0, |off| word(batch.field(i, off), 0));
+        self.sampled_tags(thread, nt, read, &batch.reads, batch.called)
+    }
+
+    /// The stack from a thread's first walk, with `tags` (decoded from the batch), else from
+    /// up to `THREAD_ATTEMPTS - 1` more walks of its own; None when it kept moving. A walk of
+    /// its own happens later than the batch, so its tags are read afresh around it and the
+    /// walk counts only if they read the same before and after: a thread that moved on to
+    /// another request meanwhile would otherwise show the new request's stack under the old
+    /// one's tags, or under none.
     fn retry_walk(
         &mut self,
+        thread: u64,
         ec: [u64; 3],
         first: std::result::Result<Stack, Attempt>,
-    ) -> Result<Option<Stack>> {
-        let mut result = first;
+        tags: super::Tags,
+    ) -> Result<Option<(Stack, super::Tags)>> {
+        let mut result = first.map(|stack| (stack, tags));
         for _ in 1..THREAD_ATTEMPTS {
             if !matches!(result, Err(Attempt::Changed(_))) {
                 break;
             }
             self.forget_envs();
-            result = self.walk(ec);
+            let before = self.thread_tags(thread);
+            result = self.walk(ec).and_then(|stack| {
+                let after = self.thread_tags(thread);
+                if after == before {
+                    Ok((stack, after))
+                } else {
+                    Err(Attempt::Changed("tags changed while read".into()))
+                }
+            });
         }
         match result {
-            Ok(stack) => Ok(Some(stack)),
+            Ok(walked) => Ok(Some(walked)),
             Err(Attempt::Fatal(e)) => Err(e),
             Err(Attempt::Changed(_)) => Ok(None),
         }
     }
 
-    /// The sample's arena, kept for the next sample.
     fn discard(&mut self, batch: Batch) {
         self.sampler.reads = batch.reads;
     }

@@ -91,6 +91,10 @@ __attribute__((tls_model("initial-exec"))) static __thread unsigned long publish
 unsigned long rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner,
                                   unsigned long object) {
     unsigned long previous = published_object;
+    /* Already published (a fiber switch between fibers with the same tags, a resumed 1:1
+     * thread): no store, so a reader never sees the owner cleared while the table stays. */
+    if (previous == object && ruby_profiler_state == state && ruby_profiler_state_owner == owner)
+        return previous;
     published_object = object;
     __atomic_store_n(&ruby_profiler_state_owner, (void *)0, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE);
