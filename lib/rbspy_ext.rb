@@ -14,10 +14,15 @@ require_relative "rbspy_ext/handle"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
 require_relative "rbspy_ext/state"
+# The Rails integration tags requests and jobs by itself (rbspy_ext/rails.rb); Rack apps use
+# RubySpy::Rack::Tags and RubySpy::Rack::Pprof (rbspy_ext/rack.rb), loaded on first use.
+require_relative "rbspy_ext/rails" if defined?(Rails::Railtie)
 
 # RubySpy reads the stack of a running Ruby process from its memory, without stopping or
 # changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.
 module RubySpy
+  autoload :Rack, File.expand_path("rbspy_ext/rack", __dir__)
+
   class << self
     # The stack of the thread that holds the GVL in process +pid+ (the main thread when no
     # thread holds it), innermost frame first, exactly as that thread's

@@ -10,7 +10,9 @@ Dir[File.join(__dir__, "support", "**", "*.rb")].sort.each { |f| require f }
 
 RSpec.configure do |config|
   config.include RubySpyTest::TargetHelpers
+  config.include RubySpyTest::ServerHelpers
   config.after { stop_all_targets }
+  config.after { stop_servers }
 
   config.expect_with :rspec do |expectations|
     # Show whole frame lists in failure messages.

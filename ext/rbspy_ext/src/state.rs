@@ -374,6 +374,33 @@ fn root_published() {
     }
 }
 
+thread_local! {
+    /// `PUBLISHED`'s guard, held by the forking thread from `fork_prepare` to the fork's end.
+    static HELD_FOR_FORK: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Published>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Before fork: takes `PUBLISHED`, so the child cannot inherit it locked by a thread that
+/// does not exist there (a native thread exiting retires its State under the lock, without
+/// the GVL, at any moment), which would hang its next fiber switch or GC mark.
+extern "C" fn fork_prepare() {
+    let guard = published();
+    HELD_FOR_FORK.with(|held| *held.borrow_mut() = Some(guard));
+}
+
+/// After fork, in the parent and in the child: gives `PUBLISHED` back. The child keeps the
+/// slots of the parent's other threads, and so their current States (a few, for good): its
+/// copies of those threads' tables are unreachable, but cheap.
+extern "C" fn fork_done() {
+    HELD_FOR_FORK.with(|held| held.borrow_mut().take());
+}
+
+/// Registers the fork handlers (once, at load).
+fn guard_fork() {
+    // SAFETY: registers plain functions that only touch this module's lock and thread-local.
+    unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_done), Some(fork_done)) };
+}
+
 /// Makes `state` (a `RubySpy::State`, or nil for none) the current fiber's state.
 fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
     if !state.is_nil() && <&State>::try_convert(state).is_err() {
@@ -547,5 +574,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     crate::resolve_class::<State>(ruby);
     set_grace();
     root_published();
+    guard_fork();
     Ok(())
 }

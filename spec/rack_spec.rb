@@ -1,0 +1,82 @@
+# frozen_string_literal: true
+
+require "spec_helper"
+require "rbspy_ext"
+require "rack"
+require "zlib"
+
+# RubySpy::Rack::Tags on a real Sinatra app served by Puma (spec/fixtures/sinatra_app), and
+# RubySpy::Rack::Pprof's access rules called through Rack (the peer address is what a server
+# would set; a second address on this machine would need a network namespace).
+RSpec.describe RubySpy::Rack do
+  describe RubySpy::Rack::Tags do
+    def samples_in(profile, label)
+      profile.group_by(:endpoint).transform_values do |part|
+        part.stacks.sum { |s| s[:frames].any? { |f| f.label == label } ? s[:samples] : 0 }
+      end.reject { |_, n| n.zero? }
+    end
+
+    it "tags Sinatra routes with method and route, streamed bodies too, and unrouted requests with their path" do
+      server = start_server("sinatra_app")
+      paths = ["/hello/ann", "/hello/bob", "/stream", "/nowhere"]
+      profile = under_load(server, paths, threads: 4, statuses: { "/nowhere" => 404 }) { RubySpy.record(server.pid, rate: 999, duration: 3) }
+      expect(samples_in(profile, "Greeter#greet_slowly").keys).to eq(["GET /hello/:name"])
+      expect(samples_in(profile, "Greeter#chunk_slowly").keys).to eq(["GET /stream"])
+      expect(samples_in(profile, "Greeter#wander").keys).to eq(["GET /nowhere"])
+      expect(samples_in(profile, "Greeter#greet_slowly").values.sum).to be > 200
+      expect(samples_in(profile, "Greeter#chunk_slowly").values.sum).to be > 50
+      ids = profile.tags.filter_map { |set| set[:tags][:request_id] }
+      expect(ids.uniq.size).to be > 20
+    end
+
+    it "uses the client's X-Request-Id, adds extra tags, and restores the caller's tags after a raising app" do
+      seen = nil
+      app = ->(env) { seen = RubySpy.tags.dup; env["PATH_INFO"] == "/boom" ? raise("boom") : [200, {}, ["ok"]] }
+      tags = RubySpy::Rack::Tags.new(app, extra: ->(env) { { tenant: env["HTTP_X_TENANT"] } })
+      RubySpy.tag(outer: 1) do
+        tags.call(Rack::MockRequest.env_for("/x", "HTTP_X_REQUEST_ID" => "req-1", "HTTP_X_TENANT" => "acme"))
+        expect(seen).to eq(outer: 1, request_id: "req-1", endpoint: "GET /x", tenant: "acme")
+        expect { tags.call(Rack::MockRequest.env_for("/boom")) }.to raise_error(RuntimeError, "boom")
+        expect(RubySpy.tags).to eq(outer: 1)
+      end
+      expect { RubySpy::Rack::Tags.new(app, extra: 42) }.to raise_error(TypeError, /extra must respond to #call/)
+    end
+  end
+
+  describe RubySpy::Rack::Pprof do
+    def get(app, query, env = {})
+      status, headers, body = app.call(Rack::MockRequest.env_for("/profile?#{query}", env))
+      [status, headers, body.to_enum(:each).to_a.join]
+    end
+
+    it "serves loopback peers without a token, refuses others and proxied requests (403)" do
+      app = RubySpy::Rack::Pprof.new
+      status, headers, body = get(app, "seconds=1", "REMOTE_ADDR" => "127.0.0.1")
+      expect([status, headers["content-type"]]).to eq([200, "application/octet-stream"])
+      expect(Zlib.gunzip(body).bytesize).to be > 100 # gzipped protobuf
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "::1")[0]).to eq(200)
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "10.1.2.3")[0]).to eq(403)
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "127.0.0.1", "HTTP_X_FORWARDED_FOR" => "203.0.113.9")[0]).to eq(403)
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "127.0.0.1", "HTTP_FORWARDED" => "for=203.0.113.9")[0]).to eq(403)
+      # No token configured: a token never opens it.
+      expect(get(app, "seconds=1&token=x", "REMOTE_ADDR" => "10.1.2.3")[0]).to eq(403)
+    end
+
+    it "serves any peer with the right token, and no loopback peer without it when loopback: false" do
+      app = RubySpy::Rack::Pprof.new(token: "s3cret", loopback: false)
+      expect(get(app, "seconds=1&token=s3cret", "REMOTE_ADDR" => "10.1.2.3")[0]).to eq(200)
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "10.1.2.3", "HTTP_AUTHORIZATION" => "Bearer s3cret")[0]).to eq(200)
+      expect(get(app, "seconds=1", "REMOTE_ADDR" => "127.0.0.1")[0]).to eq(403)
+      expect(get(app, "seconds=1&token=s3cre", "REMOTE_ADDR" => "10.1.2.3")[0]).to eq(403)
+    end
+
+    it "answers what it cannot serve with a reason" do
+      app = RubySpy::Rack::Pprof.new
+      env = { "REMOTE_ADDR" => "127.0.0.1" }
+      expect(app.call(Rack::MockRequest.env_for("/heap", env))[0]).to eq(404)
+      expect(app.call(Rack::MockRequest.env_for("/profile", env.merge(method: "POST")))[0]).to eq(405)
+      expect { RubySpy::Rack::Pprof.new(token: "") }.to raise_error(ArgumentError, /token must not be empty/)
+      expect { RubySpy::Rack::Pprof.new(token: 42) }.to raise_error(TypeError, /token must be a String/)
+    end
+  end
+end

@@ -1,0 +1,155 @@
+# frozen_string_literal: true
+
+require "spec_helper"
+require "rbspy_ext"
+require "open3"
+
+# The Rails integration (lib/rbspy_ext/rails.rb) in a real Rails 6.1 app served by a real
+# Puma (spec/fixtures/rails_app), recorded from outside as an SRE would.
+RSpec.describe "Rails and Puma" do
+  # The label of a frame in each action's own work (spec/fixtures/rails_app/config.ru).
+  OWN_METHOD = { "orders#show" => "OrdersController#price_order",
+                 "invoices#index" => "InvoicesController#total_invoices" }.freeze
+
+  # Samples whose stack passes through one action's own method, by that method and the
+  # endpoint tag the sample carried (nil: none).
+  def attribution(profile)
+    counts = Hash.new(0)
+    profile.group_by(:endpoint).each do |endpoint, part|
+      part.stacks.each do |stack|
+        OWN_METHOD.each_value do |method|
+          counts[[method, endpoint]] += stack[:samples] if stack[:frames].any? { |f| f.label == method }
+        end
+      end
+    end
+    counts
+  end
+
+  def expect_every_sample_tagged_with_its_action(profile)
+    counts = attribution(profile)
+    right = OWN_METHOD.sum { |endpoint, method| counts[[method, endpoint]] }
+    wrong = counts.sum { |(method, endpoint), n| OWN_METHOD[endpoint] == method ? 0 : n }
+    expect([wrong, counts.select { |(method, endpoint), _| OWN_METHOD[endpoint] != method }]).to eq([0, {}])
+    OWN_METHOD.each_value { |method| expect(counts.select { |(m, _), _| m == method }.values.sum).to be > 100 }
+    expect(right).to be >= 500
+  end
+
+  it "tags every sample inside each action with that action, across 3 Puma threads under concurrent requests" do
+    server = start_server("rails_app")
+    profile = under_load(server, ["/orders/7", "/invoices"], threads: 6) do
+      RubySpy.record(server.pid, rate: 999, duration: 3)
+    end
+    expect_every_sample_tagged_with_its_action(profile)
+    names = profile.threads.map { |t| t[:name].to_s }
+    expect(names.grep(/puma srv tp/).size).to eq(3)
+    request_ids = profile.tags.filter_map { |set| set[:tags][:request_id] if set[:tags][:endpoint] }
+    expect(request_ids.uniq.size).to be > 20 # one per request
+  end
+
+  it "tags each worker's actions the same in cluster mode (workers 2), recorded from the master with its children" do
+    server = start_server("rails_app", env: { "RUBYSPY_WORKERS" => "2" })
+    profile = under_load(server, ["/orders/7", "/invoices"], threads: 6) do
+      RubySpy.record(server.pid, rate: 999, duration: 4, subprocesses: true)
+    end
+    expect_every_sample_tagged_with_its_action(profile)
+    busy_pids = profile.threads.select { |t| t[:name].to_s.include?("puma srv tp") }.map { |t| t[:pid] }.uniq
+    expect(busy_pids.size).to eq(2)
+    expect(busy_pids).to match_array(server.workers)
+  end
+
+  it "tags an ActiveJob performed inline with its class and id, inside the action's tags" do
+    server = start_server("rails_app")
+    profile = under_load(server, ["/job?ms=20"], threads: 2) { RubySpy.record(server.pid, rate: 999, duration: 2) }
+    inside = profile.tagged(:job).stacks.select { |s| s[:frames].any? { |f| f.label == "InvoiceJob#mail_invoice" } }
+    expect(inside.sum { |s| s[:samples] }).to be > 100
+    outside = profile.stacks.select { |s| s[:frames].any? { |f| f.label == "InvoiceJob#mail_invoice" } }
+    expect(outside.sum { |s| s[:samples] }).to eq(inside.sum { |s| s[:samples] }) # none untagged
+    sets = profile.tags.map { |set| set[:tags] }.select { |t| t[:job] }
+    expect(sets.map { |t| [t[:job], t[:endpoint]] }.uniq).to eq([["InvoiceJob", "jobs#create"]])
+    expect(sets.map { |t| t[:job_id] }.uniq.size).to be > 5
+    expect(sets.map { |t| t[:job_id] }).to all(match(/\A\h{8}-\h{4}-\h{4}-\h{4}-\h{12}\z/))
+  end
+
+  it "ends an action's tags when it raises, adds extra_tags, and leaves nothing for the next request on the thread" do
+    server = start_server("rails_app")
+    # One connection, so Puma serves these in turn on its threads.
+    expect(server.get("/fail").body).to eq("after: request_id\n") # rescue_from runs outside the action
+    bodies = Array.new(6) { server.get("/tags", "X-Tenant" => "acme").body }
+    bodies.each do |body|
+      tags = body.lines.to_h { |l| l.chomp.split("=", 2) }
+      expect(tags.keys).to eq(%w[endpoint request_id tenant])
+      expect(tags.values_at("endpoint", "tenant")).to eq(%w[tags#show acme])
+    end
+    expect(bodies.map { |b| b[/request_id=(.*)/, 1] }.uniq.size).to eq(6)
+  end
+
+  it "tags nothing with config.rubyspy.tags = false" do
+    server = start_server("rails_app", env: { "RUBYSPY_TAGS" => "0" })
+    expect(server.get("/tags").body).to eq("\n")
+  end
+
+  describe "the pprof endpoint" do
+    def pprof(*args, env: {})
+      Dir.mktmpdir do |dir|
+        out, status = Open3.capture2e({ "PPROF_TMPDIR" => dir, "HOME" => dir }.merge(env), "go", "tool", "pprof", *args)
+        raise "go tool pprof #{args.join(' ')} failed:\n#{out}" unless status.success?
+
+        out
+      end
+    end
+
+    # The functions the samples of `go tool pprof -raw` output pass through. (-raw lists
+    # every location of the profile after the samples, sampled by the focus or not.)
+    def raw_sample_functions(raw)
+      samples, locations = raw.split(/^Locations$/, 2)
+      names = locations.to_s.scan(/^\s+(\d+): 0x\h+ M=\d+ (\S+)/).to_h
+      ids = samples.lines.grep(/^\s+\d+\s+\d+: [\d ]+$/).flat_map { |line| line.split(":", 2)[1].split }
+      expect(ids).not_to be_empty
+      ids.uniq.map { |id| names.fetch(id) }.uniq
+    end
+
+    it "serves a gzipped pprof that go tool pprof reads over HTTP, with the actions' tags as labels" do
+      server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
+      url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
+      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { pprof("-raw", url) }
+      expect(raw).to include("OrdersController#price_order", "InvoicesController#total_invoices")
+      expect(raw).to match(/endpoint:\[orders#show\]/)
+      expect(raw).to match(/thread:\[Thread \d+ \(puma srv tp 00\d\)\]/)
+      expect(raw).to match(/state:\[(running|gvl|blocked)\]/)
+
+      focused = under_load(server, ["/orders/7", "/invoices"], threads: 4) do
+        pprof("-raw", "-tagfocus=endpoint=orders#show", url)
+      end
+      functions = raw_sample_functions(focused)
+      expect(functions).to include("OrdersController#price_order")
+      expect(functions).not_to include("InvoicesController#total_invoices")
+      expect(focused.scan(/endpoint:\[([^\]]*)\]/).flatten.uniq).to eq(["orders#show"])
+    end
+
+    it "refuses a wrong token (403), a second profile while one runs (429), bad seconds and unknown parameters (400)" do
+      server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
+      base = "/debug/pprof/profile"
+      expect(server.get("#{base}?seconds=1&token=wrong").code).to eq("403")
+      expect(server.get("#{base}?seconds=1", "Authorization" => "Bearer wrong").code).to eq("403")
+      expect(server.get("#{base}?seconds=1", "Authorization" => "Bearer s3cret").code).to eq("200")
+      %w[0 61 abc 1.5 -1].each do |bad|
+        response = server.get("#{base}?seconds=#{bad}")
+        expect([bad, response.code, response.body]).to eq([bad, "400", "seconds must be a whole number from 1 to 60\n"])
+      end
+      expect(server.get("#{base}?seconds=1&rate=5000").code).to eq("400")
+      expect(server.get("#{base}?seconds=1&debug=1").code).to eq("400")
+
+      first = Thread.new do
+        started = Process.clock_gettime(Process::CLOCK_MONOTONIC)
+        [server.get("#{base}?seconds=2"), Process.clock_gettime(Process::CLOCK_MONOTONIC) - started]
+      end
+      sleep 0.5
+      busy = server.get("#{base}?seconds=1")
+      expect([busy.code, busy["retry-after"]]).to eq(%w[429 1])
+      response, elapsed = first.value
+      expect(response.code).to eq("200")
+      expect(elapsed).to be < 3.0 # never holds a Puma thread longer than seconds + 1
+      expect(server.get("/debug/pprof/").body).to include("/debug/pprof/profile?seconds=N")
+    end
+  end
+end
