@@ -110,7 +110,8 @@ RSpec.describe "Rails and Puma" do
     # every location of the profile after the samples, sampled by the focus or not.)
     def raw_sample_functions(raw)
       samples, locations = raw.split(/^Locations$/, 2)
-      names = locations.to_s.scan(/^\s+(\d+): 0x\h+ M=\d+ (\S+)/).to_h
+      # A location's function name can be empty (a file's top-level frame), hence `(\S*) `.
+      names = locations.to_s.scan(/^\s+(\d+): 0x\h+ M=\d+ (\S*) /).to_h
       ids = samples.lines.grep(/^\s+\d+\s+\d+: [\d ]+$/).flat_map { |line| line.split(":", 2)[1].split }
       expect(ids).not_to be_empty
       ids.uniq.map { |id| names.fetch(id) }.uniq
@@ -132,6 +133,16 @@ RSpec.describe "Rails and Puma" do
       expect(functions).to include("OrdersController#price_order")
       expect(functions).not_to include("InvoicesController#total_invoices")
       expect(focused.scan(/endpoint:\[([^\]]*)\]/).flatten.uniq).to eq(["orders#show"])
+    end
+
+    it "serves from each Puma worker a profile of that worker alone in cluster mode (workers 2)" do
+      server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret", "RUBYSPY_WORKERS" => "2" })
+      url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
+      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { pprof("-raw", url) }
+      pids = raw.scan(/pid:\[(\d+)\]/).flatten.map(&:to_i).uniq
+      expect(pids.size).to eq(1)
+      expect(server.workers).to include(pids.first)
+      expect(raw_sample_functions(raw)).to include("OrdersController#price_order", "InvoicesController#total_invoices")
     end
 
     it "refuses a wrong token (403), a second profile while one runs (429), bad seconds and unknown parameters (400)" do
