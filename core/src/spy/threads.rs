@@ -444,6 +444,7 @@ impl<M: Memory> Spy<M> {
         }
     }
 
+    /// The sample's arena, kept for the next sample.
     fn discard(&mut self, batch: Batch) {
         self.sampler.reads = batch.reads;
     }
