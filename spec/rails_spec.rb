@@ -81,7 +81,8 @@ RSpec.describe "Rails and Puma" do
   it "ends an action's tags when it raises, adds extra_tags, and leaves nothing for the next request on the thread" do
     server = start_server("rails_app")
     # One connection, so Puma serves these in turn on its threads.
-    expect(server.get("/fail").body).to eq("after: request_id\n") # rescue_from runs outside the action
+    expect(server.get("/fail").body).to eq("after: endpoint,request_id,tenant\n") # rescue_from is the action's
+    expect(server.get("/crash").code).to eq("500") # raised through the Railtie's tags, to Rails' error page
     bodies = Array.new(6) { server.get("/tags", "X-Tenant" => "acme").body }
     bodies.each do |body|
       tags = body.lines.to_h { |l| l.chomp.split("=", 2) }
@@ -138,7 +139,7 @@ RSpec.describe "Rails and Puma" do
     it "serves from each Puma worker a profile of that worker alone in cluster mode (workers 2)" do
       server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret", "RUBYSPY_WORKERS" => "2" })
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
-      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { pprof("-raw", url) }
+      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4, reconnect: true) { pprof("-raw", url) }
       pids = raw.scan(/pid:\[(\d+)\]/).flatten.map(&:to_i).uniq
       expect(pids.size).to eq(1)
       expect(server.workers).to include(pids.first)

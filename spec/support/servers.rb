@@ -120,8 +120,10 @@ module RubySpyTest
 
     # Keeps +threads+ clients requesting each of +paths+ (round robin) until the block
     # returns; the block's value. Raises if any response's status was not the path's in
-    # +statuses+ (200 for a path not there).
-    def under_load(server, paths, threads: 3, statuses: {})
+    # +statuses+ (200 for a path not there). With +reconnect+ each request comes on a new
+    # connection: in Puma's cluster mode a connection stays with the worker that accepted
+    # it, so a few kept-alive ones can all land in the same worker.
+    def under_load(server, paths, threads: 3, statuses: {}, reconnect: false)
       stop = false
       failures = Queue.new
       clients = Array.new(threads) do |i|
@@ -130,6 +132,7 @@ module RubySpyTest
           n = i
           until stop
             path = paths[n % paths.size]
+            http = http.tap(&:finish).tap(&:start) if reconnect && n > i
             response = http.get(path)
             failures << "#{path}: #{response.code}" unless response.code == statuses.fetch(path, 200).to_s
             n += 1
