@@ -1,28 +1,32 @@
 # frozen_string_literal: true
 
 # What the Rails integration costs a request: a trivial action (spec/fixtures/rails_app/overlay,
-# HelloController#show) served by Puma with the Railtie's default tags on, and with
-# config.rubyspy.tags = false. Two figures per side:
+# HelloController#show) served by Puma with the Railtie's default tags, in alternating windows
+# with the tags on and off (RubySpy::Railtie.enabled, flipped through a route the app has only
+# under RUBYSPY_BENCH=1) inside one server process. Two figures per window:
 # - requests per second seen by one keep-alive client;
 # - the server's CPU time per request (the sum of /proc/PID/task/*/schedstat), which the
 #   client's own noise does not reach.
-# Each pair of servers is measured in alternating windows, so drift in the machine's speed hits
-# both alike; several pairs are started, because two processes of one program differ by a few
-# per cent in speed from their memory layout alone (an A/A run shows it).
 #
-#   rake compile && ruby bench/rails.rb [PAIRS] [ROUNDS] [SECONDS]
-#   RUBYSPY_BENCH_AA=1 ruby bench/rails.rb ...   # both sides without tags: the noise floor
+# Why one process: two processes of one program differ here by up to 10 % in speed from
+# nothing but where they landed in memory (RUBYSPY_BENCH_PAIRS=1 measures a pair of servers,
+# one with config.rubyspy.tags = false, and RUBYSPY_BENCH_AA=1 a pair without tags on either
+# side, to see it), which buries a 2 % target. Switched off, the Railtie's hooks still run and
+# check the flag (two method calls, well under 1 us), so the figure slightly understates the cost.
 #
-# Prints each pair's medians and the median over pairs; the target is < 2 % with tags.
+#   rake compile && ruby bench/rails.rb [SERVERS] [ROUNDS] [SECONDS]   # default 3 10 1
+#
+# Prints each server's medians, then the median over servers; the target is < 2 % with tags.
 $LOAD_PATH.unshift File.expand_path("../lib", __dir__)
 require "net/http"
 require "socket"
 require "tmpdir"
 
 ROOT = File.expand_path("..", __dir__)
-pairs = Integer(ARGV.fetch(0, "3"))
-rounds = Integer(ARGV.fetch(1, "6"))
-window = Float(ARGV.fetch(2, "2"))
+servers = Integer(ARGV.fetch(0, "3"))
+rounds = Integer(ARGV.fetch(1, "10"))
+window = Float(ARGV.fetch(2, "1"))
+pairs = ENV["RUBYSPY_BENCH_PAIRS"] == "1" || ENV["RUBYSPY_BENCH_AA"] == "1"
 aa = ENV["RUBYSPY_BENCH_AA"] == "1"
 
 # The app spec/rails_spec.rb serves: `rails new` plus spec/fixtures/rails_app/overlay, with
@@ -36,9 +40,10 @@ end
 def start_puma(dir, app, name, tags)
   port = TCPServer.open("127.0.0.1", 0) { |s| s.addr[1] }
   env = { "PORT" => port.to_s, "PIDFILE" => File.join(dir, "#{name}.pid"), "BUNDLE_GEMFILE" => File.join(app, "Gemfile"),
-          "RAILS_ENV" => "production", "RUBYSPY_TAGS" => tags ? "1" : "0", "RUBYSPY_EXTRA_TAGS" => "0" }
-  # On CPU 1, with the client (this process) on CPU 0: the two sides then never share a core
-  # with the client, nor wander between cores mid-window.
+          "RAILS_ENV" => "production", "RUBYSPY_TAGS" => tags ? "1" : "0", "RUBYSPY_EXTRA_TAGS" => "0",
+          "RUBYSPY_BENCH" => "1" }
+  # On CPU 1, with the client (this process) on CPU 0: the server never shares a core with
+  # the client, nor wanders between cores mid-window.
   pid = Process.spawn(env, "taskset", "-c", "1", "bundle", "exec", "puma", "-C", File.join(ROOT, "spec/fixtures/puma.rb"),
                       File.join(app, "config.ru"), chdir: app, out: File::NULL, err: File::NULL, pgroup: true)
   http = nil
@@ -81,37 +86,59 @@ def measure(side, seconds)
   [n / elapsed, (cpu_ns(side[:server]) - cpu) / 1e3 / n]
 end
 
+def switch(side, on)
+  body = side[:http].get("/bench/tags/#{on ? 'on' : 'off'}").body
+  raise "the server did not switch its tags #{on ? 'on' : 'off'}: #{body.inspect}" unless body == "#{on}\n"
+
+  side
+end
+
 def median(values)
   s = values.sort
   s.size.odd? ? s[s.size / 2] : (s[s.size / 2 - 1] + s[s.size / 2]) / 2.0
+end
+
+# Alternating windows on the two sides, each {tags:, none:} => a callable that readies the side
+# and returns what to measure; [with, without] medians of [requests/s, CPU us a request].
+def alternate(sides, rounds, window)
+  sides.each_value { |ready| measure(ready.call, 1) } # warm up
+  results = { tags: [], none: [] }
+  rounds.times do |i|
+    (i.even? ? %i[tags none] : %i[none tags]).each { |name| results[name] << measure(sides[name].call, window) }
+  end
+  results.values_at(:tags, :none).map { |r| [median(r.map(&:first)), median(r.map(&:last))] }
 end
 
 Dir.mktmpdir do |dir|
   app = generate_app(dir)
   system("taskset", "-pc", "0", Process.pid.to_s, out: File::NULL, exception: true)
   cost = { rps: [], cpu: [] }
-  pairs.times do |p|
-    sides = { tags: start_puma(dir, app, "tags#{p}", !aa), none: start_puma(dir, app, "none#{p}", false) }
+  servers.times do |n|
+    if pairs
+      # A pair; which side starts first alternates.
+      order = n.even? ? %i[tags none] : %i[none tags]
+      started = order.to_h { |name| [name, start_puma(dir, app, "#{name}#{n}", name == :tags && !aa)] }
+      sides = started.transform_values { |side| -> { side } }
+    else
+      server = start_puma(dir, app, "server#{n}", true)
+      started = { server: server }
+      sides = { tags: -> { switch(server, true) }, none: -> { switch(server, false) } }
+    end
     begin
-      sides.each_value { |side| measure(side, 1) } # warm up
-      results = Hash.new { |h, k| h[k] = { rps: [], cpu: [] } }
-      rounds.times do |i|
-        (i.even? ? %i[tags none] : %i[none tags]).each do |name|
-          rps, cpu = measure(sides[name], window)
-          results[name][:rps] << rps
-          results[name][:cpu] << cpu
-        end
-      end
-      with = results[:tags].transform_values { |v| median(v) }
-      without = results[:none].transform_values { |v| median(v) }
-      cost[:rps] << (1 - with[:rps] / without[:rps]) * 100
-      cost[:cpu] << (with[:cpu] / without[:cpu] - 1) * 100
-      printf("pair %d: %.0f vs %.0f requests/s (%+.2f %%); server CPU %.1f vs %.1f us a request (%+.2f %%)\n",
-             p + 1, with[:rps], without[:rps], cost[:rps].last, with[:cpu], without[:cpu], cost[:cpu].last)
+      with, without = alternate(sides, rounds, window)
+      cost[:rps] << (1 - with[0] / without[0]) * 100
+      cost[:cpu] << (with[1] / without[1] - 1) * 100
+      printf("%s %d: %.0f vs %.0f requests/s (%+.2f %%); server CPU %.1f vs %.1f us a request (%+.1f us, %+.2f %%)\n",
+             pairs ? "pair" : "server", n + 1, with[0], without[0], cost[:rps].last, with[1], without[1],
+             with[1] - without[1], cost[:cpu].last)
     ensure
-      sides.each_value { |side| stop_puma(side) }
+      started.each_value { |side| stop_puma(side) }
     end
   end
-  printf("%s, median over %d pairs: %.2f %% fewer requests/s, %.2f %% more server CPU a request\n",
-         aa ? "A/A (no tags on either side)" : "tags on vs off", pairs, median(cost[:rps]), median(cost[:cpu]))
+  what = if aa then "A/A (two servers, no tags on either)"
+         elsif pairs then "a server with tags vs one without"
+         else "tags on vs off in the same server"
+         end
+  printf("%s, median over %d: %.2f %% fewer requests/s, %.2f %% more server CPU a request\n",
+         what, servers, median(cost[:rps]), median(cost[:cpu]))
 end

@@ -111,8 +111,9 @@ RSpec.describe "Rails and Puma" do
     # every location of the profile after the samples, sampled by the focus or not.)
     def raw_sample_functions(raw)
       samples, locations = raw.split(/^Locations$/, 2)
-      # A location's function name can be empty (a file's top-level frame), hence `(\S*) `.
-      names = locations.to_s.scan(/^\s+(\d+): 0x\h+ M=\d+ (\S*) /).to_h
+      # "  7: 0x0 M=1 <top (required)> /usr/bin/puma:25 s=0()": names hold spaces, paths do
+      # not, and a C function has none (" :0 s=").
+      names = locations.to_s.scan(/^\s+(\d+): 0x\h+ M=\d+ (.*) \S*:-?\d+ s=/).to_h
       ids = samples.lines.grep(/^\s+\d+\s+\d+: [\d ]+$/).flat_map { |line| line.split(":", 2)[1].split }
       expect(ids).not_to be_empty
       ids.uniq.map { |id| names.fetch(id) }.uniq
@@ -123,6 +124,10 @@ RSpec.describe "Rails and Puma" do
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
       raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { pprof("-raw", url) }
       expect(raw).to include("OrdersController#price_order", "InvoicesController#total_invoices")
+      # Top-level frames keep their names (pprof cuts a name at "<" when it equals the system name).
+      functions = raw_sample_functions(raw)
+      expect(functions).to include("<main>", "<top (required)>")
+      expect(functions).not_to include("")
       expect(raw).to match(/endpoint:\[orders#show\]/)
       expect(raw).to match(/thread:\[Thread \d+ \(puma srv tp 00\d\)\]/)
       expect(raw).to match(/state:\[(running|gvl|blocked)\]/)

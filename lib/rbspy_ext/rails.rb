@@ -26,8 +26,9 @@ module RubySpy
       raise TypeError, "config.rubyspy.extra_tags must respond to #call" unless extra.nil? || extra.respond_to?(:call)
 
       # After RequestId, so the request id is Rails' own.
-      app.middleware.insert_after ActionDispatch::RequestId, RubySpy::Rack::Tags, endpoint: false
+      app.middleware.insert_after ActionDispatch::RequestId, RubySpy::Railtie::RequestTags, endpoint: false
       RubySpy::Railtie.extra_tags = extra
+      RubySpy::Railtie.enabled = true
       # Prepended rather than installed as around_action/around_perform callbacks: one
       # around callback takes Rails' callback chains off their fast path, which costs some
       # 7 us a request (bench/rails.rb), far more than the tags themselves.
@@ -39,7 +40,15 @@ module RubySpy
       # The app's +config.rubyspy.extra_tags+ (nil for none).
       # @api private
       attr_accessor :extra_tags
+
+      # Whether the Railtie tags requests and jobs now: true from boot when
+      # +config.rubyspy.tags+ is on. Set it to false at run time (a console, a feature flag)
+      # to stop tagging without a restart; the Railtie's hooks then only check this flag.
+      # It cannot turn on tags that +config.rubyspy.tags = false+ kept from being installed.
+      # @return [Boolean]
+      attr_accessor :enabled
     end
+    self.enabled = false
 
     # Most distinct "controller#action" strings kept: routes name a bounded set, but a
     # catch-all +:action+ segment would let clients name new ones.
@@ -62,6 +71,8 @@ module RubySpy
     # @api private
     module ActionTags
       def process_action(*)
+        return super unless RubySpy::Railtie.enabled
+
         endpoint = RubySpy::Railtie.endpoint(controller_path, action_name)
         env = request.env
         env[RubySpy::Rack::ENDPOINT_KEY] = endpoint
@@ -74,10 +85,20 @@ module RubySpy
       end
     end
 
+    # {RubySpy::Rack::Tags} that steps aside while {Railtie.enabled} is false.
+    # @api private
+    class RequestTags < RubySpy::Rack::Tags
+      def call(env)
+        RubySpy::Railtie.enabled ? super : @app.call(env)
+      end
+    end
+
     # Runs each ActiveJob perform, with its callbacks, under +job+ (the class) and +job_id+.
     # @api private
     module JobTags
       def perform_now
+        return super unless RubySpy::Railtie.enabled
+
         RubySpy.tag(job: self.class.name, job_id: job_id) { super }
       end
     end

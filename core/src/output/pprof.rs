@@ -8,7 +8,10 @@
 //!   thread is also a root location, so flame views split by thread as the other formats do;
 //! - a function per label + path (`name` = label, `system_name` = base label, `filename` =
 //!   path; C functions have no file, see the module docs of `output`), a location per
-//!   function + line; no mappings (Ruby code has no binary addresses);
+//!   function + line; no mappings (Ruby code has no binary addresses). Where the base label
+//!   is the label itself, `system_name` is empty: pprof takes a function whose name equals
+//!   its system name for a C++ symbol still to simplify, and cuts the name at its first `<`
+//!   or `(`, so `<main>`, `<top (required)>` and `<class:Foo>` would show as nameless;
 //! - comments: the exporter, Ruby version, pid, dropped samples and notes.
 //!
 //! The messages are written by hand with `prost`'s derive (no protoc, no build script); only
@@ -189,6 +192,7 @@ impl Locations {
         file: &str,
         line: i64,
     ) -> u64 {
+        let system_name = if system_name == name { "" } else { system_name };
         let key = (name.to_string(), system_name.to_string(), file.to_string());
         let function_id = match self.function_ids.get(&key) {
             Some(&id) => id,
@@ -473,6 +477,9 @@ mod tests {
             (s(work[0].system_name), s(work[0].filename)),
             ("work", "lib/work.rb")
         );
+        // A label that is its own base label gets no system name (pprof would cut it at "<").
+        let main = function("<main>");
+        assert_eq!((main.len(), s(main[0].system_name)), (1, ""));
         let fib = function("Object#fib")[0].id;
         let fib_lines: Vec<i64> = decoded
             .location

@@ -287,6 +287,52 @@ impl<M: Memory> Spy<M> {
         tags
     }
 
+    /// The table this sample's tags for `thread` came from (0: none), as `sampled_tags`
+    /// left it.
+    pub(super) fn sampled_table(&self, thread: u64) -> u64 {
+        self.tags.last.get(&thread).map_or(0, |l| l.table)
+    }
+
+    /// For each (Ruby thread, table) pair, whether the thread's pointer, read again now (the
+    /// owner around it, as `tag_read` reads it), still holds `table`; all in one call. A
+    /// thread whose native thread is not known has no pointer to hold anything: it holds 0.
+    /// A table is never freed, nor its address reused, within the extension's grace period
+    /// of its last publication, so the same address before and after means the same tags.
+    pub(super) fn tables_unchanged(&mut self, offset: i64, threads: &[(u64, u64)]) -> Vec<bool> {
+        let mut reads = ReadBatch::default();
+        let spans: Vec<Option<[Span; 3]>> = threads
+            .iter()
+            .map(|(thread, _)| {
+                let &(_, tp) = self.tags.pointers.get(thread)?;
+                let owner = |reads: &mut ReadBatch| match self.tags.owner_offset {
+                    Some(o) => reads.add(tp.wrapping_add_signed(o), 8),
+                    None => Span::default(),
+                };
+                let before = owner(&mut reads);
+                let pointer = reads.add(tp.wrapping_add_signed(offset), 8);
+                Some([before, pointer, owner(&mut reads)])
+            })
+            .collect();
+        if reads.read(&self.target.mem).is_err() {
+            return vec![false; threads.len()];
+        }
+        threads
+            .iter()
+            .zip(spans)
+            .map(|(&(thread, table), spans)| {
+                let now = spans.map_or(0, |[before, pointer, after]| {
+                    let owned = |span: Span| span.is_empty() || word(reads.get(span), 0) == thread;
+                    if owned(before) && owned(after) {
+                        word(reads.get(pointer), 0)
+                    } else {
+                        0
+                    }
+                });
+                now == table
+            })
+            .collect()
+    }
+
     /// `table`, decoded again from a fresh read of its pointer, when the thread still
     /// publishes it and its pointer was first read less than `UNPUBLISHED_ALIVE` ago: for a
     /// decoding that failed. The usual cause is time: a process's first sample walks every

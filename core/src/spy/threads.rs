@@ -367,7 +367,10 @@ impl<M: Memory> Spy<M> {
             .iter()
             .map(|(i, _)| self.thread_tags_of(batch, *i))
             .collect();
+        let calls = self.target.mem.calls();
         let results = self.walk_many(&contexts, pre);
+        let walked_late = self.target.mem.calls() != calls;
+        let results = self.confirm_tags(batch, &chosen, results, walked_late);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut failed = Vec::new();
         let chosen = chosen.into_iter().zip(tags);
@@ -406,6 +409,66 @@ impl<M: Memory> Spy<M> {
             .thread_nt
             .map_or(0, |off| word(batch.field(i, off), 0));
         self.sampled_tags(thread, nt, read, &batch.reads, batch.called)
+    }
+
+    /// Whether thread `i`'s tag pointer was read apart from the batch (`sampled_tags` reads
+    /// it afresh when the batch could not: the native thread was not known, or changed).
+    fn tags_read_late(&self, batch: &Batch, i: usize) -> bool {
+        let Some(read) = batch.threads[i].tag else {
+            return false;
+        };
+        let nt = self
+            .target
+            .layout
+            .thread_nt
+            .map_or(0, |off| word(batch.field(i, off), 0));
+        read.pointer.is_none() || nt != read.nt
+    }
+
+    /// `results` with each walk whose tags may not be the ones its stack ran under turned into
+    /// a change, for `retry_walk` to walk again between two readings of the tags. A stack
+    /// and its tags agree when both come from the batch's one call; but a walk that read
+    /// frames of its own (`walked_late`: the guess of where the stack was fell short) saw the
+    /// stack later than the batch saw the pointer, and a pointer read late saw it later than
+    /// the stack. A thread that entered a request's action in between would show the action's
+    /// stack without its tags (or left it, with the tags and another request's stack). So
+    /// such a sample counts only if the pointer still holds the same table after the walk:
+    /// one more call, only for samples that made calls of their own already.
+    fn confirm_tags(
+        &mut self,
+        batch: &Batch,
+        chosen: &[(usize, ThreadState)],
+        mut results: Vec<std::result::Result<Stack, Attempt>>,
+        walked_late: bool,
+    ) -> Vec<std::result::Result<Stack, Attempt>> {
+        let check: Vec<(usize, (u64, u64))> = chosen
+            .iter()
+            .enumerate()
+            .filter(|(k, (i, _))| {
+                results[*k].is_ok()
+                    && batch.threads[*i].tag.is_some()
+                    && (walked_late || self.tags_read_late(batch, *i))
+            })
+            .map(|(k, (i, _))| {
+                let thread = self.sampler.threads[*i].0;
+                (k, (thread, self.sampled_table(thread)))
+            })
+            .collect();
+        // Every thread's tags were read at the one published offset.
+        let Some(offset) = check
+            .first()
+            .and_then(|(k, _)| batch.threads[chosen[*k].0].tag)
+            .map(|read| read.offset)
+        else {
+            return results;
+        };
+        let pairs: Vec<(u64, u64)> = check.iter().map(|(_, pair)| *pair).collect();
+        for ((k, _), same) in check.iter().zip(self.tables_unchanged(offset, &pairs)) {
+            if !same {
+                results[*k] = Err(Attempt::Changed("tags changed while read".into()));
+            }
+        }
+        results
     }
 
     /// The stack from a thread's first walk, with `tags` (decoded from the batch), else from
