@@ -76,6 +76,30 @@ pub(super) struct TagRead {
     /// `ruby_profiler_state`; None while the native thread is not known yet.
     pub pointer: Option<Span>,
     pub last: Option<(u64, Span)>,
+    /// `ruby_profiler_state` again, read after the thread's stack in the same call
+    /// (`reread_pointer`): a thread that changed tags while the call copied its stack shows
+    /// another pointer here.
+    pub pointer_again: Option<Span>,
+    /// Where the pointer is (for `reread_pointer`).
+    pointer_at: u64,
+}
+
+impl TagRead {
+    /// Adds a read of the pointer again to `reads`, after whatever was added since `tag_read`.
+    pub(super) fn reread_pointer(&mut self, reads: &mut ReadBatch) {
+        if self.pointer.is_some() {
+            self.pointer_again = Some(reads.add(self.pointer_at, 8));
+        }
+    }
+
+    /// False when the pointer read before and after the thread's stack differs: its tags
+    /// changed while the stack was copied, so they may not be the ones the stack ran under.
+    pub(super) fn held(&self, reads: &ReadBatch) -> bool {
+        match (self.pointer, self.pointer_again) {
+            (Some(a), Some(b)) => word(reads.get(a), 0) == word(reads.get(b), 0),
+            _ => true,
+        }
+    }
 }
 
 impl<M: Memory> Spy<M> {
@@ -196,6 +220,8 @@ impl<M: Memory> Spy<M> {
                 owner_again: Span::default(),
                 pointer: None,
                 last: None,
+                pointer_again: None,
+                pointer_at: 0,
             };
         };
         // The owner before and after the pointer: see profiler_state.c.
@@ -205,7 +231,8 @@ impl<M: Memory> Spy<M> {
             None => Span::default(),
         };
         let owner = owner_read(reads);
-        let pointer = Some(reads.add(tp.wrapping_add_signed(offset), 8));
+        let pointer_at = tp.wrapping_add_signed(offset);
+        let pointer = Some(reads.add(pointer_at, 8));
         let owner_again = owner_read(reads);
         let last = self.tags.last.get(&thread).map(|l| (l.table, l.raw.len()));
         TagRead {
@@ -215,6 +242,8 @@ impl<M: Memory> Spy<M> {
             owner_again,
             pointer,
             last: last.map(|(table, len)| (table, reads.add(table, len))),
+            pointer_again: None,
+            pointer_at,
         }
     }
 

@@ -203,7 +203,7 @@ impl<M: Memory> Spy<M> {
         for i in 0..count {
             let thread = self.sampler.threads[i].0;
             let wanted = which == ThreadSelection::All || thread == self.sampler.last_owner;
-            let tag = match tag_offset {
+            let mut tag = match tag_offset {
                 Some(offset) if wanted => Some(self.tag_read(thread, offset, &mut reads)),
                 _ => None,
             };
@@ -222,6 +222,10 @@ impl<M: Memory> Spy<M> {
                 }),
                 _ => None,
             };
+            // The pointer again after the stack: the two bracket what the call copied.
+            if let Some(tag) = &mut tag {
+                tag.reread_pointer(&mut reads);
+            }
             threads.push(ThreadReads {
                 fields,
                 guessed,
@@ -426,8 +430,9 @@ impl<M: Memory> Spy<M> {
     }
 
     /// `results` with each walk whose tags may not be the ones its stack ran under turned into
-    /// a change, for `retry_walk` to walk again between two readings of the tags. A stack
-    /// and its tags agree when both come from the batch's one call; but a walk that read
+    /// a change, for `retry_walk` to walk again between two readings of the tags. Within the
+    /// batch's one call, the pointer is read before and after the thread's stack (the call
+    /// copies in order, while the thread runs on), and must read the same. A walk that read
     /// frames of its own (`walked_late`: the guess of where the stack was fell short) saw the
     /// stack later than the batch saw the pointer, and a pointer read late saw it later than
     /// the stack. A thread that entered a request's action in between would show the action's
@@ -441,6 +446,13 @@ impl<M: Memory> Spy<M> {
         mut results: Vec<std::result::Result<Stack, Attempt>>,
         walked_late: bool,
     ) -> Vec<std::result::Result<Stack, Attempt>> {
+        // Tags that changed while the one call copied the stack.
+        for (k, (i, _)) in chosen.iter().enumerate() {
+            let held = batch.threads[*i].tag.is_none_or(|t| t.held(&batch.reads));
+            if results[k].is_ok() && !held {
+                results[k] = Err(Attempt::Changed("tags changed while read".into()));
+            }
+        }
         let check: Vec<(usize, (u64, u64))> = chosen
             .iter()
             .enumerate()
