@@ -15,8 +15,17 @@
 # check the flag (two method calls, well under 1 us), so the figure slightly understates the cost.
 #
 #   rake compile && ruby bench/rails.rb [SERVERS] [ROUNDS] [SECONDS]   # default 3 10 1
+#   RUBYSPY_BENCH_CALLGRIND=1 ruby bench/rails.rb [ROUNDS] [REQUESTS]  # default 3 300
 #
 # Prints each server's medians, then the median over servers; the target is < 2 % with tags.
+#
+# Time on a shared VM swings by several per cent from one second to the next, so
+# RUBYSPY_BENCH_CALLGRIND=1 counts instructions instead, which do not: one Puma under
+# valgrind's callgrind (apt install valgrind; instrumentation off while Rails boots), then
+# REQUESTS requests per window with the tags on and off in turn, each window's instructions
+# (every thread of the server) read from callgrind's dump. Instructions are not time (cache
+# misses and allocation cost more than their count), but they show what the tags add to the
+# work of a request, reproducibly to a tenth of a per cent.
 $LOAD_PATH.unshift File.expand_path("../lib", __dir__)
 require "net/http"
 require "socket"
@@ -37,20 +46,22 @@ def generate_app(dir)
   app
 end
 
-def start_puma(dir, app, name, tags)
+def start_puma(dir, app, name, tags, wrap: %w[taskset -c 1])
   port = TCPServer.open("127.0.0.1", 0) { |s| s.addr[1] }
   env = { "PORT" => port.to_s, "PIDFILE" => File.join(dir, "#{name}.pid"), "BUNDLE_GEMFILE" => File.join(app, "Gemfile"),
           "RAILS_ENV" => "production", "RUBYSPY_TAGS" => tags ? "1" : "0", "RUBYSPY_EXTRA_TAGS" => "0",
           "RUBYSPY_BENCH" => "1" }
-  # On CPU 1, with the client (this process) on CPU 0: the server never shares a core with
-  # the client, nor wanders between cores mid-window.
-  pid = Process.spawn(env, "taskset", "-c", "1", "bundle", "exec", "puma", "-C", File.join(ROOT, "spec/fixtures/puma.rb"),
+  # By default on CPU 1, with the client (this process) on CPU 0: the server never shares a
+  # core with the client, nor wanders between cores mid-window. Ruby runs directly (Bundler
+  # set up by -rbundler/setup), so that a wrapper such as valgrind sees Puma itself.
+  pid = Process.spawn(env, *wrap, RbConfig.ruby, "-rbundler/setup", "-S", "puma", "-C", File.join(ROOT, "spec/fixtures/puma.rb"),
                       File.join(app, "config.ru"), chdir: app, out: File::NULL, err: File::NULL, pgroup: true)
   http = nil
-  60.times do
-    http = Net::HTTP.start("127.0.0.1", port)
+  240.times do
+    http = Net::HTTP.start("127.0.0.1", port, read_timeout: 120)
     break if http.get("/hello").code == "200"
   rescue SystemCallError
+    http = nil
     sleep 0.5
   end
   abort "puma did not start" unless http
@@ -109,8 +120,42 @@ def alternate(sides, rounds, window)
   results.values_at(:tags, :none).map { |r| [median(r.map(&:first)), median(r.map(&:last))] }
 end
 
+# Instructions per request with the tags on and off, in one Puma under callgrind.
+def callgrind(dir, app, rounds, requests)
+  out = File.join(dir, "callgrind.out")
+  server = start_puma(dir, app, "callgrind", true,
+                      wrap: %W[valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=#{out}])
+  control = ->(*args) { system("callgrind_control", *args, server[:server].to_s, out: File::NULL, err: File::NULL, exception: true) }
+  control.call("-i", "on")
+  get = ->(n) { n.times { raise "bad response" unless server[:http].get("/hello").code == "200" } }
+  get.call(100) # warm up, instrumented
+  counts = { true => [], false => [] }
+  rounds.times do |i|
+    [i.even?, !i.even?].each do |on|
+      switch(server, on)
+      get.call(20)
+      control.call("-z")
+      get.call(requests)
+      control.call("-d")
+      dump = Dir.glob("#{out}.*").max_by { |f| File.mtime(f) }
+      counts[on] << Integer(File.foreach(dump).grep(/\Asummary:/).first.split[1]) / requests.to_f
+      File.delete(dump)
+    end
+  end
+  with = median(counts[true])
+  without = median(counts[false])
+  printf("instructions a request, %d rounds of %d requests: %.0f with tags, %.0f without: %+.0f (%+.2f %%)\n",
+         rounds, requests, with, without, with - without, (with / without - 1) * 100)
+ensure
+  stop_puma(server) if server
+end
+
 Dir.mktmpdir do |dir|
   app = generate_app(dir)
+  if ENV["RUBYSPY_BENCH_CALLGRIND"] == "1"
+    callgrind(dir, app, Integer(ARGV.fetch(0, "3")), Integer(ARGV.fetch(1, "300")))
+    next
+  end
   system("taskset", "-pc", "0", Process.pid.to_s, out: File::NULL, exception: true)
   cost = { rps: [], cpu: [] }
   servers.times do |n|
