@@ -56,27 +56,19 @@ module RubySpy
   end
 
   class << self
-    # Runs the block with +pairs+ merged over the current fiber's tags; the previous tags come
-    # back when the block exits, by exception too. Fibers and threads created inside start
-    # with the tags current when they were created.
+    # @!method tag(**pairs)
+    #   Runs the block with +pairs+ merged over the current fiber's tags; the previous tags
+    #   come back when the block exits, by exception, +break+ or +throw+ too. Fibers and
+    #   threads created inside start with the tags current when they were created.
+    #   (Defined in Rust, ext/rbspy_ext/src/tag.rs: Rails runs it for every request.)
     #
-    # @param pairs [Hash{Symbol => Object}]
-    # @return the block's value
-    # @raise [ArgumentError] without a block, or for more than 1024 tags
-    # @raise [TypeError] for a key that is not a Symbol
-    # @example
-    #   RubySpy.tag(request_id: request.uuid, endpoint: "orders#show") { handle(request) }
-    def tag(**pairs)
-      raise ArgumentError, "RubySpy.tag needs a block: the tags hold while it runs" unless block_given?
-
-      previous = State.current
-      State.apply(previous ? previous.with_hash(pairs) : State.build(pairs))
-      begin
-        yield
-      ensure
-        State.apply(previous)
-      end
-    end
+    #   @param pairs [Hash{Symbol => Object}]
+    #   @return the block's value
+    #   @raise [ArgumentError] without a block, for a positional argument, or for more than
+    #     1024 tags
+    #   @raise [TypeError] for a key that is not a Symbol
+    #   @example
+    #     RubySpy.tag(request_id: request.uuid, endpoint: "orders#show") { handle(request) }
 
     # The current fiber's tags.
     # @return [Hash{Symbol => Object}] empty when there are none

@@ -7,6 +7,7 @@ mod handle;
 mod nogvl;
 mod recorder;
 mod state;
+mod tag;
 
 /// Resolves a wrapped type's Ruby class now, while the extension loads (one thread, holding
 /// the GVL throughout). Invariant: no `OnceLock` of magnus is first taken after load. magnus

@@ -86,8 +86,8 @@ impl State {
     }
 
     /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
-    fn merged(ruby: &Ruby, base: Option<&State>, hash: RHash) -> Result<State, Error> {
-        let entries = hash_entries(hash);
+    pub(crate) fn merged(ruby: &Ruby, base: Option<&State>, hash: RHash) -> Result<State, Error> {
+        let entries = crate::tag::hash_entries(hash);
         let base = base.map_or(&[][..], |b| &b.pairs[..]);
         let mut pairs: Vec<(ID, VALUE)> = Vec::with_capacity(base.len() + entries.len());
         pairs.extend_from_slice(base);
@@ -158,30 +158,6 @@ impl State {
     }
 }
 
-/// `hash`'s (key, value) pairs in order. Read with a bare `rb_hash_foreach` whose callback
-/// only copies words, so nothing can raise inside it and it needs none of the `rb_protect`
-/// that magnus wraps each of its callbacks in: that wrapping was a third of the cost of
-/// `RubySpy.tag` (`ruby bench/tags.rb`).
-fn hash_entries(hash: RHash) -> Vec<(VALUE, VALUE)> {
-    unsafe extern "C" fn push(key: VALUE, value: VALUE, out: VALUE) -> std::os::raw::c_int {
-        // SAFETY: `out` is the `&mut Vec` passed below, alive for the whole iteration.
-        let out = unsafe { &mut *(out as *mut Vec<(VALUE, VALUE)>) };
-        out.push((key, value));
-        rb_sys::st_retval::ST_CONTINUE as std::os::raw::c_int
-    }
-    let mut out: Vec<(VALUE, VALUE)> = Vec::with_capacity(hash.len());
-    // SAFETY: iterates a live Hash with a callback that calls no Ruby API; the pointer to
-    // `out` outlives the call.
-    unsafe {
-        rb_sys::rb_hash_foreach(
-            hash.as_raw(),
-            Some(push),
-            &mut out as *mut Vec<(VALUE, VALUE)> as VALUE,
-        )
-    };
-    out
-}
-
 /// The ID of `FIBER_LOCAL`, interned once at load: the fiber-switch hook must not intern.
 static FIBER_LOCAL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -201,7 +177,7 @@ fn table_of(state: VALUE) -> *const c_void {
 }
 
 /// The `State` inside `state` if it is a `RubySpy::State` (see `table_of`).
-fn state_of<'a>(state: VALUE) -> Option<&'a State> {
+pub(crate) fn state_of<'a>(state: VALUE) -> Option<&'a State> {
     if rb_sys::SPECIAL_CONST_P(state) {
         return None;
     }
@@ -438,18 +414,23 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
             }),
         ));
     }
-    // SAFETY: plain C API calls on the current thread, with the GVL.
-    let thread = unsafe { rb_sys::rb_thread_current() };
-    if !state.is_nil() {
-        install_hook();
-    }
-    publish(state.as_raw(), thread);
-    unsafe { rb_sys::rb_thread_local_aset(thread, fiber_local_id(), state.as_raw()) };
+    apply_raw(state.as_raw());
     Ok(state)
 }
 
+/// `apply` for a VALUE known to be a `RubySpy::State` or nil. Never raises.
+pub(crate) fn apply_raw(state: VALUE) {
+    // SAFETY: plain C API calls on the current thread, with the GVL.
+    let thread = unsafe { rb_sys::rb_thread_current() };
+    if !rb_sys::NIL_P(state) {
+        install_hook();
+    }
+    publish(state, thread);
+    unsafe { rb_sys::rb_thread_local_aset(thread, fiber_local_id(), state) };
+}
+
 /// The current fiber's state, or nil.
-fn current(_ruby: &Ruby) -> Value {
+pub(crate) fn current(_ruby: &Ruby) -> Value {
     // SAFETY: plain C API calls on the current thread, with the GVL.
     unsafe {
         Value::from_raw(rb_sys::rb_thread_local_aref(
@@ -590,6 +571,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.undef_default_alloc_func();
     class.define_singleton_method("build", function!(State::build, 1))?;
     class.define_singleton_method("current", function!(current, 0))?;
+    module.define_singleton_method("tag", function!(crate::tag::tag, -1))?;
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("published_address", function!(published_address, 0))?;
     class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;
