@@ -64,6 +64,22 @@ RSpec.describe "Rails and Puma" do
     expect(busy_pids).to match_array(server.workers)
   end
 
+  it "tags a streamed action (ActionController::Live), which Rails runs in a thread of its own" do
+    server = start_server("rails_app")
+    profile = under_load(server, ["/stream"], threads: 3) { RubySpy.record(server.pid, rate: 999, duration: 2) }
+    in_chunks = Hash.new(0)
+    profile.group_by(:endpoint).each do |endpoint, part|
+      part.stacks.each do |stack|
+        in_chunks[endpoint] += stack[:samples] if stack[:frames].any? { |f| f.label == "StreamsController#stream_chunk" }
+      end
+    end
+    expect(in_chunks.keys).to eq(["streams#show"])
+    expect(in_chunks["streams#show"]).to be > 100
+    ids = profile.tags.filter_map { |set| set[:tags][:request_id] if set[:tags][:endpoint] == "streams#show" }
+    expect(ids.uniq.size).to be > 5
+    expect(server.get("/stream").body).to match(/\Achunk 0: \d+\nchunk 1: \d+\nchunk 2: \d+\nchunk 3: \d+\n\z/)
+  end
+
   it "tags an ActiveJob performed inline with its class and id, inside the action's tags" do
     server = start_server("rails_app")
     profile = under_load(server, ["/job?ms=20"], threads: 2) { RubySpy.record(server.pid, rate: 999, duration: 2) }
