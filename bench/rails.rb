@@ -21,7 +21,8 @@
 #
 # Time on a shared VM swings by several per cent from one second to the next, so
 # RUBYSPY_BENCH_CALLGRIND=1 counts instructions instead, which do not: one Puma under
-# valgrind's callgrind (apt install valgrind; instrumentation off while Rails boots), then
+# valgrind's callgrind (installed with apt-get if missing; instrumentation off while Rails
+# boots), then
 # REQUESTS requests per window with the tags on and off in turn, each window's instructions
 # (every thread of the server) read from callgrind's dump. Instructions are not time (cache
 # misses and allocation cost more than their count), but they show what the tags add to the
@@ -122,6 +123,10 @@ end
 
 # Instructions per request with the tags on and off, in one Puma under callgrind.
 def callgrind(dir, app, rounds, requests)
+  unless system("which", "callgrind_control", out: File::NULL)
+    warn "bench/rails.rb: installing valgrind (apt-get) for callgrind"
+    system("apt-get", "install", "-y", "-qq", "valgrind", out: File::NULL) or abort "apt-get install valgrind failed"
+  end
   out = File.join(dir, "callgrind.out")
   server = start_puma(dir, app, "callgrind", true,
                       wrap: %W[valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=#{out}])
