@@ -78,4 +78,16 @@ module RubySpy
       @pairs.size
     end
   end
+
+  class << self
+    # The extension's RubySpy.tag (ext/rbspy_ext/src/tag.rs) checks its arguments the same
+    # way, then runs the block: nothing is published here.
+    # @api private
+    def tag(**pairs)
+      raise ArgumentError, "RubySpy.tag needs a block: the tags hold while it runs" unless block_given?
+
+      State.build(pairs)
+      yield
+    end
+  end
 end
