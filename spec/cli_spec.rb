@@ -301,6 +301,37 @@ RSpec.describe "exe/rubyspy" do
     end
   end
 
+  describe "flags shared with rbspy and py-spy" do
+    it "--version and -V print the version and exit 0" do
+      %w[--version -V].each do |flag|
+        out, err, status = rubyspy(flag)
+        expect([out, err, status.exitstatus]).to eq(["rubyspy #{RubySpy::VERSION}\n", "", 0])
+      end
+    end
+
+    it "record takes -p, -r, -d, -f and -o" do
+      target = start_target("nested_methods")
+      path = File.join(@dir, "short.txt")
+      _, err, status = rubyspy("record", "-p", target.pid, "-r", 200, "-d", 1, "-f", "collapsed", "-o", path)
+      expect(status.exitstatus).to eq(0), err
+      counts = File.readlines(path).map { |line| Integer(line[/ (\d+)\n\z/, 1]) }
+      expect(counts.sum).to be_between(100, 260) # 200 Hz for 1 s
+      expect(File.read(path)).to include(target.frames.first.label)
+    end
+
+    it "--force-version reads the process with that release's layout, and names a release it lacks" do
+      target = start_target("nested_methods")
+      out, err, status = rubyspy("snapshot", "-p", target.pid, "--force-version", target.ruby_version)
+      expect(status.exitstatus).to eq(0), err
+      expect(out.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
+
+      _, err, status = rubyspy("snapshot", "-p", target.pid, "--force-version", "9.9.9")
+      expect(status.exitstatus).to eq(1)
+      expect_one_line_error(err)
+      expect(err).to include("9.9.9")
+    end
+  end
+
   describe "--help" do
     it "prints the usage of each command and exits 0" do
       { "snapshot" => "Usage: rubyspy snapshot", "record" => "Usage: rubyspy record",

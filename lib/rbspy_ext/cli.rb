@@ -32,6 +32,7 @@ module RubySpy
       when "report" then report(argv)
       when "tags" then tags(argv)
       when nil, "-h", "--help", "help" then puts(top_help) || 0
+      when "-V", "--version", "version" then puts("rubyspy #{RubySpy::VERSION}") || 0
       else raise Usage, "unknown command #{command.inspect} (snapshot, record, report, tags)"
       end
     rescue Usage, OptionParser::ParseError => e
@@ -50,15 +51,19 @@ module RubySpy
           record     sample a process (or a command) and write a profile
           report     render a raw profile in another format
           tags       print each thread's tags (RubySpy.tag) and where BPF programs find them
-        Common: --verbose shows backtraces of errors.
+        Common: --verbose shows backtraces of errors; rubyspy --version prints the version.
       HELP
     end
 
     def pid_option(opts, options)
-      opts.on("--pid PID", Integer, "the process to read") do |v|
+      opts.on("-p", "--pid PID", Integer, "the process to read") do |v|
         raise Usage, "--pid must be a positive process id, got #{v}" unless v.positive?
 
         options[:pid] = v
+      end
+      opts.on("--force-version VERSION", "read the process with this Ruby release's layout (e.g. 3.3.8), " \
+                                         "for a build whose version string misleads") do |v|
+        options[:force_version] = v
       end
     end
 
@@ -75,7 +80,7 @@ module RubySpy
       parser.parse!(argv)
       raise Usage, "snapshot needs --pid PID" unless options[:pid]
 
-      handle = RubySpy.attach(options[:pid])
+      handle = RubySpy.attach(options[:pid], force_version: options[:force_version])
       if options[:threads] == "all"
         handle.thread_snapshots.each do |t|
           puts "Thread #{t[:tid]}#{" (#{t[:name]})" if t[:name]}#{" main" if t[:main]}: #{t[:state]}"
@@ -104,7 +109,7 @@ module RubySpy
       parser.parse!(argv)
       raise Usage, "tags needs --pid PID" unless options[:pid]
 
-      handle = RubySpy.attach(options[:pid])
+      handle = RubySpy.attach(options[:pid], force_version: options[:force_version])
       offset = handle.profiler_state_offset
       unless offset
         puts "process #{options[:pid]} has not loaded rbspy_ext: no ruby_profiler_state to read"
@@ -124,11 +129,11 @@ module RubySpy
       parser = OptionParser.new do |opts|
         opts.banner = "Usage: rubyspy record (--pid PID | -- COMMAND ARGS...) [options]"
         pid_option(opts, options)
-        opts.on("--rate HZ", Float, "samples per second (default 99)") { |v| options[:rate] = v }
-        opts.on("--duration SECONDS", Float, "stop after this long") { |v| options[:duration] = v }
-        opts.on("--format NAME", Profile::FORMATS.map(&:to_s),
+        opts.on("-r", "--rate HZ", Float, "samples per second (default 99)") { |v| options[:rate] = v }
+        opts.on("-d", "--duration SECONDS", Float, "stop after this long") { |v| options[:duration] = v }
+        opts.on("-f", "--format NAME", Profile::FORMATS.map(&:to_s),
                 "#{Profile::FORMATS.join(", ")} (default flamegraph)") { |v| options[:format] = v }
-        opts.on("--output PATH", "where to write (default rubyspy-PID-TIME.EXT)") { |v| options[:output] = v }
+        opts.on("-o", "--output PATH", "where to write (default rubyspy-PID-TIME.EXT)") { |v| options[:output] = v }
         opts.on("--threads WHICH", %w[all gvl], "all threads (default) or the GVL holder") do |v|
           options[:threads] = v.to_sym
         end
@@ -148,13 +153,14 @@ module RubySpy
       check_writable(options[:output]) if options[:output]
       record_options = { rate: options[:rate], duration: options[:duration],
                          threads: options[:threads], on_cpu: options[:on_cpu],
-                         subprocesses: options[:subprocesses] ? true : false }
+                         subprocesses: options[:subprocesses] ? true : false,
+                         force_version: options[:force_version] }
       begin
         RecordOptions.new(**record_options)
       rescue ArgumentError, TypeError => e
         raise Usage, e.message
       end
-      pid = options[:pid] || spawn_ruby(command)
+      pid = options[:pid] || spawn_ruby(command, options[:force_version])
       output = options[:output] || "rubyspy-#{pid}-#{Time.now.strftime("%Y%m%d-%H%M%S")}.#{Profile::EXTENSIONS[options[:format].to_sym]}"
       check_writable(output)
       recorder = Recorder.new(pid, **record_options).start
@@ -198,11 +204,11 @@ module RubySpy
 
     # Starts a command and waits (up to 10 s) until its Ruby VM can be read: while it execs
     # (a wrapper script) or Ruby boots, attaching fails in passing ways.
-    def spawn_ruby(command)
+    def spawn_ruby(command, force_version)
       pid = Process.spawn(*command)
       deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
       begin
-        RubySpy.attach(pid)
+        RubySpy.attach(pid, force_version: force_version)
       rescue RubySpy::NotRubyProcess, RubySpy::NoSuchProcess, RubySpy::CorruptMemory,
              RubySpy::StackChanged
         raise if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline || Process.wait(pid, Process::WNOHANG)
@@ -225,8 +231,8 @@ module RubySpy
       parser = OptionParser.new do |opts|
         opts.banner = "Usage: rubyspy report --input RAW [--format NAME] [--output PATH]"
         opts.on("--input PATH", "a profile written with --format raw") { |v| options[:input] = v }
-        opts.on("--format NAME", Profile::FORMATS.map(&:to_s), "default summary") { |v| options[:format] = v }
-        opts.on("--output PATH", "default: standard output") { |v| options[:output] = v }
+        opts.on("-f", "--format NAME", Profile::FORMATS.map(&:to_s), "default summary") { |v| options[:format] = v }
+        opts.on("-o", "--output PATH", "default: standard output") { |v| options[:output] = v }
         opts.on("-h", "--help") { puts opts; return 0 }
       end
       parser.parse!(argv)
