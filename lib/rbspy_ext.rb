@@ -28,15 +28,26 @@ module RubySpy
     # thread holds it), innermost frame first, exactly as that thread's
     # +Thread#backtrace_locations+ would list it.
     #
+    # With +threads: :all+, every Ruby thread instead, as {Handle#thread_snapshots} gives them
+    # (like +py-spy dump+).
+    #
     # @param pid [Integer] a process id; +Process.pid+ snapshots the calling process
-    # @return [Array<RubySpy::Frame>]
+    # @param threads [Symbol] +:gvl+ (the default) for the one stack, +:all+ for every thread
+    # @return [Array<RubySpy::Frame>] the stack; with +threads: :all+ an Array of Hashes, one
+    #   per thread (+:tid+, +:name+, +:main+, +:state+, +:frames+, +:tags+)
     # @raise [TypeError] if +pid+ is not an Integer
-    # @raise [ArgumentError] if +pid+ is not positive
+    # @raise [ArgumentError] if +pid+ is not positive, or +threads+ is neither +:gvl+ nor +:all+
     # @raise [RubySpy::Error] (a subclass naming the cause) when the process cannot be read
     # @example
     #   RubySpy.snapshot(worker_pid).each { |frame| puts frame }
-    def snapshot(pid)
-      attach(pid).snapshot
+    #   RubySpy.snapshot(worker_pid, threads: :all).each { |t| puts t[:name], t[:frames] }
+    def snapshot(pid, threads: :gvl)
+      unless %i[gvl all].include?(threads)
+        raise ArgumentError, "threads: must be :gvl (the GVL holder's stack) or :all (every thread), got #{threads.inspect}"
+      end
+
+      handle = attach(pid)
+      threads == :all ? handle.thread_snapshots : handle.snapshot
     end
 
     # Opens a reusable handle on process +pid+. The handle finds the Ruby VM once and caches

@@ -319,6 +319,25 @@ RSpec.describe "exe/rubyspy" do
       expect(File.read(path)).to include(target.frames.first.label)
     end
 
+    it "snapshot --json prints the stack and tags; with --threads all every thread, as RubySpy.snapshot(pid, threads: :all)" do
+      target = start_target("nested_methods")
+      out, err, status = rubyspy("snapshot", "-p", target.pid, "--json")
+      expect(status.exitstatus).to eq(0), err
+      doc = JSON.parse(out)
+      expect(doc.values_at("pid", "ruby_version", "tags")).to eq([target.pid, target.ruby_version, {}])
+      expect(doc["frames"]).to eq(RubySpy.snapshot(target.pid).map { |f| JSON.parse(JSON.generate(f.to_h)) })
+
+      worker = start_target("named_worker")
+      out, err, status = rubyspy("snapshot", "-p", worker.pid, "--json", "--threads", "all")
+      expect(status.exitstatus).to eq(0), err
+      threads = JSON.parse(out).fetch("threads")
+      api = RubySpy.snapshot(worker.pid, threads: :all)
+      expect(threads.map { |t| t.values_at("tid", "name", "main") }).to eq(api.map { |t| t.values_at(:tid, :name, :main) })
+      expect(threads.size).to be >= 2
+      expect(threads.map { |t| t["frames"].size }).to all(be_positive)
+      expect { RubySpy.snapshot(worker.pid, threads: :some) }.to raise_error(ArgumentError, /threads: must be :gvl .* or :all/)
+    end
+
     it "--force-version reads the process with that release's layout, and names a release it lacks" do
       target = start_target("nested_methods")
       out, err, status = rubyspy("snapshot", "-p", target.pid, "--force-version", target.ruby_version)

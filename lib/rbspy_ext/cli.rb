@@ -1,5 +1,6 @@
 # frozen_string_literal: true
 
+require "json"
 require "optparse"
 require_relative "../rbspy_ext"
 
@@ -75,12 +76,17 @@ module RubySpy
         opts.on("--threads WHICH", %w[all gvl], "all threads, or the GVL holder (default)") do |v|
           options[:threads] = v
         end
+        opts.on("--json", "print JSON: the frames and tags, or with --threads all every thread") do
+          options[:json] = true
+        end
         opts.on("-h", "--help") { puts opts; return 0 }
       end
       parser.parse!(argv)
       raise Usage, "snapshot needs --pid PID" unless options[:pid]
 
       handle = RubySpy.attach(options[:pid], force_version: options[:force_version])
+      return snapshot_json(handle, options[:threads] == "all") if options[:json]
+
       if options[:threads] == "all"
         handle.thread_snapshots.each do |t|
           puts "Thread #{t[:tid]}#{" (#{t[:name]})" if t[:name]}#{" main" if t[:main]}: #{t[:state]}"
@@ -92,6 +98,21 @@ module RubySpy
         puts "tags: #{tag_text(stack.tags)}" unless stack.tags.empty?
         puts stack
       end
+      0
+    end
+
+    # `snapshot --json`: {pid, ruby_version, frames, tags}, or {pid, ruby_version, threads}
+    # with each thread's tid, name, main, state, tags and frames. Frames are Frame#to_h.
+    def snapshot_json(handle, all)
+      doc = { pid: handle.pid, ruby_version: handle.ruby_version }
+      if all
+        doc[:threads] = handle.thread_snapshots.map { |t| t.merge(frames: t[:frames].map(&:to_h)) }
+      else
+        stack = handle.snapshot
+        doc[:tags] = stack.tags
+        doc[:frames] = stack.map(&:to_h)
+      end
+      puts JSON.generate(doc)
       0
     end
 
