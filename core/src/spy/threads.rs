@@ -407,11 +407,7 @@ impl<M: Memory> Spy<M> {
             return super::Tags::default();
         };
         let thread = self.sampler.threads[i].0;
-        let nt = self
-            .target
-            .layout
-            .thread_nt
-            .map_or(0, |off| word(batch.field(i, off), 0));
+        let nt = batch.nt(i, self.target.layout);
         self.sampled_tags(thread, nt, read, &batch.reads, batch.called)
     }
 
@@ -421,11 +417,7 @@ impl<M: Memory> Spy<M> {
         let Some(read) = batch.threads[i].tag else {
             return false;
         };
-        let nt = self
-            .target
-            .layout
-            .thread_nt
-            .map_or(0, |off| word(batch.field(i, off), 0));
+        let nt = batch.nt(i, self.target.layout);
         read.pointer.is_none() || nt != read.nt
     }
 
@@ -588,5 +580,10 @@ impl Batch {
     /// Thread `i`'s execution context as read.
     fn ec(&self, i: usize, l: &Layout) -> u64 {
         word(self.field(i, l.thread_ec), 0)
+    }
+
+    /// Thread `i`'s native thread (`th->nt`) as read; 0 before 3.2, which has none.
+    fn nt(&self, i: usize, l: &Layout) -> u64 {
+        l.thread_nt.map_or(0, |off| word(self.field(i, off), 0))
     }
 }
