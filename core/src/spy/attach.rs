@@ -269,19 +269,25 @@ impl<M: Memory> Spy<M> {
     }
 }
 
-impl<M: Memory> Spy<M> {
-    pub(super) fn symbols(&mut self) -> std::result::Result<&mut SymbolTable, Attempt> {
-        if self.cache.symbols.is_none() {
+impl<M: Memory> Target<M> {
+    /// The symbol table in `slot`, found first if it is not there yet (see
+    /// `find_symbol_table`). The slot is `Cache::symbols`, passed alone so that the caller
+    /// may use the cache's class names beside it.
+    pub(super) fn symbol_table<'a>(
+        &self,
+        slot: &'a mut Option<SymbolTable>,
+    ) -> std::result::Result<&'a mut SymbolTable, Attempt> {
+        if slot.is_none() {
             let addr = self
                 .find_symbol_table()
                 .ok_or(Attempt::Fatal(Error::Corrupt {
-                    pid: self.target.pid,
+                    pid: self.pid,
                     what: "symbol table (not found in libruby's data)",
                     addr: 0,
                 }))?;
-            self.cache.symbols = Some(SymbolTable::new(addr));
+            *slot = Some(SymbolTable::new(addr));
         }
-        Ok(self.cache.symbols.as_mut().expect("just set"))
+        Ok(slot.as_mut().expect("just set"))
     }
 
     /// Finds `ruby_global_symbols` in a libruby that does not export it: scans the writable
@@ -293,23 +299,22 @@ impl<M: Memory> Spy<M> {
     /// time come first; the `ids` array may have moved to a newer one since, so a miss
     /// looks again with the mappings of now. A memory image (tests) has none: no filter.
     pub(super) fn find_symbol_table(&self) -> Option<u64> {
-        if self.target.heap.is_empty() {
+        if self.heap.is_empty() {
             return self.scan_for_symbol_table(None);
         }
-        self.scan_for_symbol_table(Some(&self.target.heap))
-            .or_else(|| {
-                let now = heap_ranges(&read_maps(self.target.pid).ok()?);
-                self.scan_for_symbol_table(Some(&now))
-            })
+        self.scan_for_symbol_table(Some(&self.heap)).or_else(|| {
+            let now = heap_ranges(&read_maps(self.pid).ok()?);
+            self.scan_for_symbol_table(Some(&now))
+        })
     }
 
     /// One scan of `find_symbol_table`, keeping candidates whose `ids` lies in `heap`.
     fn scan_for_symbol_table(&self, heap: Option<&[(u64, u64)]>) -> Option<u64> {
-        let l = self.target.layout;
+        let l = self.layout;
         let in_heap = |p: u64| heap.is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)));
-        for &(start, end) in &self.target.writable {
+        for &(start, end) in &self.writable {
             let len = (end - start).min(16 << 20) as usize;
-            let Ok(data) = self.target.mem.read_vec(start, len) else {
+            let Ok(data) = self.mem.read_vec(start, len) else {
                 continue;
             };
             let candidates: Vec<(usize, u64, u64)> = (0..data.len().saturating_sub(l.symbols_size)
@@ -329,7 +334,7 @@ impl<M: Memory> Spy<M> {
                 .zip(heads.chunks_exact_mut(head_len))
                 .map(|((_, _, ids), head)| (*ids, head))
                 .collect();
-            let read = self.target.mem.read_each(&mut requests);
+            let read = self.mem.read_each(&mut requests);
             let found = candidates
                 .iter()
                 .zip(&requests)

@@ -499,8 +499,7 @@ impl<M: Memory> Spy<M> {
         }
         let l = self.target.layout;
         let id = info.original_id;
-        self.symbols()?;
-        let symbols = self.cache.symbols.as_mut().expect("found by symbols()");
+        let symbols = self.target.symbol_table(&mut self.cache.symbols)?;
         let name = symbols
             .name(&self.target.mem, l, id)
             .map_err(|_| Attempt::Changed(format!("method name ID {id:#x} does not resolve")))?;
@@ -543,8 +542,7 @@ impl<M: Memory> Spy<M> {
                     q.clone()
                 } else {
                     let (label, base) = (info.label.clone(), info.base_label.clone());
-                    self.symbols()?;
-                    let symbols = self.cache.symbols.as_mut().expect("found by symbols()");
+                    let symbols = self.target.symbol_table(&mut self.cache.symbols)?;
                     let qualified =
                         self.cache
                             .classes

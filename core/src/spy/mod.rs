@@ -10,6 +10,7 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 mod attach;
+mod batch;
 mod frames;
 mod memo;
 mod tags;
@@ -59,24 +60,28 @@ pub struct Config {
 }
 
 /// A handle on one Ruby process. Each part lives in its own file:
-/// - `target` (attach.rs): what attaching found, fixed for the spy's life;
+/// - `target` (attach.rs): what attaching found, fixed for the spy's life, and the
+///   symbol-table scan;
 /// - `cache` (frames.rs): iseqs, method entries, class and symbol names, trusted between
 ///   validations;
 /// - `walk` (walker.rs): per-stack state of the walker and the arena of its frame reads;
 /// - `memo` (memo.rs): frames already resolved, by raw stack;
-/// - `sampler` (threads.rs, thread_list.rs): the thread list and the arena of a sample's
-///   one call;
-/// - `tags` (tags.rs): where the target publishes `ruby_profiler_state`, and the last
-///   decoding of each thread's table.
+/// - `sampler` (batch.rs, `ThreadSampler`): the thread list and a sample's one call: what
+///   to read, the read, and each thread's state;
+/// - `tags` (tags.rs, `TagReader`): where the target publishes `ruby_profiler_state`, what a
+///   sample reads of it, and the last decoding of each thread's table.
 ///
-/// Their methods are `impl Spy` blocks in those files, because a step of one part needs the
-/// target's memory and often another part's cache; this file only orchestrates a snapshot.
+/// `ThreadSampler` and `TagReader` have methods of their own, given the `Target` (and, to
+/// decode names, the `Cache`) they need. The walker's steps (walker.rs, frames.rs) are
+/// `impl Spy` blocks, because each uses the target, the cache, the walk state and the memo
+/// together. This file orchestrates a snapshot; threads.rs orchestrates a sample of every
+/// thread.
 pub struct Spy<M: Memory = ProcessMemory> {
     target: attach::Target<M>,
     cache: frames::Cache,
     walk: walker::WalkState,
     memo: memo::StackMemo,
-    sampler: threads::ThreadSampler,
+    sampler: batch::ThreadSampler,
     tags: tags::TagReader,
 }
 

@@ -5,6 +5,8 @@
 //! table; the table's IDs and VALUEs are decoded like everything else the walker reads.
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
+use super::attach::Target;
+use super::frames::Cache;
 use super::{word, Memory, Spy};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
@@ -102,81 +104,116 @@ impl TagRead {
     }
 }
 
+/// What decoding a table needs besides its bytes: the target, and the symbol table and
+/// class names the walker caches too (a tag's key is an ID, its value may be a Symbol or an
+/// object of a named class).
+pub(super) struct Decoder<'a, M: Memory> {
+    pub(super) target: &'a Target<M>,
+    pub(super) cache: &'a mut Cache,
+}
+
 impl<M: Memory> Spy<M> {
     /// The offset from a thread pointer to its `ruby_profiler_state`, if the target has
     /// loaded rbspy_ext (looked for again every second until it has).
     pub fn profiler_state_offset(&mut self) -> Option<i64> {
-        if self.tags.offset.is_some() {
-            return self.tags.offset;
-        }
-        if self.tags.checked_at.is_some_and(|t| t.elapsed() < RECHECK) {
-            return None;
-        }
-        self.tags.checked_at = Some(Instant::now());
-        let maps = read_maps(self.target.pid).ok()?;
-        let symbols = find_profiler_state_symbols(self.target.pid, &maps)?;
-        // Both 0 until the extension has initialised, which sets the owner's first.
-        let offset = self.target.mem.read_u64(symbols.offset).ok()? as i64;
-        self.tags.offset = (offset != 0).then_some(offset);
-        self.tags.owner_offset = symbols
-            .owner_offset
-            .and_then(|addr| self.target.mem.read_u64(addr).ok())
-            .map(|o| o as i64)
-            .filter(|o| *o != 0);
-        self.tags.offset
-    }
-
-    /// The native thread a Ruby thread is on now: `th->nt` (3.2+), or 0 before 3.2, where the
-    /// thread pointer is a field of the Ruby thread itself and never changes.
-    pub(super) fn native_thread(&self, thread: u64) -> u64 {
-        match self.target.layout.thread_nt {
-            Some(nt) => self.target.mem.read_u64(field(thread, nt)).unwrap_or(0),
-            None => 0,
-        }
-    }
-
-    /// The thread pointer (glibc's `pthread_t`) of a Ruby thread on native thread `nt` (as
-    /// `native_thread` gives it), kept per Ruby thread while it stays on that native thread.
-    /// Under M:N threads (3.3+, `RUBY_MN_THREADS=1`) a Ruby thread moves between native
-    /// threads and has none while it waits (`th->nt` is null): then there is no pointer, as
-    /// the native threads' `ruby_profiler_state` belong to whichever Ruby threads run there.
-    fn thread_pointer_on(&mut self, thread: u64, nt: u64) -> Option<u64> {
-        if let Some((known_nt, tp)) = self.tags.pointers.get(&thread) {
-            if *known_nt == nt {
-                return Some(*tp);
-            }
-        }
-        let l = self.target.layout;
-        let addr = match (l.thread_pthread, l.native_thread_pthread) {
-            (Some(off), _) => field(thread, off),
-            (None, Some(off)) if is_heap_object(nt) => field(nt, off),
-            _ => return None,
-        };
-        let tp = self.target.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
-        if self.tags.pointers.len() >= 4096 {
-            self.tags.pointers.clear();
-        }
-        self.tags.pointers.insert(thread, (nt, tp));
-        Some(tp)
+        self.tags.offset(&self.target)
     }
 
     /// The tags of the fiber a thread is running now: empty when it has none, when the
     /// target has not loaded rbspy_ext, or when the table does not read as one (it may have
     /// been replaced while read; the next sample sees the new one).
     pub fn thread_tags(&mut self, thread: u64) -> Tags {
-        let Some(offset) = self.profiler_state_offset() else {
-            return Tags::default();
+        let mut d = Decoder {
+            target: &self.target,
+            cache: &mut self.cache,
         };
-        let nt = self.native_thread(thread);
-        let Some(tp) = self.thread_pointer_on(thread, nt) else {
-            return Tags::default();
-        };
-        let pointer_read_at = Instant::now();
-        let table = self.owned_table(thread, tp, offset);
+        self.tags.thread_tags(&mut d, thread)
+    }
+
+    /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
+    /// reader that found a table pointer by itself. Empty when it does not read as a table.
+    pub fn tags_at(&mut self, table: u64) -> Tags {
         if table == 0 {
             return Tags::default();
         }
-        self.read_table(table, pointer_read_at)
+        let mut d = Decoder {
+            target: &self.target,
+            cache: &mut self.cache,
+        };
+        d.read_table(table, Instant::now())
+            .map(|(_, tags)| tags)
+            .unwrap_or_default()
+    }
+}
+
+impl TagReader {
+    /// See [`Spy::profiler_state_offset`].
+    pub(super) fn offset<M: Memory>(&mut self, t: &Target<M>) -> Option<i64> {
+        if self.offset.is_some() {
+            return self.offset;
+        }
+        if self.checked_at.is_some_and(|at| at.elapsed() < RECHECK) {
+            return None;
+        }
+        self.checked_at = Some(Instant::now());
+        let maps = read_maps(t.pid).ok()?;
+        let symbols = find_profiler_state_symbols(t.pid, &maps)?;
+        // Both 0 until the extension has initialised, which sets the owner's first.
+        let offset = t.mem.read_u64(symbols.offset).ok()? as i64;
+        self.offset = (offset != 0).then_some(offset);
+        self.owner_offset = symbols
+            .owner_offset
+            .and_then(|addr| t.mem.read_u64(addr).ok())
+            .map(|o| o as i64)
+            .filter(|o| *o != 0);
+        self.offset
+    }
+
+    /// The thread pointer (glibc's `pthread_t`) of a Ruby thread on native thread `nt`
+    /// (`th->nt`; 0 before 3.2, where the thread pointer is a field of the Ruby thread
+    /// itself and never changes), kept per Ruby thread while it stays on that native thread.
+    /// Under M:N threads (3.3+, `RUBY_MN_THREADS=1`) a Ruby thread moves between native
+    /// threads and has none while it waits (`th->nt` is null): then there is no pointer, as
+    /// the native threads' `ruby_profiler_state` belong to whichever Ruby threads run there.
+    fn thread_pointer_on<M: Memory>(&mut self, t: &Target<M>, thread: u64, nt: u64) -> Option<u64> {
+        if let Some((known_nt, tp)) = self.pointers.get(&thread) {
+            if *known_nt == nt {
+                return Some(*tp);
+            }
+        }
+        let l = t.layout;
+        let addr = match (l.thread_pthread, l.native_thread_pthread) {
+            (Some(off), _) => field(thread, off),
+            (None, Some(off)) if is_heap_object(nt) => field(nt, off),
+            _ => return None,
+        };
+        let tp = t.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
+        if self.pointers.len() >= 4096 {
+            self.pointers.clear();
+        }
+        self.pointers.insert(thread, (nt, tp));
+        Some(tp)
+    }
+
+    /// See [`Spy::thread_tags`]: everything read now, apart from any sample.
+    fn thread_tags<M: Memory>(&mut self, d: &mut Decoder<M>, thread: u64) -> Tags {
+        let t = d.target;
+        let Some(offset) = self.offset(t) else {
+            return Tags::default();
+        };
+        let nt = match t.layout.thread_nt {
+            Some(nt) => t.mem.read_u64(field(thread, nt)).unwrap_or(0),
+            None => 0,
+        };
+        let Some(tp) = self.thread_pointer_on(t, thread, nt) else {
+            return Tags::default();
+        };
+        let pointer_read_at = Instant::now();
+        let table = self.owned_table(t, thread, tp, offset);
+        if table == 0 {
+            return Tags::default();
+        }
+        d.read_table(table, pointer_read_at)
             .map(|(_, tags)| tags)
             .unwrap_or_default()
     }
@@ -184,19 +221,13 @@ impl<M: Memory> Spy<M> {
     /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
     /// `thread`'s (its owner, read before and after the table, says so both times; see
     /// profiler_state.c), else 0.
-    fn owned_table(&self, thread: u64, tp: u64, offset: i64) -> u64 {
-        let owner_addr = self.tags.owner_offset.map(|o| tp.wrapping_add_signed(o));
-        let owned = |addr: Option<u64>| {
-            addr.is_none_or(|a| self.target.mem.read_u64(a).ok() == Some(thread))
-        };
+    fn owned_table<M: Memory>(&self, t: &Target<M>, thread: u64, tp: u64, offset: i64) -> u64 {
+        let owner_addr = self.owner_offset.map(|o| tp.wrapping_add_signed(o));
+        let owned = |addr: Option<u64>| addr.is_none_or(|a| t.mem.read_u64(a).ok() == Some(thread));
         if !owned(owner_addr) {
             return 0;
         }
-        let table = self
-            .target
-            .mem
-            .read_u64(tp.wrapping_add_signed(offset))
-            .unwrap_or(0);
+        let table = t.mem.read_u64(tp.wrapping_add_signed(offset)).unwrap_or(0);
         if owned(owner_addr) {
             table
         } else {
@@ -212,7 +243,7 @@ impl<M: Memory> Spy<M> {
     /// sample's one call is never preceded by a read of its own. Each read is added to
     /// `reads`, the sample's batch, in that order (the owner before and after the pointer).
     pub(super) fn tag_read(&mut self, thread: u64, offset: i64, reads: &mut ReadBatch) -> TagRead {
-        let Some(&(nt, tp)) = self.tags.pointers.get(&thread) else {
+        let Some(&(nt, tp)) = self.pointers.get(&thread) else {
             return TagRead {
                 nt: 0,
                 offset,
@@ -225,7 +256,7 @@ impl<M: Memory> Spy<M> {
             };
         };
         // The owner before and after the pointer: see profiler_state.c.
-        let owner_addr = self.tags.owner_offset.map(|o| tp.wrapping_add_signed(o));
+        let owner_addr = self.owner_offset.map(|o| tp.wrapping_add_signed(o));
         let owner_read = |reads: &mut ReadBatch| match owner_addr {
             Some(addr) => reads.add(addr, 8),
             None => Span::default(),
@@ -234,7 +265,7 @@ impl<M: Memory> Spy<M> {
         let pointer_at = tp.wrapping_add_signed(offset);
         let pointer = Some(reads.add(pointer_at, 8));
         let owner_again = owner_read(reads);
-        let last = self.tags.last.get(&thread).map(|l| (l.table, l.raw.len()));
+        let last = self.last.get(&thread).map(|l| (l.table, l.raw.len()));
         TagRead {
             nt,
             offset,
@@ -253,8 +284,9 @@ impl<M: Memory> Spy<M> {
     /// last decoding stands and the sample needed no read of its own for tags; otherwise the
     /// table is read and decoded now. A thread that moved to another native thread (M:N
     /// threads) has its pointer read there.
-    pub(super) fn sampled_tags(
+    pub(super) fn sampled_tags<M: Memory>(
         &mut self,
+        d: &mut Decoder<M>,
         thread: u64,
         nt: u64,
         read: TagRead,
@@ -271,15 +303,15 @@ impl<M: Memory> Spy<M> {
         if read.pointer.is_none() || nt != read.nt {
             bytes = None;
             pointer_read_at = Instant::now();
-            table = match self.thread_pointer_on(thread, nt) {
-                Some(tp) => self.owned_table(thread, tp, read.offset),
+            table = match self.thread_pointer_on(d.target, thread, nt) {
+                Some(tp) => self.owned_table(d.target, thread, tp, read.offset),
                 None => 0, // waiting for a native thread: its tags are on none
             };
         }
         // The table of last time, unchanged: its decoding stands while fresh, and stands in
         // for a decoding that fails now (a value on a page Ruby 3.0/3.1's GC.compact has
         // protected for the moment).
-        let same = match (&bytes, self.tags.last.get(&thread)) {
+        let same = match (&bytes, self.last.get(&thread)) {
             (Some(bytes), Some(last)) if last.table == table && *bytes == &last.raw[..] => {
                 Some((last.tags.clone(), last.at.elapsed() < TAGS_TTL))
             }
@@ -289,22 +321,24 @@ impl<M: Memory> Spy<M> {
             return tags;
         }
         if table == 0 {
-            self.tags.last.remove(&thread);
+            self.last.remove(&thread);
             return Tags::default();
         }
-        let decoded = match self.read_table(table, pointer_read_at) {
+        let decoded = match d.read_table(table, pointer_read_at) {
             Some((raw, tags)) => Some((table, raw, tags)),
             None => match same {
                 Some((tags, _)) => return tags,
-                None => self.table_still_published(thread, nt, read.offset, table, pointer_read_at),
+                None => {
+                    self.table_still_published(d, thread, nt, read.offset, table, pointer_read_at)
+                }
             },
         };
         let Some((table, raw, tags)) = decoded else {
-            self.tags.last.remove(&thread);
+            self.last.remove(&thread);
             return Tags::default();
         };
-        if self.tags.last.len() >= 4096 {
-            self.tags.last.clear();
+        if self.last.len() >= 4096 {
+            self.last.clear();
         }
         let last = LastTable {
             table,
@@ -312,14 +346,14 @@ impl<M: Memory> Spy<M> {
             tags: tags.clone(),
             at: Instant::now(),
         };
-        self.tags.last.insert(thread, last);
+        self.last.insert(thread, last);
         tags
     }
 
     /// The table this sample's tags for `thread` came from (0: none), as `sampled_tags`
     /// left it.
     pub(super) fn sampled_table(&self, thread: u64) -> u64 {
-        self.tags.last.get(&thread).map_or(0, |l| l.table)
+        self.last.get(&thread).map_or(0, |l| l.table)
     }
 
     /// For each (Ruby thread, table) pair, whether the thread's pointer, read again now (the
@@ -327,13 +361,18 @@ impl<M: Memory> Spy<M> {
     /// thread whose native thread is not known has no pointer to hold anything: it holds 0.
     /// A table is never freed, nor its address reused, within the extension's grace period
     /// of its last publication, so the same address before and after means the same tags.
-    pub(super) fn tables_unchanged(&mut self, offset: i64, threads: &[(u64, u64)]) -> Vec<bool> {
+    pub(super) fn tables_unchanged<M: Memory>(
+        &self,
+        t: &Target<M>,
+        offset: i64,
+        threads: &[(u64, u64)],
+    ) -> Vec<bool> {
         let mut reads = ReadBatch::default();
         let spans: Vec<Option<[Span; 3]>> = threads
             .iter()
             .map(|(thread, _)| {
-                let &(_, tp) = self.tags.pointers.get(thread)?;
-                let owner = |reads: &mut ReadBatch| match self.tags.owner_offset {
+                let &(_, tp) = self.pointers.get(thread)?;
+                let owner = |reads: &mut ReadBatch| match self.owner_offset {
                     Some(o) => reads.add(tp.wrapping_add_signed(o), 8),
                     None => Span::default(),
                 };
@@ -342,7 +381,7 @@ impl<M: Memory> Spy<M> {
                 Some([before, pointer, owner(&mut reads)])
             })
             .collect();
-        if reads.read(&self.target.mem).is_err() {
+        if reads.read(&t.mem).is_err() {
             return vec![false; threads.len()];
         }
         threads
@@ -370,42 +409,34 @@ impl<M: Memory> Spy<M> {
     /// published at both pointer reads, less than the extension's grace period apart, is the
     /// same table throughout (it could not have been freed and its address reused between),
     /// so its tags are the ones the sample's stack ran under.
-    fn table_still_published(
+    fn table_still_published<M: Memory>(
         &mut self,
+        d: &mut Decoder<M>,
         thread: u64,
         nt: u64,
         offset: i64,
         table: u64,
         first_read_at: Instant,
     ) -> Option<(u64, Vec<u8>, Tags)> {
-        let tp = self.thread_pointer_on(thread, nt)?;
+        let tp = self.thread_pointer_on(d.target, thread, nt)?;
         let pointer_read_at = Instant::now();
         if pointer_read_at.duration_since(first_read_at) >= UNPUBLISHED_ALIVE
-            || self.owned_table(thread, tp, offset) != table
+            || self.owned_table(d.target, thread, tp, offset) != table
         {
             return None;
         }
-        let (raw, tags) = self.read_table(table, pointer_read_at)?;
+        let (raw, tags) = d.read_table(table, pointer_read_at)?;
         Some((table, raw, tags))
     }
 
     /// Forgets the tables seen last (one may have been freed and unmapped, which would fail
     /// the sample's one call again).
-    pub(super) fn forget_tag_tables(&mut self) {
-        self.tags.last.clear();
+    pub(super) fn forget_tables(&mut self) {
+        self.last.clear();
     }
+}
 
-    /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
-    /// reader that found a table pointer by itself. Empty when it does not read as a table.
-    pub fn tags_at(&mut self, table: u64) -> Tags {
-        if table == 0 {
-            return Tags::default();
-        }
-        self.read_table(table, Instant::now())
-            .map(|(_, tags)| tags)
-            .unwrap_or_default()
-    }
-
+impl<M: Memory> Decoder<'_, M> {
     /// Reads and decodes the table at `table`, whose pointer was read at `pointer_read_at`:
     /// its bytes (header and every slot) and its tags. None when it does not read as a
     /// table, when a value cannot be read now, or when the decoding ended outside
@@ -450,16 +481,15 @@ impl<M: Memory> Spy<M> {
     }
 
     fn id_name(&mut self, id: u64) -> Option<Arc<str>> {
-        let l = self.target.layout;
-        self.symbols().ok()?;
-        let symbols = self.cache.symbols.as_mut()?;
-        symbols.name(&self.target.mem, l, id).ok()
+        let t = self.target;
+        let symbols = t.symbol_table(&mut self.cache.symbols).ok()?;
+        symbols.name(&t.mem, t.layout, id).ok()
     }
 
     /// A VALUE as text (`objects::value_text`); None when it cannot be read now.
     fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
-        let l = self.target.layout;
+        let t = self.target;
         let symbols = self.cache.symbols.as_mut();
-        crate::objects::value_text(&self.target.mem, l, symbols, &mut self.cache.classes, v)
+        crate::objects::value_text(&t.mem, t.layout, symbols, &mut self.cache.classes, v)
     }
 }

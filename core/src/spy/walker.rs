@@ -192,7 +192,10 @@ impl<M: Memory> Spy<M> {
                 Some(pre)
                     if pre.vm_stack == p.vm_stack
                         && p.cfp >= pre.from
-                        && (p.cfp - pre.from) as usize + want <= pre.frames.len() =>
+                        && usize::try_from(p.cfp - pre.from)
+                            .ok()
+                            .and_then(|skip| skip.checked_add(want))
+                            .is_some_and(|end| end <= pre.frames.len()) =>
                 {
                     let skip = (p.cfp - pre.from) as usize;
                     bufs.push(FrameBuffers::done(
@@ -436,7 +439,11 @@ pub(super) struct Envs<'a> {
 impl Envs<'_> {
     pub(super) fn on_stack(&self, ep: u64) -> Option<Slots> {
         let start = ep.checked_sub(16)?.checked_sub(self.base)? as usize;
-        let bytes: &[u8; 24] = self.values.get(start..start + 24)?.try_into().ok()?;
+        let bytes: &[u8; 24] = self
+            .values
+            .get(start..start.checked_add(24)?)?
+            .try_into()
+            .ok()?;
         Some(slots(bytes))
     }
 }

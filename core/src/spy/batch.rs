@@ -1,0 +1,358 @@
+//! A sample's one call: what to read for every thread (`ThreadSampler::plan_sample`), the
+//! read itself, and each thread's state from it (`classify`). `Spy::sample_threads`
+//! (threads.rs) walks the stacks this read and decodes the tags.
+use super::attach::Target;
+use super::tags::{TagRead, TagReader};
+use super::thread_list::MAX_THREADS;
+use super::threads::ThreadSelection;
+use super::{word, Memory};
+use crate::error::MemoryError;
+use crate::memory::{field, ReadBatch, Span};
+use crate::objects::is_heap_object;
+use crate::profile::{ThreadInfo, ThreadState};
+use rbspy_ext_bindings::Layout;
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Debug, Default)]
+pub(super) struct ThreadSampler {
+    /// The last reading of the thread list (thread_list.rs).
+    pub(super) threads: Vec<(u64, Arc<ThreadInfo>)>,
+    pub(super) read_at: Option<Instant>,
+    /// The execution context each thread had when last sampled.
+    ecs: FxHashMap<u64, u64>,
+    /// Where each thread's stack was when last sampled (see `guess_stack`).
+    stacks: FxHashMap<u64, StackGuess>,
+    /// The thread that held the GVL at the last sample.
+    pub(super) last_owner: u64,
+    /// The GC's `rb_objspace` (read once: it lives as long as the VM).
+    pub(super) objspace: Option<u64>,
+    /// The arena of a sample's one call, reused from sample to sample.
+    pub(super) reads: ReadBatch,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StackGuess {
+    vm_stack: u64,
+    from: u64,
+    end: u64,
+    values: usize,
+}
+
+/// The state of the thread holding the GVL, from the GC's flags (`rb_objspace.flags`: a
+/// 2-bit mode at bit 0, `during_gc` at bit 5; see `Layout::objspace_flags`).
+fn gc_state(flags: u32) -> ThreadState {
+    if flags & (1 << 5) == 0 {
+        return ThreadState::Running;
+    }
+    match flags & 0x3 {
+        1 => ThreadState::GcMarking,
+        2 => ThreadState::GcSweeping,
+        3 => ThreadState::GcCompacting,
+        _ => ThreadState::Gc,
+    }
+}
+
+/// How many frames deeper than last time a stack may be and still be read with its thread.
+const PREFETCH_FRAMES: u64 = 16;
+
+/// The steps of a sample that need only the target and the sampler's own state; `Spy`
+/// orchestrates them with the walker and the tag reader (`sample_threads_once`).
+impl ThreadSampler {
+    /// Forgets where stacks were: one may have moved away.
+    pub(super) fn forget_stacks(&mut self) {
+        self.stacks.clear();
+    }
+
+    /// Forgets which context each thread had: the thread list itself may have changed.
+    pub(super) fn forget_contexts(&mut self) {
+        self.ecs.clear();
+    }
+
+    /// Forgets where one thread's stack was (it did not read there).
+    pub(super) fn forget_stack(&mut self, thread: u64) {
+        self.stacks.remove(&thread);
+    }
+
+    /// What one sample reads for every thread, added to one `ReadBatch`: the GVL
+    /// owner, the GC's flags, for every thread its execution context, status and native
+    /// thread (one span of the thread struct), the stack fields of the context it had last
+    /// time (a thread's context changes only when it switches fibers), and, on the guess
+    /// that its stack is about where it was, its control frames and value stack, plus its
+    /// tag pointer and last table. In the steady state that one call is the whole sample.
+    pub(super) fn plan_sample<M: Memory>(
+        &mut self,
+        t: &Target<M>,
+        tags: &mut TagReader,
+        which: ThreadSelection,
+    ) -> Batch {
+        let l = t.layout;
+        let count = self.threads.len();
+        let fields = [
+            l.thread_ec,
+            l.thread_status.map_or(0, |(byte, _)| byte),
+            l.thread_gvl_wait_node,
+            l.thread_unblock_func.unwrap_or(l.thread_ec),
+            // The native thread, whose thread pointer leads to the tags (3.2+).
+            l.thread_nt.unwrap_or(l.thread_ec),
+        ];
+        let span_from = fields.iter().copied().min().unwrap_or(0);
+        let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
+        let objspace = self.objspace(t);
+        let mut reads = std::mem::take(&mut self.reads);
+        reads.clear();
+        let owner = reads.add(t.gvl_owner, 8);
+        let gc_flags = if is_heap_object(objspace) {
+            reads.add(field(objspace, l.objspace_flags), 4)
+        } else {
+            Span::default()
+        };
+        let tag_offset = tags.offset(t);
+        let mut threads = Vec::with_capacity(count);
+        for i in 0..count {
+            let thread = self.threads[i].0;
+            let wanted = which == ThreadSelection::All || thread == self.last_owner;
+            let mut tag = match tag_offset {
+                Some(offset) if wanted => Some(tags.tag_read(thread, offset, &mut reads)),
+                _ => None,
+            };
+            let fields = reads.add(field(thread, span_from), span);
+            let guessed = self.ecs.get(&thread).copied().unwrap_or(0);
+            let head = match guessed {
+                0 => Span::default(),
+                ec => reads.add(field(ec, l.ec_vm_stack), 24),
+            };
+            let prefetch = match self.stacks.get(&thread).copied() {
+                Some(g) if wanted => Some(PrefetchSpans {
+                    vm_stack: g.vm_stack,
+                    from: g.from,
+                    frames: reads.add(g.from, (g.end - g.from) as usize),
+                    values: reads.add(g.vm_stack, g.values),
+                }),
+                _ => None,
+            };
+            // The pointer again after the stack: the two bracket what the call copied.
+            if let Some(tag) = &mut tag {
+                tag.reread_pointer(&mut reads);
+            }
+            threads.push(ThreadReads {
+                fields,
+                guessed,
+                head,
+                prefetch,
+                tag,
+            });
+        }
+        Batch {
+            reads,
+            span_from,
+            owner,
+            gc_flags,
+            threads,
+            heads: vec![[0; 24]; count],
+            called: Instant::now(),
+        }
+    }
+
+    /// The GC's `rb_objspace`, read once: it lives as long as the VM. 0 when unreadable (then
+    /// GC is simply not told apart).
+    fn objspace<M: Memory>(&mut self, t: &Target<M>) -> u64 {
+        if let Some(o) = self.objspace {
+            return o;
+        }
+        let addr = field(t.vm, t.layout.vm_objspace);
+        let o = t.mem.read_u64(addr).unwrap_or(0);
+        self.objspace = Some(o);
+        o
+    }
+
+    /// The sample's one call (see `plan_sample`).
+    pub(super) fn read_sample<M: Memory>(
+        t: &Target<M>,
+        batch: &mut Batch,
+    ) -> std::result::Result<(), MemoryError> {
+        batch.called = Instant::now();
+        batch.reads.read(&t.mem)?;
+        for (head, t) in batch.heads.iter_mut().zip(&batch.threads) {
+            if !t.head.is_empty() {
+                head.copy_from_slice(batch.reads.get(t.head));
+            }
+        }
+        Ok(())
+    }
+
+    /// Each thread's state from what the sample read, for the threads `which` wants and
+    /// that have an execution context.
+    pub(super) fn classify(
+        &mut self,
+        l: &Layout,
+        batch: &Batch,
+        which: ThreadSelection,
+    ) -> Vec<(usize, ThreadState)> {
+        let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
+        let owner = word(batch.reads.get(batch.owner), 0);
+        self.last_owner = owner;
+        let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
+        let gc_flags = batch.reads.get(batch.gc_flags);
+        let holder_state = gc_state(gc_flags.try_into().map_or(0, u32::from_le_bytes));
+        let mut chosen = Vec::new();
+        for (i, (thread, _)) in self.threads.iter().enumerate() {
+            let status = batch.field(i, status_byte)[0] & status_mask;
+            // Queued for the GVL: its node is linked (not null, not pointing at itself).
+            // Before 3.3 the node doubles as the ubf-list node of a thread blocked in a
+            // blocking region, which has an unblocking function set; one queued has none.
+            let node = word(batch.field(i, l.thread_gvl_wait_node), 0);
+            let queued = node != 0
+                && node != field(*thread, l.thread_gvl_wait_node)
+                && l.thread_unblock_func
+                    .is_none_or(|f| word(batch.field(i, f), 0) == 0);
+            let state = if *thread == owner {
+                holder_state
+            } else if queued || status_mask == 0 || u64::from(status) == runnable {
+                ThreadState::WaitingForGvl
+            } else {
+                ThreadState::Blocked
+            };
+            if which == ThreadSelection::GvlHolder && !state.on_cpu() {
+                continue;
+            }
+            if !is_heap_object(batch.ec(i, l)) {
+                continue; // a thread not started yet, or already gone
+            }
+            chosen.push((i, state));
+        }
+        chosen
+    }
+
+    /// Contexts that changed since last time (a fiber switch): one more call for their
+    /// stack fields.
+    pub(super) fn refresh_contexts<M: Memory>(
+        &mut self,
+        t: &Target<M>,
+        batch: &mut Batch,
+        chosen: &[(usize, ThreadState)],
+    ) -> std::result::Result<(), MemoryError> {
+        let l = t.layout;
+        let stale: Vec<usize> = chosen
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|i| batch.ec(*i, l) != batch.threads[*i].guessed)
+            .collect();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let mut fresh = vec![[0u8; 24]; stale.len()];
+        let mut requests: Vec<(u64, &mut [u8])> = stale
+            .iter()
+            .zip(fresh.iter_mut())
+            .map(|(i, h)| (field(batch.ec(*i, l), l.ec_vm_stack), &mut h[..]))
+            .collect();
+        t.mem.read_many(&mut requests)?;
+        for (i, h) in stale.into_iter().zip(fresh) {
+            batch.heads[i] = h;
+            let thread = self.threads[i].0;
+            self.ecs.insert(thread, batch.ec(i, l));
+        }
+        Ok(())
+    }
+
+    /// Where to read a thread's stack next time, along with the thread: from a little below
+    /// where its frames are now to the end of its stack, and as much of the value stack as
+    /// its frames used.
+    pub(super) fn guess_stack(
+        &mut self,
+        l: &Layout,
+        hints: &FxHashMap<u64, usize>,
+        thread: u64,
+        [vm_stack, vm_stack_size, cfp]: [u64; 3],
+    ) {
+        let cfp_size = l.cfp_size as u64;
+        let end = vm_stack
+            .wrapping_add(vm_stack_size.wrapping_mul(8))
+            .wrapping_sub(cfp_size);
+        let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
+        let values = hints.get(&vm_stack).copied().unwrap_or(0);
+        let values = values.min((from - vm_stack) as usize);
+        if self.stacks.len() >= MAX_THREADS {
+            self.stacks.clear();
+        }
+        self.stacks.insert(
+            thread,
+            StackGuess {
+                vm_stack,
+                from,
+                end,
+                values,
+            },
+        );
+    }
+
+    /// The sample's arena, kept for the next sample.
+    pub(super) fn discard(&mut self, batch: Batch) {
+        self.reads = batch.reads;
+    }
+}
+
+/// One sample's reads (see `ThreadSampler::plan_sample`), all in one arena.
+pub(super) struct Batch {
+    pub(super) reads: ReadBatch,
+    /// Every thread's span of its struct starts at this field offset.
+    pub(super) span_from: usize,
+    pub(super) owner: Span,
+    /// `rb_objspace.flags` (empty when the objspace is unknown).
+    pub(super) gc_flags: Span,
+    pub(super) threads: Vec<ThreadReads>,
+    /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`): from the
+    /// sample's call for the context it had last time, refreshed for one that changed.
+    pub(super) heads: Vec<[u8; 24]>,
+    /// When the one call began (see spy/tags.rs, TABLE_WINDOW).
+    pub(super) called: Instant,
+}
+
+/// What one sample reads for one thread.
+pub(super) struct ThreadReads {
+    /// The span of its `rb_thread_t` (see `Batch::span_from`).
+    pub(super) fields: Span,
+    /// The context it had last time (0: none yet), and that context's stack fields.
+    pub(super) guessed: u64,
+    pub(super) head: Span,
+    pub(super) prefetch: Option<PrefetchSpans>,
+    pub(super) tag: Option<TagRead>,
+}
+
+/// A thread's control frames and value stack, read with it where its stack was last time.
+#[derive(Clone, Copy)]
+pub(super) struct PrefetchSpans {
+    pub(super) vm_stack: u64,
+    pub(super) from: u64,
+    pub(super) frames: Span,
+    pub(super) values: Span,
+}
+
+impl Batch {
+    /// Thread `i`'s bytes from struct offset `offset` on.
+    pub(super) fn field(&self, i: usize, offset: usize) -> &[u8] {
+        &self.reads.get(self.threads[i].fields)[offset - self.span_from..]
+    }
+
+    /// Thread `i`'s execution context as read.
+    pub(super) fn ec(&self, i: usize, l: &Layout) -> u64 {
+        word(self.field(i, l.thread_ec), 0)
+    }
+
+    /// Thread `i`'s native thread (`th->nt`) as read; 0 before 3.2, which has none.
+    pub(super) fn nt(&self, i: usize, l: &Layout) -> u64 {
+        l.thread_nt.map_or(0, |off| word(self.field(i, off), 0))
+    }
+
+    /// Whether thread `i`'s tag pointer was read apart from the batch (`sampled_tags` reads
+    /// it afresh when the batch could not: the native thread was not known, or changed).
+    pub(super) fn tags_read_late(&self, i: usize, l: &Layout) -> bool {
+        let Some(read) = self.threads[i].tag else {
+            return false;
+        };
+        let nt = self.nt(i, l);
+        read.pointer.is_none() || nt != read.nt
+    }
+}
