@@ -267,8 +267,10 @@ RSpec.describe RubySpy::Recorder do
       expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines raw])
     end
 
-    it "speedscope: JSON with the schema, one profile per thread, frames naming the worker method" do
-      doc = JSON.parse(File.read(write(:speedscope)))
+    it "speedscope: JSON with the schema, one profile per thread (per_thread), frames naming the worker method" do
+      path = File.join(@dir, "threads.speedscope.json")
+      profile.write(path, format: :speedscope, per_thread: true, idle: true)
+      doc = JSON.parse(File.read(path))
       expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")
       expect(doc["profiles"].size).to eq(profile.threads.size)
       expect(doc["profiles"].map { |p| p["type"] }).to all(eq("sampled"))
@@ -281,11 +283,16 @@ RSpec.describe RubySpy::Recorder do
       end
     end
 
-    it "collapsed: folded stacks whose counts add up to the samples" do
+    it "collapsed: folded stacks whose counts add up to the samples (idle ones with idle: true)" do
       lines = parse_collapsed(File.read(write(:collapsed)))
-      expect(lines.map(&:last).sum).to eq(profile.samples)
+      blocked = profile.threads.sum { |t| t[:states]["blocked"].to_i }
+      expect(blocked).to be_positive # the main thread sleeps
+      expect(lines.map(&:last).sum).to eq(profile.samples - blocked)
       expect(lines.map(&:first)).to include(a_string_matching(digest))
-      expect(lines.map(&:first)).to include(a_string_including("Kernel#sleep"))
+      expect(lines.map(&:first)).not_to include(a_string_including("Kernel#sleep"))
+      with_idle = parse_collapsed(profile.render(:collapsed, idle: true))
+      expect(with_idle.map(&:last).sum).to eq(profile.samples)
+      expect(with_idle.map(&:first)).to include(a_string_including("Kernel#sleep"))
     end
 
     it "raw: Profile.load gives back the same profile" do

@@ -159,6 +159,28 @@ impl Profile {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The same recording with other frames and stacks; `samples` is recounted.
+    pub fn with_stacks(&self, frames: Vec<Frame>, stacks: Vec<StackCount>) -> Profile {
+        Profile {
+            pid: self.pid,
+            ruby_version: self.ruby_version.clone(),
+            rate_hz: self.rate_hz,
+            start_unix_ns: self.start_unix_ns,
+            duration_ns: self.duration_ns,
+            ticks: self.ticks,
+            samples: stacks.iter().map(|s| s.count).sum(),
+            errors: self.errors.clone(),
+            notes: self.notes.clone(),
+            threads: self.threads.clone(),
+            frames,
+            stacks,
+            sampler_cpu_ns: self.sampler_cpu_ns,
+            sampler_work_ns: self.sampler_work_ns,
+            read_calls: self.read_calls,
+            tag_sets: self.tag_sets.clone(),
+        }
+    }
+
     /// A profile of only the stacks `keep` accepts (frames and threads are kept whole, so
     /// indexes stay valid); `samples` is recounted.
     pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {

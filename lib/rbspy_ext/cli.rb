@@ -146,23 +146,25 @@ module RubySpy
 
     def record(argv)
       command = (i = argv.index("--")) ? argv.slice!(i..)[1..] : nil
-      options = { rate: 99, format: "flamegraph", threads: :all, on_cpu: false }
+      options = { rate: 99, formats: [], threads: :all, on_cpu: false, view: {}, drop_root: true }
       parser = OptionParser.new do |opts|
         opts.banner = "Usage: rubyspy record (--pid PID | -- COMMAND ARGS...) [options]"
         pid_option(opts, options)
         opts.on("-r", "--rate HZ", Float, "samples per second (default 99)") { |v| options[:rate] = v }
         opts.on("-d", "--duration SECONDS", Float, "stop after this long") { |v| options[:duration] = v }
-        opts.on("-f", "--format NAME", Profile::FORMATS.map(&:to_s),
-                "#{Profile::FORMATS.join(", ")} (default flamegraph)") { |v| options[:format] = v }
-        opts.on("-o", "--output PATH", "where to write (default rubyspy-PID-TIME.EXT)") { |v| options[:output] = v }
+        format_options(opts, options, "flamegraph")
+        opts.on("-o", "--output PATH", "where to write (default rubyspy-PID-TIME.EXT); with several " \
+                                      "formats, PATH.EXT for each") { |v| options[:output] = v }
+        opts.on("--raw PATH", "also keep the raw profile (for rubyspy report) at PATH") { |v| options[:raw] = v }
         opts.on("--threads WHICH", %w[all gvl], "all threads (default) or the GVL holder") do |v|
           options[:threads] = v.to_sym
         end
         opts.on("--on-cpu", "keep only samples of threads holding the GVL") { options[:on_cpu] = true }
-        opts.on("--by-tag KEY", "flamegraph/collapsed: a root per value of this tag; speedscope: a profile per value") do |v|
-          options[:tag] = v
-        end
+        view_options(opts, options)
         opts.on("--subprocesses", "also record Ruby child processes") { options[:subprocesses] = true }
+        opts.on("--no-drop-root", "run COMMAND as root even under sudo (default: as SUDO_UID/SUDO_GID)") do
+          options[:drop_root] = false
+        end
         opts.on("-h", "--help") { puts opts; return 0 }
       end
       parser.parse!(argv)
@@ -170,8 +172,11 @@ module RubySpy
       raise Usage, "record needs --pid PID or -- COMMAND" unless options[:pid] || command
       raise Usage, "give either --pid or a command, not both" if options[:pid] && command
 
+      formats = options[:formats].empty? ? ["flamegraph"] : options[:formats].uniq
+      check_view(formats, options[:view])
       # Everything that can be checked is checked before a command is started.
       check_writable(options[:output]) if options[:output]
+      check_writable(options[:raw]) if options[:raw]
       record_options = { rate: options[:rate], duration: options[:duration],
                          threads: options[:threads], on_cpu: options[:on_cpu],
                          subprocesses: options[:subprocesses] ? true : false,
@@ -181,9 +186,10 @@ module RubySpy
       rescue ArgumentError, TypeError => e
         raise Usage, e.message
       end
-      pid = options[:pid] || spawn_ruby(command, options[:force_version])
-      output = options[:output] || "rubyspy-#{pid}-#{Time.now.strftime("%Y%m%d-%H%M%S")}.#{Profile::EXTENSIONS[options[:format].to_sym]}"
-      check_writable(output)
+      user = invoking_user if options[:drop_root]
+      pid = options[:pid] || spawn_ruby(command, options[:force_version], user)
+      paths = output_paths(formats, options[:output], "rubyspy-#{pid}-#{Time.now.strftime("%Y%m%d-%H%M%S")}")
+      paths.each_value { |path| check_writable(path) }
       recorder = Recorder.new(pid, **record_options).start
       interrupted = false
       trap("INT") { interrupted = true }
@@ -194,9 +200,9 @@ module RubySpy
         shown = live_display(pid, recorder.progress, shown) if show
       end
       profile = recorder.stop
-      profile.write(output, format: options[:format], tag: options[:tag])
+      write_outputs(profile, paths, options[:view], options[:raw])
       profile.notes.each { |n| warn "rubyspy: #{n}" }
-      warn "rubyspy: wrote #{profile.samples} samples to #{output}"
+      warn "rubyspy: wrote #{profile.samples} samples to #{[*paths.values, *options[:raw]].join(", ")}"
       0
     ensure
       if command && pid
@@ -207,6 +213,77 @@ module RubySpy
           nil
         end
       end
+    end
+
+    # -f/--format, which may be given more than once.
+    def format_options(opts, options, default)
+      opts.on("-f", "--format NAME", Profile::FORMATS.map(&:to_s),
+              "#{Profile::FORMATS.join(", ")} (default #{default}); repeat for several") do |v|
+        options[:formats] << v
+      end
+    end
+
+    # The flags of Profile#render's view keywords, by keyword.
+    VIEW_FLAGS = { per_thread: "--per-thread", lines: "--lines", idle: "--idle", state: "--state",
+                   tag: "--by-tag" }.freeze
+
+    def view_options(opts, options)
+      view = options[:view]
+      opts.separator "How flamegraph, speedscope and collapsed show stacks (default: every thread's " \
+                     "functions merged, blocked threads left out):"
+      opts.on("--per-thread", "a root per thread (speedscope: a profile per thread)") { view[:per_thread] = true }
+      opts.on("--lines", "a frame per line executing, not per function") { view[:lines] = true }
+      opts.on("--idle", "keep the samples of blocked threads (sleep, IO, locks)") { view[:idle] = true }
+      opts.on("--state", "a root per thread state (running, waiting_for_gvl, blocked, gc_*)") { view[:state] = true }
+      opts.on("--by-tag KEY", "a root per value of this tag (speedscope: a profile per value)") { |v| view[:tag] = v }
+    end
+
+    # A view flag needs a format that takes it: an error before anything runs, not after.
+    def check_view(formats, view)
+      return if view.empty? || formats.any? { |f| Profile::VIEW_FORMATS.include?(f.to_sym) }
+
+      flag = VIEW_FLAGS.fetch(view.keys.first)
+      raise Usage, "#{flag} applies to #{Profile::VIEW_FORMATS.join(", ")} only, not to #{formats.join(", ")}"
+    end
+
+    # Format => path: one format goes to +output+ itself, several to +output+ (or
+    # +default_base+) followed by each format's extension.
+    def output_paths(formats, output, default_base)
+      return { formats.first => output } if output && formats.size == 1
+
+      base = output || default_base
+      formats.to_h { |f| [f, "#{base}.#{Profile::EXTENSIONS.fetch(f.to_sym)}"] }
+    end
+
+    # Writes each format (the raw profile first: it keeps everything whatever happens next),
+    # giving the view keywords to the formats that take them.
+    def write_outputs(profile, paths, view, raw)
+      profile.write(raw, format: :raw) if raw
+      shaped = paths.keys.select { |f| Profile::VIEW_FORMATS.include?(f.to_sym) }
+      tell_idle(profile, shaped, view)
+      paths.each do |format, path|
+        keywords = shaped.include?(format) ? view : {}
+        profile.write(path, format: format, **keywords)
+      end
+    end
+
+    # Says how many idle samples the view formats +shaped+ leave out (collapsed has nowhere to
+    # say it; a profile of idle samples only keeps them).
+    def tell_idle(profile, shaped, view)
+      blocked = profile.threads.sum { |t| t[:states]["blocked"].to_i }
+      return if view[:idle] || blocked.zero? || blocked == profile.samples || shaped.empty?
+
+      warn "rubyspy: #{blocked} idle samples (blocked threads) left out of #{shaped.join(", ")}; --idle shows them"
+    end
+
+    # The user sudo ran rubyspy for (SUDO_UID, SUDO_GID), when running as root: a command
+    # recorded runs as them, as rbspy does, rather than as root.
+    def invoking_user
+      return nil unless Process.euid.zero?
+
+      uid = Integer(ENV.fetch("SUDO_UID", ""), exception: false)
+      gid = Integer(ENV.fetch("SUDO_GID", ""), exception: false)
+      uid&.positive? && gid ? [uid, gid] : nil
     end
 
     # Redraws the terminal status: elapsed time, samples and the live top 10 (functions most
@@ -223,10 +300,11 @@ module RubySpy
       lines.size
     end
 
-    # Starts a command and waits (up to 10 s) until its Ruby VM can be read: while it execs
-    # (a wrapper script) or Ruby boots, attaching fails in passing ways.
-    def spawn_ruby(command, force_version)
-      pid = Process.spawn(*command)
+    # Starts a command (as +user+, [uid, gid], when given) and waits (up to 10 s) until its
+    # Ruby VM can be read: while it execs (a wrapper script) or Ruby boots, attaching fails in
+    # passing ways.
+    def spawn_ruby(command, force_version, user = nil)
+      pid = user ? spawn_as(command, *user) : Process.spawn(*command)
       deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
       begin
         RubySpy.attach(pid, force_version: force_version)
@@ -240,6 +318,19 @@ module RubySpy
       pid
     end
 
+    # Process.spawn has no uid option: fork, give up root for good, exec.
+    def spawn_as(command, uid, gid)
+      fork do
+        Process.groups = [gid]
+        Process::GID.change_privilege(gid)
+        Process::UID.change_privilege(uid)
+        exec(*command)
+      rescue SystemCallError => e
+        warn "rubyspy: cannot run #{command.first} as uid #{uid}: #{e.message}"
+        exit!(127)
+      end
+    end
+
     def check_writable(path)
       return if File.exist?(path) && !File.directory?(path) && File.writable?(path) # /dev/null, or a file to replace
 
@@ -248,23 +339,34 @@ module RubySpy
     end
 
     def report(argv)
-      options = { format: "summary" }
+      options = { formats: [], view: {} }
       parser = OptionParser.new do |opts|
-        opts.banner = "Usage: rubyspy report --input RAW [--format NAME] [--output PATH]"
-        opts.on("--input PATH", "a profile written with --format raw") { |v| options[:input] = v }
-        opts.on("-f", "--format NAME", Profile::FORMATS.map(&:to_s), "default summary") { |v| options[:format] = v }
-        opts.on("-o", "--output PATH", "default: standard output") { |v| options[:output] = v }
+        opts.banner = "Usage: rubyspy report --input RAW [--format NAME]... [--output PATH] [options]"
+        opts.on("--input PATH", "a profile written with --format raw or --raw") { |v| options[:input] = v }
+        format_options(opts, options, "summary")
+        opts.on("-o", "--output PATH", "default: standard output (one format); with several formats, " \
+                                      "PATH.EXT for each") { |v| options[:output] = v }
+        view_options(opts, options)
         opts.on("-h", "--help") { puts opts; return 0 }
       end
       parser.parse!(argv)
+      raise Usage, "unexpected arguments: #{argv.join(" ")}" unless argv.empty?
       raise Usage, "report needs --input RAW" unless options[:input]
+
+      formats = options[:formats].empty? ? ["summary"] : options[:formats].uniq
+      check_view(formats, options[:view])
+      raise Usage, "several formats need --output (a base name)" if formats.size > 1 && !options[:output]
 
       profile = Profile.load(options[:input])
       if options[:output]
-        check_writable(options[:output])
-        profile.write(options[:output], format: options[:format])
+        paths = output_paths(formats, options[:output], nil)
+        paths.each_value { |path| check_writable(path) }
+        write_outputs(profile, paths, options[:view], nil)
       else
-        $stdout.binmode.write(profile.render(options[:format]))
+        format = formats.first
+        shaped = Profile::VIEW_FORMATS.include?(format.to_sym)
+        tell_idle(profile, [format], options[:view]) if shaped
+        $stdout.binmode.write(profile.render(format, **(shaped ? options[:view] : {})))
       end
       0
     end

@@ -1,6 +1,6 @@
 # frozen_string_literal: true
 
-# Loaded on first use of RubySpy::Profile::FORMATS or EXTENSIONS (see profile.rb).
+# Loaded on first use of RubySpy::Profile::FORMATS, EXTENSIONS or VIEW_FORMATS (see profile.rb).
 require_relative "../rbspy_ext"
 
 module RubySpy
@@ -11,5 +11,8 @@ module RubySpy
     EXTENSIONS = NativeProfile::FORMATS
     # Output formats for {#write} and {#render}.
     FORMATS = EXTENSIONS.keys.freeze
+    # The formats that take {#render}'s view keywords (+per_thread:+, +lines:+, +idle:+,
+    # +state:+, +tag:+).
+    VIEW_FORMATS = NativeProfile::VIEW_FORMATS
   end
 end

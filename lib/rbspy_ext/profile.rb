@@ -8,6 +8,7 @@ module RubySpy
     # file without the extension.
     autoload :FORMATS, File.expand_path("formats", __dir__)
     autoload :EXTENSIONS, File.expand_path("formats", __dir__)
+    autoload :VIEW_FORMATS, File.expand_path("formats", __dir__)
 
     # Loads a raw profile written by +write(path, format: :raw)+, to render it again.
     # @param path [String, #to_path]
@@ -90,24 +91,39 @@ module RubySpy
     end
 
     # The profile in +format+, as a String (binary for pprof).
+    #
+    # flamegraph, speedscope and collapsed ({VIEW_FORMATS}) merge every thread's stacks into
+    # functions (label and path) and leave out the samples of blocked threads (sleeping, in
+    # IO, waiting on a lock: idle), saying so in the flamegraph's subtitle and speedscope's
+    # name. Each keyword undoes one of those; the other formats take none of them.
     # @param format [Symbol, String] one of {FORMATS}
-    # @param tag [Symbol, String, nil] collapsed and flamegraph: a root frame per value of
-    #   this tag (+endpoint=orders#show+, +endpoint=-+ for samples without it)
+    # @param tag [Symbol, String, nil] a root frame per value of this tag
+    #   (+endpoint=orders#show+, +endpoint=-+ for samples without it); speedscope: a profile
+    #   per value
+    # @param per_thread [Boolean] a root frame per thread (speedscope: a profile per thread)
+    # @param lines [Boolean] a frame per executing line (+label path:line+), not per function
+    # @param idle [Boolean] keep the samples of blocked threads
+    # @param state [Boolean] a root frame per thread state (+[running]+, +[waiting_for_gvl]+,
+    #   +[gc_marking]+...)
     # @return [String]
-    # @raise [ArgumentError] for an unknown format
-    def render(format, tag: nil)
-      @native.render(format.to_s, tag&.to_s)
+    # @raise [ArgumentError] for an unknown format, or a keyword the format does not take
+    # @example
+    #   profile.render(:collapsed, per_thread: true, idle: true)
+    def render(format, tag: nil, per_thread: false, lines: false, idle: false, state: false)
+      @native.render(format.to_s, { tag: tag&.to_s, per_thread: per_thread ? true : false, lines: lines ? true : false,
+                                    idle: idle ? true : false, state: state ? true : false })
     end
 
     # Writes the profile to +path+.
     # @param path [String]
     # @param format [Symbol, String] one of {FORMATS}
-    # @param tag (see #render)
+    # @param view [Hash] the keywords of {#render}: +tag:+, +per_thread:+, +lines:+, +idle:+,
+    #   +state:+
     # @return [String] the path
-    # @raise [ArgumentError] for an unknown format
+    # @raise [ArgumentError] for an unknown format, or a keyword the format does not take
     # @raise [SystemCallError] when the path cannot be written
-    def write(path, format:, tag: nil)
-      data = render(format, tag: tag)
+    def write(path, format:, **view)
+      data = render(format, **view)
       File.binwrite(path, data)
       path
     end
@@ -153,21 +169,15 @@ module RubySpy
 
     # Functions by samples: +self+ counts the samples with the function on top of the stack,
     # +total+ those with it anywhere in the stack (once per sample, however deep it recurses).
-    # A function is a label and a path, as in the summary, pprof and callgrind formats; a C
-    # function has no path of its own (its frames carry their caller's), so it is one function
-    # whoever calls it, with path "".
+    # A function is a label and a path, counted as the summary, pprof and callgrind count it
+    # (one key, in the extension); a C function has no path of its own (its frames carry their
+    # caller's), so it is one function whoever calls it, with path "".
     # @param limit [Integer, nil] keep only the first +limit+
     # @return [Array<Hash>] +{label:, path:, self:, total:}+, most self samples first (then
     #   most total)
     def functions(limit: nil)
-      table = Hash.new { |h, k| h[k] = { label: k[0], path: k[1], self: 0, total: 0 } }
-      stacks.each do |stack|
-        keys = stack[:frames].map { |f| [f.label, f.c_function? ? "" : f.path] }
-        table[keys.first][:self] += stack[:samples] unless keys.empty?
-        keys.uniq.each { |k| table[k][:total] += stack[:samples] }
-      end
-      sorted = table.values.sort_by { |f| [-f[:self], -f[:total], f[:label]] }
-      limit ? sorted.first(limit) : sorted
+      rows = @native.functions
+      limit ? rows.first(limit) : rows
     end
 
     # The share of samples whose stack passes through +function+.

@@ -32,6 +32,7 @@ module RubySpy
   class NativeProfile
     # Nothing renders here.
     FORMATS = {}.freeze
+    VIEW_FORMATS = [].freeze
 
     # @api private
     def self.load(*)

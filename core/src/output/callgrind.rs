@@ -4,17 +4,15 @@
 //! Each function (`fl=` its path, `fn=` its label; C functions in [`C_FUNCTION_FILE`]) gets
 //! its self cost at the lines where it was the innermost frame, and one `cfl=`/`cfn=`/`calls=`
 //! block per (calling line, callee) with the samples that went through that call (its
-//! inclusive cost). With `group_by_thread` each thread is a root function in
-//! [`PSEUDO_FILE`]; a stack with no Ruby frame (and no thread root) costs [`NO_FRAMES`] there.
+//! inclusive cost). Threads merge, as in the other formats' defaults; a stack with no Ruby
+//! frame costs [`NO_FRAMES`] in [`PSEUDO_FILE`].
 //!
 //! Two liberties a sampling profiler has to take with a tracing format:
 //! - `calls=` counts the samples seen in the call, not calls (which sampling cannot count);
 //! - a call is recorded only at the callee's outermost appearance in a stack: recursive
 //!   calls are left out, so a callee's inclusive cost (what callgrind_annotate --inclusive=yes
 //!   sums from the calls into it) is exactly the samples it appears in, never counted twice.
-use super::{
-    stack_samples, thread_label, FunctionKey, Options, OutputError, C_FUNCTION_FILE, NO_FRAMES,
-};
+use super::{stack_samples, FunctionKey, OutputError, C_FUNCTION_FILE, NO_FRAMES};
 use crate::profile::Profile;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
@@ -39,8 +37,8 @@ struct Call {
     target_line: i64,
 }
 
-pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
-    let functions = costs(profile, options);
+pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> {
+    let functions = costs(profile);
     writeln!(out, "# callgrind format")?;
     writeln!(out, "version: 1")?;
     writeln!(out, "creator: rbspy_ext {}", env!("CARGO_PKG_VERSION"))?;
@@ -82,7 +80,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
 }
 
 /// Each function's self cost by line and its calls by (line, callee), from every stack.
-fn costs(profile: &Profile, options: &Options) -> BTreeMap<Function, Costs> {
+fn costs(profile: &Profile) -> BTreeMap<Function, Costs> {
     // A frame as callgrind sees it: its function and its line.
     let frames: Vec<(Function, i64)> = profile
         .frames
@@ -102,9 +100,6 @@ fn costs(profile: &Profile, options: &Options) -> BTreeMap<Function, Costs> {
     let mut stack: Vec<(Function, i64)> = Vec::new();
     for s in &profile.stacks {
         stack.clear();
-        if options.group_by_thread {
-            stack.push(pseudo(&thread_label(profile, s.thread)));
-        }
         stack.extend(s.frames.iter().rev().map(|&f| frames[f as usize].clone()));
         if stack.is_empty() {
             stack.push(pseudo(NO_FRAMES));
@@ -253,29 +248,32 @@ mod tests {
         assert_eq!(summary, p.samples);
         assert_eq!(self_cost.values().sum::<u64>(), p.samples);
         assert_eq!(self_cost["<C function>:Kernel#sleep"], 7);
-        assert_eq!(self_cost["<threads>:Thread 0x3000"], 1);
+        assert_eq!(self_cost["<threads>:[no Ruby frames]"], 1);
         // Inclusive: the samples each function appears in, recursion counted once.
         assert_eq!(inclusive["app.rb:<main>"], 31);
         assert_eq!(inclusive["lib/fib.rb:Object#fib"], 7);
         assert_eq!(inclusive["lib/work.rb:Object#work"], 21);
         assert_eq!(inclusive["lib/work.rb:block in Object#work"], 4);
-        assert_eq!(inclusive["<threads>:Thread 4242 (main)"], 24);
-        assert_eq!(inclusive["<threads>:Thread 4250 (worker)"], 7);
+        // Threads merge: no thread is a function.
+        assert!(!text.contains("Thread 4242"));
     }
 
     #[test]
-    fn output_callgrind_without_thread_roots() {
-        let p = fixture::profile();
-        let text = callgrind(&Options {
-            group_by_thread: false,
-            show_state: false,
-            tag_root: None,
-        });
-        let (self_cost, inclusive, _) = costs(&text);
-        assert_eq!(self_cost.values().sum::<u64>(), p.samples);
-        assert_eq!(self_cost["<threads>:[no Ruby frames]"], 1);
-        assert_eq!(inclusive["app.rb:<main>"], 31);
-        assert!(!text.contains("Thread 4242"));
+    fn output_callgrind_takes_no_view_options() {
+        let per_thread = Options {
+            per_thread: true,
+            ..Options::default()
+        };
+        let err = write(
+            &fixture::profile(),
+            Format::Callgrind,
+            &mut Vec::new(),
+            &per_thread,
+        );
+        let msg = err.unwrap_err().to_string();
+        assert!(
+            msg.contains("--per-thread") && msg.contains("flamegraph, speedscope and collapsed")
+        );
     }
 
     /// callgrind_annotate (valgrind's) must read the file without a warning, and report the

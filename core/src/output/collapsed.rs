@@ -2,33 +2,37 @@
 //! first separated by `;`, then a space and the sample count:
 //!
 //! ```text
-//! Thread 4242 (main);<main> app.rb:10;Object#work lib/work.rb:5;Kernel#sleep lib/work.rb:6 7
+//! <main> app.rb;Object#work lib/work.rb;Kernel#sleep 7
 //! ```
 //!
-//! A frame is written `label path:line`: `label path` when the line is unknown (0), `label`
-//! alone when the path is empty. C functions carry their caller's path and line, as in Ruby's
-//! own backtraces. With [`Options::group_by_thread`] the root frame is [`thread_label`]; with
-//! [`Options::show_state`] a pseudo frame `[running]`, `[waiting_for_gvl]`, `[blocked]` or
-//! `[gc]` follows the innermost frame (it becomes the leaf). A stack with no frame at all is
-//! written [`NO_FRAMES`]. Stacks that read the same (the same stack in two threads without
-//! grouping, say) are summed into one line; lines are sorted, so output is deterministic.
+//! Stacks are shaped by [`Options`] first ([`super::view`]): by default a frame is a function
+//! (`label path`; a C function is its `label` alone) and blocked threads' samples are left
+//! out. With `lines` a frame is `label path:line` (`label path` when the line is unknown), C
+//! functions at their caller's path and line, as in Ruby's own backtraces. Root frames come
+//! in this order: the tag's value with `tag_root`, the state with `state` (`[running]`...),
+//! the thread with `per_thread` ([`thread_label`]). A stack with no frame at all is written
+//! [`NO_FRAMES`]. Stacks that read the same (the same stack in two threads, say) are summed
+//! into one line; lines are sorted, so output is deterministic.
 //!
 //! `;` inside a frame would split it, and a line break would split the line: both are
 //! replaced (by `,` and a space) — labels and paths practically never contain them.
-use super::{thread_label, Options, OutputError, NO_FRAMES};
-use crate::profile::{Profile, ThreadState};
+use super::{thread_label, view, Options, OutputError, NO_FRAMES};
+use crate::profile::Profile;
 use crate::spy::Frame;
 use std::collections::BTreeMap;
 use std::io::Write;
 
 pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
-    for (stack, count) in folded(profile, options) {
+    let (shaped, _) = view(profile, options);
+    for (stack, count) in folded(&shaped, options) {
         writeln!(out, "{stack} {count}")?;
     }
     Ok(())
 }
 
-/// Folded stack (without its count) → samples.
+/// Folded stack (without its count) → samples, for a profile already shaped by [`view`]
+/// (whose state pseudo frame is the root of each stack's frames): the roots `view` leaves to
+/// the writers (tag, thread) are added here.
 pub(crate) fn folded(profile: &Profile, options: &Options) -> BTreeMap<String, u64> {
     let frame_texts: Vec<String> = profile.frames.iter().map(frame_text).collect();
     let mut lines: BTreeMap<String, u64> = BTreeMap::new();
@@ -49,38 +53,25 @@ pub(crate) fn folded(profile: &Profile, options: &Options) -> BTreeMap<String, u
         if let Some(root) = tag_roots.get(stack.tags as usize) {
             parts.push(root);
         }
-        if options.group_by_thread {
+        let mut frames = stack
+            .frames
+            .iter()
+            .rev()
+            .map(|&f| frame_texts[f as usize].as_str());
+        // The state's pseudo frame is the stack's root: it stays above the thread's.
+        if options.state {
+            parts.extend(frames.next());
+        }
+        if options.per_thread {
             parts.push(&thread_labels[stack.thread as usize]);
         }
-        parts.extend(
-            stack
-                .frames
-                .iter()
-                .rev()
-                .map(|&f| frame_texts[f as usize].as_str()),
-        );
-        if options.show_state {
-            parts.push(state_frame(stack.state));
-        }
+        parts.extend(frames);
         if parts.is_empty() {
             parts.push(NO_FRAMES);
         }
         *lines.entry(parts.join(";")).or_insert(0) += stack.count;
     }
     lines
-}
-
-/// The pseudo frame of a thread state.
-pub fn state_frame(state: ThreadState) -> &'static str {
-    match state {
-        ThreadState::Running => "[running]",
-        ThreadState::WaitingForGvl => "[waiting_for_gvl]",
-        ThreadState::Blocked => "[blocked]",
-        ThreadState::Gc => "[gc]",
-        ThreadState::GcMarking => "[gc_marking]",
-        ThreadState::GcSweeping => "[gc_sweeping]",
-        ThreadState::GcCompacting => "[gc_compacting]",
-    }
 }
 
 /// `label path:line` (see the module docs).
@@ -129,14 +120,27 @@ mod tests {
         String::from_utf8(out).unwrap()
     }
 
+    /// What the formats showed before they had defaults of their own.
+    fn every_line_per_thread() -> Options {
+        Options {
+            per_thread: true,
+            lines: true,
+            idle: true,
+            ..Options::default()
+        }
+    }
+
+    fn key(s: &[&str]) -> Vec<String> {
+        s.iter().map(|s| s.to_string()).collect()
+    }
+
     #[test]
     fn output_collapsed_lines_resum_to_the_profile() {
         let p = fixture::profile();
-        let text = collapsed(&Options::default());
+        let text = collapsed(&every_line_per_thread());
         let stacks = parse(&text);
         assert_eq!(stacks.len(), p.stacks.len());
         assert_eq!(stacks.values().sum::<u64>(), p.samples);
-        let key = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
             stacks[&key(&[
                 "Thread 4242 (main)",
@@ -165,38 +169,56 @@ mod tests {
     }
 
     #[test]
-    fn output_collapsed_without_threads_merges_and_states_split_leaves() {
+    fn output_collapsed_defaults_merge_threads_into_functions_without_idle_samples() {
         let p = fixture::profile();
-        let flat = parse(&collapsed(&Options {
-            group_by_thread: false,
-            show_state: false,
-            tag_root: None,
+        let stacks = parse(&collapsed(&Options::default()));
+        let blocked = 7 + 1; // Kernel#sleep in main, and the thread with no Ruby frame
+        assert_eq!(stacks.values().sum::<u64>(), p.samples - blocked);
+        assert!(stacks.keys().all(|k| !k[0].starts_with("Thread")));
+        assert!(stacks.keys().flatten().all(|f| !f.contains("Kernel#sleep")));
+        assert_eq!(
+            stacks[&key(&["<main> app.rb", "Object#work lib/work.rb"])],
+            10
+        );
+        // Lines 3 and 4 of fib are one function: running 5, in GC 2.
+        let fib = |n: usize| {
+            let mut k = key(&["<main> app.rb"]);
+            k.extend(std::iter::repeat_n("Object#fib lib/fib.rb".to_string(), n));
+            stacks[&k]
+        };
+        assert_eq!((fib(3), fib(2)), (5, 2));
+        // A C function is its label alone.
+        let with_idle = parse(&collapsed(&Options {
+            idle: true,
+            ..Options::default()
         }));
-        // Without thread roots, the thread with no Ruby frame gets the placeholder frame.
-        assert_eq!(flat.values().sum::<u64>(), p.samples);
-        assert_eq!(flat[&vec![NO_FRAMES.to_string()]], 1);
-        assert!(flat.keys().all(|k| !k[0].starts_with("Thread")));
+        assert_eq!(
+            with_idle[&key(&["<main> app.rb", "Object#work lib/work.rb", "Kernel#sleep"])],
+            7
+        );
+        assert_eq!(with_idle[&key(&[NO_FRAMES])], 1);
+    }
 
+    #[test]
+    fn output_collapsed_state_roots_above_thread_roots() {
+        let p = fixture::profile();
         let states = parse(&collapsed(&Options {
-            group_by_thread: true,
-            show_state: true,
-            tag_root: None,
+            state: true,
+            ..every_line_per_thread()
         }));
         assert_eq!(states.values().sum::<u64>(), p.samples);
         for stack in states.keys() {
-            let leaf = stack.last().unwrap();
-            assert!(leaf.starts_with('[') && leaf.ends_with(']'), "{stack:?}");
+            let root = &stack[0];
+            assert!(root.starts_with('[') && root.ends_with(']'), "{stack:?}");
+            assert!(stack[1].starts_with("Thread "), "{stack:?}");
         }
         let gc: u64 = states
             .iter()
-            .filter(|(k, _)| k.last().unwrap() == "[gc]")
+            .filter(|(k, _)| k[0] == "[gc]")
             .map(|(_, c)| c)
             .sum();
         assert_eq!(gc, 2);
-        assert_eq!(
-            states[&vec!["Thread 0x3000".to_string(), "[blocked]".to_string()]],
-            1
-        );
+        assert_eq!(states[&key(&["[blocked]", "Thread 0x3000"])], 1);
     }
 
     #[test]
@@ -206,13 +228,12 @@ mod tests {
         let mut agg = Aggregator::new(4242, "3.3.0", 100.0, 0);
         let stack = [frame("Foo#bar", "foo.rb", 2, false), fixture::main_rb()];
         agg.add_count(&a, ThreadState::Running, &stack, 2);
-        agg.add_count(&b, ThreadState::Blocked, &stack, 3);
+        agg.add_count(&b, ThreadState::WaitingForGvl, &stack, 3);
         let p = agg.finish(1);
         let mut out = Vec::new();
         let opts = Options {
-            group_by_thread: false,
-            show_state: false,
-            tag_root: None,
+            lines: true,
+            ..Options::default()
         };
         write_format(&p, Format::Collapsed, &mut out, &opts).unwrap();
         assert_eq!(

@@ -1,15 +1,17 @@
 //! An interactive SVG flame graph, drawn by `inferno` (a port of flamegraph.pl) from the
-//! [`super::collapsed`] lines, so its frames read exactly as there (thread roots and
-//! state pseudo frames included, per [`Options`]).
+//! [`super::collapsed`] lines, so its frames read exactly as there (functions of all threads
+//! merged by default, per [`Options`]). The subtitle says how many idle samples were left
+//! out.
 //!
 //! A profile with no samples is refused ([`OutputError::NoSamples`]) before anything is
 //! written: inferno would otherwise draw an "invalid input" picture and fail anyway.
-use super::{collapsed, stack_samples, Options, OutputError};
+use super::{collapsed, view, Options, OutputError};
 use crate::profile::Profile;
 use std::io::Write;
 
 pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
-    let folded = collapsed::folded(profile, options);
+    let (shaped, note) = view(profile, options);
+    let folded = collapsed::folded(&shaped, options);
     if folded.is_empty() {
         return Err(OutputError::NoSamples);
     }
@@ -19,12 +21,8 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         .collect();
 
     let mut opts = inferno::flamegraph::Options::default();
-    opts.title = format!(
-        "rbspy_ext: pid {}, {} samples",
-        profile.pid,
-        stack_samples(profile)
-    );
-    opts.subtitle = Some(format!(
+    opts.title = format!("rbspy_ext: pid {}, {} samples", profile.pid, shaped.samples);
+    let mut subtitle = format!(
         "Ruby {}, {:.2} s at {} Hz",
         if profile.ruby_version.is_empty() {
             "?"
@@ -33,7 +31,12 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         },
         profile.duration_ns as f64 / 1e9,
         profile.rate_hz
-    ));
+    );
+    if let Some(note) = note {
+        subtitle.push_str("; ");
+        subtitle.push_str(&note);
+    }
+    opts.subtitle = Some(subtitle);
     opts.count_name = "samples".to_string();
     // Colour by a hash of the frame name: the same function keeps its colour from one
     // recording to the next.
@@ -102,7 +105,13 @@ mod tests {
     fn output_flamegraph_is_well_formed_svg_with_the_frames() {
         let p = fixture::profile();
         let mut out = Vec::new();
-        write(&p, Format::Flamegraph, &mut out, &Options::default()).unwrap();
+        let per_thread = Options {
+            per_thread: true,
+            lines: true,
+            idle: true,
+            ..Options::default()
+        };
+        write(&p, Format::Flamegraph, &mut out, &per_thread).unwrap();
         let svg = String::from_utf8(out).unwrap();
         let all = texts(&svg).join("\n");
         for name in [
@@ -119,13 +128,26 @@ mod tests {
 
         let mut out = Vec::new();
         let opts = Options {
-            group_by_thread: false,
-            show_state: true,
-            tag_root: None,
+            state: true,
+            idle: true,
+            ..Options::default()
         };
         write(&p, Format::Flamegraph, &mut out, &opts).unwrap();
         let all = texts(&String::from_utf8(out).unwrap()).join("\n");
         assert!(all.contains("[blocked]"));
         assert!(!all.contains("Thread 4242"));
+
+        // The defaults: functions, idle samples left out and said so.
+        let mut out = Vec::new();
+        write(&p, Format::Flamegraph, &mut out, &Options::default()).unwrap();
+        let all = texts(&String::from_utf8(out).unwrap()).join("\n");
+        assert!(all.contains("rbspy_ext: pid 4242, 24 samples"), "{all}");
+        assert!(
+            all.contains("8 idle samples (blocked threads) left out"),
+            "{all}"
+        );
+        assert!(all.contains("Object#work lib/work.rb"));
+        assert!(!all.contains("Object#work lib/work.rb:5"));
+        assert!(!all.contains("Kernel#sleep"));
     }
 }

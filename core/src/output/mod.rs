@@ -16,15 +16,18 @@
 //! | `lines`      | text: the summary, then top source lines              | [`summary`]           |
 //! | `raw`        | versioned JSON that [`read_raw`] reads back exactly   | [`raw`]               |
 //!
-//! [`Options::group_by_thread`] means, per format: a root frame naming the thread
-//! ([`thread_label`]) in collapsed, flamegraph, callgrind and pprof (pprof also always labels
-//! each sample with its thread); one speedscope profile per thread (else one for all threads).
-//! Summary and raw ignore it. [`Options::show_state`] only affects collapsed and flamegraph.
+//! [`Options`] shape flamegraph, speedscope and collapsed ([`view`]): by default every
+//! thread's stacks merge, frames are functions, and blocked (idle) threads' samples are left
+//! out (unless there is nothing else), which the flamegraph's subtitle and speedscope's name
+//! say; `per_thread`, `lines`,
+//! `idle`, `state` and `tag_root` undo each. pprof labels every sample with its thread,
+//! state and tags instead (`go tool pprof -tagroot=thread` draws a root per thread).
 //!
-//! A *function* (summary, pprof, callgrind) is a label plus a path. C functions are the
-//! exception: Ruby reports them at their caller's path and line (as its backtraces do), so
-//! they are identified by label alone, whatever file calls them; per-frame formats
-//! (collapsed, flamegraph, speedscope, the "lines" summary) keep that caller's path:line.
+//! A *function* (summary, pprof, callgrind, and the default frames of the others) is a
+//! label plus a path ([`FunctionKey`]). C functions are the exception: Ruby reports them at
+//! their caller's path and line (as its backtraces do), so they are identified by label
+//! alone, whatever file calls them; per-line frames (`lines`, and the "lines" summary) keep
+//! that caller's path:line.
 pub mod callgrind;
 pub mod collapsed;
 pub mod flamegraph;
@@ -32,8 +35,10 @@ pub mod pprof;
 pub mod raw;
 pub mod speedscope;
 pub mod summary;
+mod view;
 
 pub use raw::read_raw;
+pub(crate) use view::view;
 
 use crate::profile::Profile;
 use crate::spy::Frame;
@@ -121,26 +126,40 @@ impl std::str::FromStr for Format {
     }
 }
 
-/// How stacks are shaped on output. `Options::default()` groups by thread, hides states.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How flamegraph, speedscope and collapsed shape stacks ([`Options::FORMATS`]; see
+/// [`view`]). The defaults merge threads, show functions (not lines) and leave out blocked
+/// threads' samples; every other format takes only the defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Options {
-    /// Give every stack a root frame naming its thread (see the module docs per format).
-    pub group_by_thread: bool,
-    /// Collapsed and flamegraph only: add the thread's state (`[running]`, `[blocked]`...)
-    /// as a pseudo frame after the innermost one (the new leaf), so each leaf splits by state.
-    pub show_state: bool,
-    /// Collapsed and flamegraph only: a root frame `key=value` (`key=-` without the tag)
-    /// naming the value of this tag, above the thread's.
+    /// A root frame per thread ([`thread_label`]); speedscope: one profile per thread.
+    pub per_thread: bool,
+    /// A frame per executing line (`label path:line`) instead of per function.
+    pub lines: bool,
+    /// Keep the samples of blocked threads (idle), which are left out by default.
+    pub idle: bool,
+    /// A root pseudo frame per thread state (`[running]`, `[waiting_for_gvl]`...).
+    pub state: bool,
+    /// A root frame `key=value` (`key=-` without the tag) naming the value of this tag,
+    /// above the others; speedscope: one profile per value.
     pub tag_root: Option<String>,
 }
 
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            group_by_thread: true,
-            show_state: false,
-            tag_root: None,
-        }
+impl Options {
+    /// The formats that take options other than the defaults.
+    pub const FORMATS: [Format; 3] = [Format::Flamegraph, Format::Speedscope, Format::Collapsed];
+
+    /// The first option that is not its default, by its `rubyspy` flag.
+    fn first_set(&self) -> Option<&'static str> {
+        [
+            (self.per_thread, "--per-thread"),
+            (self.lines, "--lines"),
+            (self.idle, "--idle"),
+            (self.state, "--state"),
+            (self.tag_root.is_some(), "--by-tag"),
+        ]
+        .into_iter()
+        .find(|(set, _)| *set)
+        .map(|(_, flag)| flag)
     }
 }
 
@@ -163,6 +182,11 @@ pub(crate) fn tag_roots(profile: &Profile, key: &str) -> Vec<String> {
 pub enum OutputError {
     #[error("unknown output format {name:?}; valid formats are: {valid}")]
     UnknownFormat { name: String, valid: String },
+    #[error("{option} applies to flamegraph, speedscope and collapsed only, not to {format}")]
+    OptionNotTaken {
+        option: &'static str,
+        format: Format,
+    },
     #[error("the profile has no samples: there is nothing to draw")]
     NoSamples,
     #[error("inconsistent profile: {0}")]
@@ -193,12 +217,17 @@ pub fn write(
     // The writers index frames and threads directly: refuse an inconsistent profile here
     // rather than panic there.
     check(profile).map_err(OutputError::InvalidProfile)?;
+    if let Some(option) = options.first_set() {
+        if !Options::FORMATS.contains(&format) {
+            return Err(OutputError::OptionNotTaken { option, format });
+        }
+    }
     match format {
         Format::Flamegraph => flamegraph::write(profile, out, options),
         Format::Speedscope => speedscope::write(profile, out, options),
-        Format::Pprof => pprof::write(profile, out, options),
+        Format::Pprof => pprof::write(profile, out),
         Format::Collapsed => collapsed::write(profile, out, options),
-        Format::Callgrind => callgrind::write(profile, out, options),
+        Format::Callgrind => callgrind::write(profile, out),
         Format::Summary => summary::write(profile, out, false),
         Format::Lines => summary::write(profile, out, true),
         Format::Raw => raw::write(profile, out),

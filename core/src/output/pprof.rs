@@ -4,8 +4,9 @@
 //! - sample types `samples/count` and `wall/nanoseconds` (count × period);
 //!   period type `wall/nanoseconds`, period = 1e9 / rate; `time_nanos`, `duration_nanos`;
 //! - one sample per aggregated stack, locations leaf first, labelled `thread` (its
-//!   [`thread_label`]), `thread_id` (native id), `state` and `pid`; with `group_by_thread` the
-//!   thread is also a root location, so flame views split by thread as the other formats do;
+//!   [`thread_label`]), `thread_id` (native id), `state` and `pid`, and its tags; threads are
+//!   labels only (`go tool pprof -tagroot=thread` draws a root per thread), since a fleet
+//!   backend merges profiles of many processes, whose thread ids differ;
 //! - a function per label + path (`name` = label, `system_name` = base label, `filename` =
 //!   path; C functions have no file, see the module docs of `output`), a location per
 //!   function + line; no mappings (Ruby code has no binary addresses). Where the base label
@@ -16,7 +17,7 @@
 //!
 //! The messages are written by hand with `prost`'s derive (no protoc, no build script); only
 //! the fields we write (and the `Mapping` message, for decoders' sake) are declared.
-use super::{sample_period_ns, thread_label, FunctionKey, Options, OutputError};
+use super::{sample_period_ns, thread_label, FunctionKey, OutputError};
 use crate::profile::{Profile, StackCount};
 use flate2::write::GzEncoder;
 use prost::Message;
@@ -226,10 +227,11 @@ impl Locations {
 }
 
 /// Builds the message, before encoding (tests decode and compare against it).
-pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
+pub fn build(profile: &Profile) -> proto::Profile {
     let mut strings = Strings::new();
     let mut locations = Locations::default();
-    // One location per profile frame (several frames may share one), one per thread root.
+    // One location per profile frame (several frames may share one). Threads are labels, not
+    // root frames: a fleet backend merges profiles of many processes, whose thread ids differ.
     let frame_locations: Vec<u64> = profile
         .frames
         .iter()
@@ -243,14 +245,6 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
     let thread_labels: Vec<String> = (0..profile.threads.len() as u32)
         .map(|t| thread_label(profile, t))
         .collect();
-    let thread_locations: Vec<u64> = if options.group_by_thread {
-        thread_labels
-            .iter()
-            .map(|l| locations.id(&mut strings, l, l, "", 0))
-            .collect()
-    } else {
-        Vec::new()
-    };
     let period = sample_period_ns(profile).map_or(0, |ns| ns.round() as i64);
     let [samples, count, wall, nanoseconds] =
         ["samples", "count", "wall", "nanoseconds"].map(|s| strings.id(s));
@@ -258,14 +252,11 @@ pub fn build(profile: &Profile, options: &Options) -> proto::Profile {
         .stacks
         .iter()
         .map(|stack| {
-            let mut location_id: Vec<u64> = stack
+            let location_id: Vec<u64> = stack
                 .frames
                 .iter()
                 .map(|&f| frame_locations[f as usize])
                 .collect();
-            if options.group_by_thread {
-                location_id.push(thread_locations[stack.thread as usize]);
-            }
             let n = i64::try_from(stack.count).unwrap_or(i64::MAX);
             proto::Sample {
                 location_id,
@@ -351,8 +342,8 @@ fn comments(profile: &Profile) -> Vec<String> {
     comments
 }
 
-pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
-    let bytes = build(profile, options).encode_to_vec();
+pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> {
+    let bytes = build(profile).encode_to_vec();
     let mut gz = GzEncoder::new(out, flate2::Compression::default());
     gz.write_all(&bytes)?;
     gz.finish()?;
@@ -362,13 +353,14 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::output::{fixture, write as write_format, Format};
+    use crate::output::{fixture, write as write_format, Format, Options};
     use std::collections::BTreeMap;
     use std::io::Read;
 
-    fn decode(options: &Options) -> proto::Profile {
+    fn decode() -> proto::Profile {
         let mut out = Vec::new();
-        write_format(&fixture::profile(), Format::Pprof, &mut out, options).unwrap();
+        let options = Options::default();
+        write_format(&fixture::profile(), Format::Pprof, &mut out, &options).unwrap();
         assert_eq!(&out[..2], &[0x1f, 0x8b], "gzip magic");
         let mut bytes = Vec::new();
         flate2::read::GzDecoder::new(&out[..])
@@ -380,9 +372,8 @@ mod tests {
     #[test]
     fn output_pprof_decodes_back_with_the_profile_totals() {
         let p = fixture::profile();
-        let opts = Options::default();
-        let decoded = decode(&opts);
-        assert_eq!(decoded, build(&p, &opts));
+        let decoded = decode();
+        assert_eq!(decoded, build(&p));
         let s = |i: i64| decoded.string_table[i as usize].as_str();
         assert_eq!(s(0), "");
         let types: Vec<(&str, &str)> = decoded
@@ -417,13 +408,13 @@ mod tests {
 
     #[test]
     fn output_pprof_labels_threads_and_states_and_names_functions() {
-        let decoded = decode(&Options::default());
+        let decoded = decode();
         let s = |i: i64| decoded.string_table[i as usize].as_str();
         let functions: BTreeMap<u64, &proto::Function> =
             decoded.function.iter().map(|f| (f.id, f)).collect();
         let locations: BTreeMap<u64, &proto::Location> =
             decoded.location.iter().map(|l| (l.id, l)).collect();
-        // Per-thread and per-state totals through the labels; stacks leaf first, thread root.
+        // Per-thread and per-state totals through the labels; stacks leaf first.
         let mut by_thread: BTreeMap<String, i64> = BTreeMap::new();
         let mut by_state: BTreeMap<String, i64> = BTreeMap::new();
         for sample in &decoded.sample {
@@ -440,17 +431,8 @@ mod tests {
                 .iter()
                 .map(|id| s(functions[&locations[id].line[0].function_id].name))
                 .collect();
-            assert_eq!(*names.last().unwrap(), s(label("thread").str));
-            if names[0] == "Kernel#sleep" {
-                assert_eq!(
-                    names,
-                    [
-                        "Kernel#sleep",
-                        "Object#work",
-                        "<main>",
-                        "Thread 4242 (main)"
-                    ]
-                );
+            if names.first() == Some(&"Kernel#sleep") {
+                assert_eq!(names, ["Kernel#sleep", "Object#work", "<main>"]);
                 assert_eq!(label("thread_id").num, 4242);
                 assert_eq!(s(label("state").str), "blocked");
             }
@@ -495,12 +477,8 @@ mod tests {
     }
 
     #[test]
-    fn output_pprof_without_thread_roots() {
-        let decoded = decode(&Options {
-            group_by_thread: false,
-            show_state: false,
-            tag_root: None,
-        });
+    fn output_pprof_has_no_thread_roots() {
+        let decoded = decode();
         let s = |i: i64| decoded.string_table[i as usize].as_str();
         assert!(decoded
             .function

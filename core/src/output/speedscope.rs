@@ -1,16 +1,19 @@
 //! speedscope's JSON file format (<https://www.speedscope.app/file-format-schema.json>, shipped
 //! in the `speedscope` npm package as `dist/release/file-format-schema.json`).
 //!
-//! Frames are shared (`name` = label, `file` = path, `line`), one per distinct
-//! (label, path, line); each thread is one "sampled" profile whose samples are frame indexes
-//! root first, one sample per distinct stack, weighted by its duration: count × 1000 / rate
-//! milliseconds (unit "milliseconds"), or by its count (unit "none") when the rate is unknown.
-//! speedscope names each profile in its thread menu, so no thread root frame is added; with
-//! `group_by_thread` off, all threads share one profile. States are not shown.
+//! Stacks are shaped by [`Options`] first ([`super::view`]: functions of every thread, idle
+//! samples left out, by default). Frames are shared (`name` = label, `file` = path, `line`
+//! with `lines`), one per distinct (label, path, line). All threads share one "sampled"
+//! profile, or with `per_thread` each thread has its own (speedscope names each in its
+//! profile menu, so no thread root frame is added), or with `tag_root` each value of the tag.
+//! Samples are frame indexes root first, one sample per distinct stack, weighted by its
+//! duration: count × 1000 / rate milliseconds (unit "milliseconds"), or by its count (unit
+//! "none") when the rate is unknown. With `state` each stack's root is its state's pseudo
+//! frame. The file's name says how many idle samples were left out.
 //!
 //! The samples are aggregated, not in time order: speedscope's "Time Order" view shows them
 //! in the order first seen; "Left Heavy" and "Sandwich" are the meaningful views.
-use super::{sample_period_ns, thread_label, Options, OutputError};
+use super::{sample_period_ns, thread_label, view, Options, OutputError};
 use crate::profile::Profile;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -72,6 +75,8 @@ impl SampledProfile {
 }
 
 pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Result<(), OutputError> {
+    let (shaped, note) = view(profile, options);
+    let profile = &*shaped;
     let (frames, remap) = shared_frames(profile);
     let (unit, ms_per_sample) = match sample_period_ns(profile) {
         Some(ns) => ("milliseconds", ns / 1e6),
@@ -100,7 +105,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
     let mut kept: Vec<(SampledProfile, u64)> = profiles
         .into_iter()
         .zip(counts)
-        .filter(|(_, c)| *c > 0 || !(options.group_by_thread || options.tag_root.is_some()))
+        .filter(|(_, c)| *c > 0 || !(options.per_thread || options.tag_root.is_some()))
         .collect();
     if kept.is_empty() {
         kept.push((SampledProfile::new("No samples".to_string(), unit), 0));
@@ -120,7 +125,10 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         schema: SCHEMA_URL,
         shared: Shared { frames },
         profiles: kept.into_iter().map(|(p, _)| p).collect(),
-        name: format!("rbspy_ext: pid {}{version}", profile.pid),
+        name: match note {
+            None => format!("rbspy_ext: pid {}{version}", profile.pid),
+            Some(note) => format!("rbspy_ext: pid {}{version}; {note}", profile.pid),
+        },
         active_profile_index,
         exporter: format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
     };
@@ -178,7 +186,7 @@ fn groups(profile: &Profile, options: &Options) -> (Vec<String>, Vec<usize>) {
         }
         return (names, group_of);
     }
-    if options.group_by_thread {
+    if options.per_thread {
         let names = (0..profile.threads.len() as u32)
             .map(|t| thread_label(profile, t))
             .collect();
@@ -254,7 +262,12 @@ mod tests {
     #[test]
     fn output_speedscope_matches_the_schema_and_the_profile() {
         let p = fixture::profile();
-        let doc = speedscope(&Options::default());
+        let doc = speedscope(&Options {
+            per_thread: true,
+            lines: true,
+            idle: true,
+            ..Options::default()
+        });
         check_structure(&doc);
         let profiles = doc["profiles"].as_array().unwrap();
         assert_eq!(profiles.len(), 3);
@@ -305,22 +318,41 @@ mod tests {
 
     #[test]
     fn output_speedscope_one_profile_without_grouping_and_none_unit_without_rate() {
-        let doc = speedscope(&Options {
-            group_by_thread: false,
-            show_state: false,
-            tag_root: None,
-        });
+        let doc = speedscope(&Options::default());
         check_structure(&doc);
         assert_eq!(doc["profiles"].as_array().unwrap().len(), 1);
+        // 32 samples, 8 of them idle (blocked): left out, and the name says so.
+        assert_eq!(doc["profiles"][0]["endValue"], 240.0);
+        let name = doc["name"].as_str().unwrap();
+        assert!(name.contains("8 idle samples"), "{name}");
+        let frames = doc["shared"]["frames"].as_array().unwrap();
+        assert!(frames.iter().all(|f| f.get("line").is_none()));
+        assert!(frames.iter().all(|f| f["name"] != "Kernel#sleep"));
+
+        let doc = speedscope(&Options {
+            idle: true,
+            state: true,
+            ..Options::default()
+        });
+        check_structure(&doc);
         assert_eq!(doc["profiles"][0]["endValue"], 320.0);
+        let frames = doc["shared"]["frames"].as_array().unwrap();
+        for s in doc["profiles"][0]["samples"].as_array().unwrap() {
+            let root = &frames[s[0].as_u64().unwrap() as usize]["name"];
+            assert!(root.as_str().unwrap().starts_with('['), "{root}");
+        }
 
         let mut p = fixture::profile();
         p.rate_hz = 0.0;
         let mut out = Vec::new();
-        write(&p, Format::Speedscope, &mut out, &Options::default()).unwrap();
+        let idle = Options {
+            idle: true,
+            ..Options::default()
+        };
+        write(&p, Format::Speedscope, &mut out, &idle).unwrap();
         let doc: Value = serde_json::from_slice(&out).unwrap();
         check_structure(&doc);
         assert_eq!(doc["profiles"][0]["unit"], "none");
-        assert_eq!(doc["profiles"][0]["endValue"], 24.0);
+        assert_eq!(doc["profiles"][0]["endValue"], 32.0);
     }
 }

@@ -18,29 +18,16 @@ pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<()
     let total = stack_samples(profile);
     header(profile, total, out)?;
 
-    let mut self_samples: HashMap<FunctionKey, u64> = HashMap::new();
-    let mut total_samples: HashMap<FunctionKey, u64> = HashMap::new();
+    let (self_samples, total_samples) = function_samples(profile);
     let mut line_samples: HashMap<(&str, i32, &str), u64> = HashMap::new();
-    let mut in_stack: HashSet<FunctionKey> = HashSet::new();
     for stack in &profile.stacks {
         let Some(&leaf) = stack.frames.first() else {
             continue;
         };
         let leaf = &profile.frames[leaf as usize];
-        *self_samples.entry(FunctionKey::of(leaf)).or_default() += stack.count;
         *line_samples
             .entry((&leaf.path, leaf.lineno, &leaf.label))
             .or_default() += stack.count;
-        in_stack.clear();
-        in_stack.extend(
-            stack
-                .frames
-                .iter()
-                .map(|&f| FunctionKey::of(&profile.frames[f as usize])),
-        );
-        for f in &in_stack {
-            *total_samples.entry(*f).or_default() += stack.count;
-        }
     }
 
     let function_name = |f: &FunctionKey| {
@@ -87,6 +74,65 @@ pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<()
         }
     }
     Ok(())
+}
+
+type Counts<'a> = HashMap<FunctionKey<'a>, u64>;
+
+/// Samples by function: with it innermost (self), and with it anywhere in the stack (total,
+/// counted once per sample however deep it recurses).
+fn function_samples(profile: &Profile) -> (Counts<'_>, Counts<'_>) {
+    let mut self_samples = Counts::new();
+    let mut total_samples = Counts::new();
+    let mut in_stack: HashSet<FunctionKey> = HashSet::new();
+    for stack in &profile.stacks {
+        let Some(&leaf) = stack.frames.first() else {
+            continue;
+        };
+        let leaf = &profile.frames[leaf as usize];
+        *self_samples.entry(FunctionKey::of(leaf)).or_default() += stack.count;
+        in_stack.clear();
+        in_stack.extend(
+            stack
+                .frames
+                .iter()
+                .map(|&f| FunctionKey::of(&profile.frames[f as usize])),
+        );
+        for f in &in_stack {
+            *total_samples.entry(*f).or_default() += stack.count;
+        }
+    }
+    (self_samples, total_samples)
+}
+
+/// One function's samples (see [`functions`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FunctionSamples {
+    pub label: String,
+    /// "" for a C function (see the module docs of `output`).
+    pub path: String,
+    pub self_samples: u64,
+    pub total_samples: u64,
+}
+
+/// Every function of the profile, as the summary counts them: most self samples first, then
+/// most total samples, then by label and path. `RubySpy::Profile#functions` is this list.
+pub fn functions(profile: &Profile) -> Vec<FunctionSamples> {
+    let (self_samples, total_samples) = function_samples(profile);
+    let mut rows: Vec<FunctionSamples> = total_samples
+        .iter()
+        .map(|(f, total)| FunctionSamples {
+            label: f.label.to_string(),
+            path: f.path.to_string(),
+            self_samples: self_samples.get(f).copied().unwrap_or(0),
+            total_samples: *total,
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        (b.self_samples, b.total_samples)
+            .cmp(&(a.self_samples, a.total_samples))
+            .then_with(|| (&a.label, &a.path).cmp(&(&b.label, &b.path)))
+    });
+    rows
 }
 
 fn header(profile: &Profile, total: u64, out: &mut dyn Write) -> std::io::Result<()> {
@@ -264,6 +310,37 @@ mod tests {
         // Recursion counted once per sample.
         assert!(by_total.contains(&(21.88, 7, "Object#fib - lib/fib.rb".to_string())));
         assert!(by_total.contains(&(12.5, 4, "block in Object#work - lib/work.rb".to_string())));
+    }
+
+    #[test]
+    fn output_functions_as_the_summary_counts_them() {
+        let p = fixture::profile();
+        let rows = super::functions(&p);
+        let find = |label: &str| rows.iter().find(|r| r.label == label).unwrap();
+        let work = find("Object#work");
+        assert_eq!(
+            (work.path.as_str(), work.self_samples, work.total_samples),
+            ("lib/work.rb", 14, 21)
+        );
+        let sleep = find("Kernel#sleep");
+        assert_eq!(
+            (sleep.path.as_str(), sleep.self_samples, sleep.total_samples),
+            ("", 7, 7)
+        );
+        // Recursion counts once in total.
+        assert_eq!(
+            (
+                find("Object#fib").self_samples,
+                find("Object#fib").total_samples
+            ),
+            (7, 7)
+        );
+        assert_eq!(rows[0].label, "Object#work");
+        let self_sum: u64 = rows.iter().map(|r| r.self_samples).sum();
+        assert_eq!(self_sum, p.samples - 1); // the stack without frames has no function
+        for pair in rows.windows(2) {
+            assert!(pair[0].self_samples >= pair[1].self_samples);
+        }
     }
 
     #[test]

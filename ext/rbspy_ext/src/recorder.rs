@@ -131,22 +131,45 @@ impl NativeProfile {
         })
     }
 
+    /// `render(format, options)`: `options` is the keywords of `Profile#render` (`tag`,
+    /// `per_thread`, `lines`, `idle`, `state`), checked there.
     fn render(
         ruby: &Ruby,
         rb_self: &Self,
         format: String,
-        tag_root: Option<String>,
+        options: RHash,
     ) -> Result<magnus::RString, Error> {
-        let format = Format::from_name(&format)
-            .map_err(|e| Error::new(ruby.exception_arg_error(), e.to_string()))?;
-        let mut out = Vec::new();
+        let arg_error =
+            |e: output::OutputError| Error::new(ruby.exception_arg_error(), e.to_string());
+        let format = Format::from_name(&format).map_err(arg_error)?;
         let options = Options {
-            tag_root,
-            ..Options::default()
+            per_thread: option(ruby, options, "per_thread")?,
+            lines: option(ruby, options, "lines")?,
+            idle: option(ruby, options, "idle")?,
+            state: option(ruby, options, "state")?,
+            tag_root: option(ruby, options, "tag")?,
         };
-        output::write(&rb_self.0, format, &mut out, &options)
-            .map_err(|e| Error::new(errors::class(ruby, "Error"), e.to_string()))?;
+        let mut out = Vec::new();
+        output::write(&rb_self.0, format, &mut out, &options).map_err(|e| match e {
+            output::OutputError::OptionNotTaken { .. } => arg_error(e),
+            e => Error::new(errors::class(ruby, "Error"), e.to_string()),
+        })?;
         Ok(ruby.str_from_slice(&out))
+    }
+
+    /// `[{label:, path:, self:, total:}, ...]`: `output::summary::functions`.
+    fn functions(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let rows = output::summary::functions(&rb_self.0);
+        let out = ruby.ary_new_capa(rows.len());
+        for f in rows {
+            let h = ruby.hash_new();
+            h.aset(ruby.to_symbol("label"), f.label)?;
+            h.aset(ruby.to_symbol("path"), f.path)?;
+            h.aset(ruby.to_symbol("self"), f.self_samples)?;
+            h.aset(ruby.to_symbol("total"), f.total_samples)?;
+            out.push(h)?;
+        }
+        Ok(out)
     }
 
     fn samples(&self) -> u64 {
@@ -308,6 +331,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
     prof.define_singleton_method("load", function!(NativeProfile::load, 1))?;
     prof.define_method("render", method!(NativeProfile::render, 2))?;
+    prof.define_method("functions", method!(NativeProfile::functions, 0))?;
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
     prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;
@@ -332,6 +356,10 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     }
     formats.freeze();
     prof.const_set("FORMATS", formats)?;
+    // The formats that take render's view keywords (per_thread, lines, idle, state, tag).
+    let shaped = ruby.ary_from_iter(Options::FORMATS.map(|f| ruby.to_symbol(f.name())));
+    shaped.freeze();
+    prof.const_set("VIEW_FORMATS", shaped)?;
     rec.const_set("MAX_RATE_HZ", rbspy_ext_core::sampler::MAX_RATE_HZ)?;
     crate::resolve_class::<NativeRecorder>(ruby);
     crate::resolve_class::<NativeProfile>(ruby);
