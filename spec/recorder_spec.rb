@@ -3,6 +3,7 @@
 require_relative "spec_helper"
 require "rbspy_ext"
 require "json"
+require "open3"
 require "tmpdir"
 require "zlib"
 
@@ -194,6 +195,26 @@ RSpec.describe RubySpy::Recorder do
       expect(main[:states]["running"].to_i).to be > 0.8 * total(main[:states])
       # The sampler thread is gone once the profile is returned.
       expect(own_thread_names).not_to include(sampler_comm)
+    end
+
+    it "gets at least 3 samples of a 5 ms block at 999 Hz, 20 times in a fresh Ruby (the first included)" do
+      code = <<~RUBY
+        def five_ms_of_work
+          t = Process.clock_gettime(Process::CLOCK_MONOTONIC)
+          nil while Process.clock_gettime(Process::CLOCK_MONOTONIC) - t < 0.005
+        end
+        counts = 20.times.map do
+          profile = RubySpy.record(Process.pid, rate: 999) { five_ms_of_work }
+          profile.stacks.select { |s| s[:frames].any? { |f| f.label == "Object#five_ms_of_work" } }.sum { |s| s[:samples] }
+        end
+        puts counts.join(",")
+      RUBY
+      lib = File.join(RubySpyTest::ROOT, "lib")
+      out, err, status = Open3.capture3(RbConfig.ruby, "-I", lib, "-rrbspy_ext", "-e", code)
+      expect(status.success?).to be(true), err
+      counts = out.strip.split(",").map(&:to_i)
+      expect(counts.size).to eq(20)
+      expect(counts).to all(be >= 3), counts.inspect
     end
 
     it "stops the recording and re-raises when the block raises" do

@@ -116,6 +116,39 @@ RSpec.describe "the RSpec integration" do
     expect(by_example[second].samples).to be_within(by_example[second].samples / 2).of(by_example[first].samples)
   end
 
+  it "10 ms examples get samples of their own code, 20 of 20" do
+    run = rspec("spec/short_check.rb", "-e", "crunches for 10 ms")
+    expect(run.summary).to eq([20, 0]), run.err
+    files = (1..20).map { |i| path("examples", "spec-short_check.rb-1-#{i}.raw") }
+    counts = files.map do |f|
+      RubySpy::Profile.load(f).stacks.select { |s| s[:frames].any? { |fr| fr.label == "Work.crunch" } }
+                                    .sum { |s| s[:samples] }
+    end
+    expect(counts).to all(be >= 3), counts.inspect # 999 Hz, no gap over 1.5 ms
+  end
+
+  it "a per-example profile has the example's other threads, named by the example" do
+    run = rspec("spec/short_check.rb", "-e", "waits while its server works")
+    expect(run.summary).to eq([1, 0]), run.err
+    profile = RubySpy::Profile.load(path("examples", "spec-short_check.rb-1-21-1.raw"))
+    expect(profile.threads.map { |t| t[:name] }).to include("server")
+    expect(profile.share("Work.serve_request")).to be > 0.3
+    id = "./spec/short_check.rb[1:21:1]"
+    expect(profile.tags.map { |t| t[:tags] }).to all(include(example: id))
+  end
+
+  it "RUBYSPY=1's summary counts before(:suite) work and every thread, like the summary format" do
+    run = rspec("spec/short_check.rb", "-e", "waits while its server works", env: { "RUBYSPY" => "1" })
+    expect(run.summary).to eq([1, 0]), run.err
+    top = run.out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).first(10).join
+    expect(top).to include("Work.crunch_in_setup", "Work.serve_request")
+    expect(top).to match(/Kernel#sleep \(C function\)/)
+    suite = RubySpy::Profile.load(path("suite.raw"))
+    summary = suite.render(:summary)
+    share = ->(text, label) { text[/^\s*([\d.]+)\s+\d+\s+#{Regexp.escape(label)} - /, 1] }
+    expect(share.call(summary, "Work.crunch_in_setup")).not_to be_nil
+  end
+
   it "RUBYSPY=boot records only the load of the suite" do
     run = rspec("spec/profiled_check.rb", "-e", "is not profiled",
                 env: { "RUBYSPY" => "boot", "LOAD_SECONDS" => "0.4" })

@@ -181,6 +181,32 @@ impl Profile {
         }
     }
 
+    /// The same recording with tag `key` = `value` on every sample that does not carry `key`
+    /// already: a recording of one example names the example on every thread's samples,
+    /// those of threads started before it (a server thread) included.
+    pub fn with_tag(&self, key: &str, value: &str) -> Profile {
+        let mut sets: Vec<TagSet> = vec![Vec::new()];
+        let mut index: FxHashMap<TagSet, u32> = FxHashMap::default();
+        index.insert(Vec::new(), 0);
+        let mut intern = |mut set: TagSet| {
+            if !set.iter().any(|(k, _)| k == key) {
+                set.push((key.to_string(), value.to_string()));
+            }
+            *index.entry(set.clone()).or_insert_with(|| {
+                sets.push(set);
+                (sets.len() - 1) as u32
+            })
+        };
+        let remap: Vec<u32> = self.tag_sets.iter().cloned().map(&mut intern).collect();
+        let untagged = intern(Vec::new());
+        let mut tagged = self.clone();
+        for s in &mut tagged.stacks {
+            s.tags = remap.get(s.tags as usize).copied().unwrap_or(untagged);
+        }
+        tagged.tag_sets = sets;
+        tagged
+    }
+
     /// A profile of only the stacks `keep` accepts (frames and threads are kept whole, so
     /// indexes stay valid); `samples` is recounted.
     pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {
@@ -410,6 +436,28 @@ pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_tag_names_every_sample_and_keeps_tags_already_there() {
+        let p = crate::output::fixture::profile();
+        let mut tagged_before = p.clone();
+        tagged_before.tag_sets = vec![Vec::new(), vec![("example".into(), "other".into())]];
+        tagged_before.stacks[0].tags = 1;
+        let t = tagged_before.with_tag("example", "mine");
+        assert_eq!(t.tag_sets[0], Vec::<(String, String)>::new()); // index 0 stays the empty set
+        assert_eq!(t.tag_value(&t.stacks[0], "example"), Some("other"));
+        for s in &t.stacks[1..] {
+            assert_eq!(t.tag_value(s, "example"), Some("mine"));
+        }
+        assert_eq!(t.samples, p.samples);
+        // A hand-built profile without tag sets gets them.
+        let bare = Profile {
+            tag_sets: Vec::new(),
+            ..p
+        };
+        let t = bare.with_tag("k", "v");
+        assert!(t.stacks.iter().all(|s| t.tag_value(s, "k") == Some("v")));
+    }
 
     #[test]
     fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {

@@ -66,8 +66,11 @@ impl RecordConfig {
     }
 }
 
-/// Intervals of a Poisson process with the requested mean rate: exponentially distributed,
-/// so no periodic work in the target can line up with the samples (aliasing).
+/// Jittered intervals with the requested mean: uniform between half and one and a half
+/// periods, so no periodic work in the target can line up with the samples (aliasing), while
+/// no gap is ever longer than 1.5 periods. Exponential (Poisson) intervals would alias no
+/// better and leave long gaps: at 999 Hz, one 5 ms block in eight would get fewer than three
+/// samples.
 pub struct Timer {
     mean: Duration,
     state: u64,
@@ -88,9 +91,8 @@ impl Timer {
         self.state ^= self.state << 25;
         self.state ^= self.state >> 27;
         let r = self.state.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        let u = ((r >> 11) as f64 + 0.5) / (1u64 << 53) as f64; // (0, 1)
-                                                                // Capped at 10 means so one unlucky draw cannot leave a long gap.
-        self.mean.mul_f64((-u.ln()).min(10.0))
+        let u = (r >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+        self.mean.mul_f64(0.5 + u)
     }
 }
 
@@ -125,23 +127,72 @@ pub struct Recorder {
     owner: u32,
 }
 
+/// The calling process's own spy, kept warm between its recordings of itself. Attaching and
+/// a first sample with cold caches (libruby's symbols, the symbol table, every iseq on the
+/// stacks) take 15–20 ms, longer than a 5 ms block or a 10 ms example: with the spy kept,
+/// only the first recording of a process pays that, and it pays it in `start`, before the
+/// recorded code runs.
+static OWN_SPY: Mutex<Option<Spy>> = Mutex::new(None);
+
+/// The kept spy, when it is this process's: a child forked after it was kept has a copy of
+/// its parent's, which it drops. Never waits for the lock (here and in `Recorder::start`): a
+/// child forked while its parent's sampler held it would wait forever.
+fn take_own_spy() -> Option<Spy> {
+    let spy = OWN_SPY.try_lock().ok()?.take()?;
+    (spy.pid() as u32 == std::process::id()).then_some(spy)
+}
+
 impl Recorder {
     /// Attaches to `pid` (errors surface here, before any work is lost) and starts sampling
-    /// on a new native thread.
+    /// on a new native thread. For the calling process itself, the spy of its last
+    /// recording is taken up again (see `OWN_SPY`), or a new one warmed up with one sample
+    /// that is not kept, so that the first tick is as quick as every other.
     pub fn start(pid: i32, config: RecordConfig) -> Result<Recorder> {
         config.validate()?;
-        let spy = Spy::attach_with(pid, &config.spy)?;
-        Ok(Self::start_with(spy, config))
+        let own = pid as u32 == std::process::id()
+            && config.spy.force_version.is_none()
+            && !config.spy.scan_for_vm;
+        let spy = match own.then(take_own_spy).flatten() {
+            Some(spy) => spy,
+            None => {
+                let mut spy = Spy::attach_with(pid, &config.spy)?;
+                if own {
+                    let _ = spy.sample_threads(ThreadSelection::All);
+                }
+                spy
+            }
+        };
+        let keep = move |spy: Spy| {
+            if own {
+                if let Ok(mut kept) = OWN_SPY.try_lock() {
+                    *kept = Some(spy);
+                }
+            }
+        };
+        Ok(Self::spawn(spy, config, keep))
     }
 
     /// Starts sampling with an already attached spy.
     pub fn start_with<M: Memory + Send + 'static>(spy: Spy<M>, config: RecordConfig) -> Recorder {
+        Self::spawn(spy, config, drop)
+    }
+
+    /// Starts the sampler thread, which hands the spy to `done` when the recording ends.
+    fn spawn<M: Memory + Send + 'static>(
+        mut spy: Spy<M>,
+        config: RecordConfig,
+        done: impl FnOnce(Spy<M>) + Send + 'static,
+    ) -> Recorder {
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(Mutex::new(Progress::default()));
         let (s, p) = (stop.clone(), progress.clone());
         let thread = std::thread::Builder::new()
             .name("rbspy_ext sampler".into())
-            .spawn(move || run(spy, config, &s, &p))
+            .spawn(move || {
+                let profile = run(&mut spy, config, &s, &p);
+                done(spy);
+                profile
+            })
             .expect("spawning the sampler thread");
         Recorder {
             stop,
@@ -296,7 +347,7 @@ fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
 }
 
 fn run<M: Memory>(
-    mut spy: Spy<M>,
+    spy: &mut Spy<M>,
     config: RecordConfig,
     stop: &AtomicBool,
     progress: &Mutex<Progress>,
@@ -307,6 +358,8 @@ fn run<M: Memory>(
         agg.note(w.to_string());
     }
     let started = Instant::now();
+    // A kept spy (`OWN_SPY`) counts its calls since it attached: this recording's are the rest.
+    let calls_before = spy.memory().calls();
     let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
     let mut next = started;
     let mut children = Children::default();
@@ -340,7 +393,7 @@ fn run<M: Memory>(
         let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick();
-        if let Err(e) = sample_into(&mut spy, &config, &mut agg) {
+        if let Err(e) = sample_into(spy, &config, &mut agg) {
             let what = match e {
                 Error::ProcessReplaced { detail, .. } => detail,
                 _ => "exited".to_string(),
@@ -368,7 +421,7 @@ fn run<M: Memory>(
     agg.set_cost(
         thread_cpu_ns(),
         work,
-        spy.memory().calls() + children.calls(),
+        spy.memory().calls() - calls_before + children.calls(),
     );
     agg.finish(started.elapsed().as_nanos() as u64)
 }
@@ -481,6 +534,8 @@ mod tests {
             .map(|x| (x * 1e7) as u64)
             .collect::<std::collections::HashSet<_>>();
         assert!(distinct.len() > 1000);
+        // Never longer than 1.5 periods, never shorter than half of one.
+        assert!(v.iter().all(|x| (0.0005..0.0015).contains(x)));
     }
 
     #[test]

@@ -152,6 +152,15 @@ module RubySpy
       Profile.new(@native.having_tag(key.to_s))
     end
 
+    # The same samples, each with tag +key+ = +value+ unless it carries +key+ already: the
+    # RSpec integration names its example on every thread of a per-example profile.
+    # @param key [Symbol, String]
+    # @param value [Object] compared as text, like every tag value
+    # @return [RubySpy::Profile]
+    def with_tag(key, value)
+      Profile.new(@native.with_tag(key.to_s, value.to_s))
+    end
+
     # The samples split by the value of one tag.
     # @param key [Symbol, String]
     # @return [Hash{String, nil => RubySpy::Profile}] nil collects the samples without the tag

@@ -17,13 +17,17 @@ module RubySpy
   #
   # - +RUBYSPY=1+ records the run of the examples (from the first example to the last) and
   #   writes +tmp/rubyspy/suite.speedscope.json+ and +suite.svg+, plus +suite.raw+, and prints
-  #   the slowest functions at the end. Every sample taken while an example runs carries the
+  #   the slowest functions of the whole run (before(:suite) hooks and every thread
+  #   included) at the end. Every sample taken while an example runs carries the
   #   tag +example: <example id>+, so the suite profile can be split afterwards:
   #   +RubySpy::Profile.load("tmp/rubyspy/suite.raw").group_by(:example)+.
   # - +RUBYSPY=boot+ records only the load of the suite (from this require to the first
   #   example) into +tmp/rubyspy/boot.*+.
   # - +it "...", :rubyspy do+ (or +rubyspy: { rate: 999, format: :pprof }+) writes one profile
-  #   of that example to +tmp/rubyspy/examples/<example id>.<ext>+; reruns overwrite it.
+  #   of that example to +tmp/rubyspy/examples/<example id>.<ext>+; reruns overwrite it. It
+  #   has every thread's samples while the example ran (a server thread's too), each tagged
+  #   +example: <example id>+. The process keeps its sampler's spy warm between recordings,
+  #   so a 10 ms example gets samples of its own code.
   # - +RUBYSPY_SAMPLE=10+ profiles ten examples picked at random (from RSpec's seed, so
   #   +--seed+ picks the same ones again), as if each were marked +:rubyspy+.
   # - +RUBYSPY_RATE+ (Hz, default 999), +RUBYSPY_FORMAT+ (one or more of
@@ -236,7 +240,8 @@ module RubySpy
 
         formats = RSpec.formats(options[:format] || options[:formats], "the :rubyspy metadata of #{example.id}") ||
                   @settings.formats || EXAMPLE_FORMATS
-        paths = write(profile.select(TAG => example.id),
+        # Every thread's samples (a system spec's server thread too), named by the example.
+        paths = write(profile.with_tag(TAG, example.id),
                       File.join(@settings.dir, "examples", RSpec.file_name(example)), formats)
         @written.concat(paths)
       end
@@ -290,20 +295,21 @@ module RubySpy
 
         formats = (@settings.formats || SUITE_FORMATS) | [:raw]
         paths = write(profile, File.join(@settings.dir, name), formats)
-        summarize(name == "suite" ? profile.tagged(TAG) : profile, what, profile, paths)
+        # All the work of the run: before(:suite) hooks and threads count as much as examples.
+        summarize(profile, what, paths)
       end
 
-      def summarize(focus, what, profile, paths)
+      def summarize(profile, what, paths)
         out.puts
         out.puts format("rubyspy: %<what>s, %<n>d samples at %<hz>g Hz over %<s>.1f s%<to>s",
                         what: what, n: profile.samples, hz: profile.rate, s: profile.duration,
                         to: paths.empty? ? "" : ", written to #{paths.join(", ")}")
-        total = focus.samples
+        total = profile.samples
         return out.puts("rubyspy: no samples") if total.zero?
 
         out.puts "  self%  total%  function"
-        focus.functions(limit: SUMMARY_FUNCTIONS).each do |f|
-          where = f[:path] ? " (#{f[:path].delete_prefix("#{Dir.pwd}/")})" : ""
+        profile.functions(limit: SUMMARY_FUNCTIONS).each do |f|
+          where = f[:path].empty? ? " (C function)" : " (#{f[:path].delete_prefix("#{Dir.pwd}/")})"
           out.puts format("%6.1f%% %6.1f%%  %s%s", 100.0 * f[:self] / total, 100.0 * f[:total] / total,
                           f[:label], where)
         end

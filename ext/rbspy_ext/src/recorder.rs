@@ -260,6 +260,11 @@ impl NativeProfile {
         Ok(out)
     }
 
+    /// Every sample with tag `key` = `value` unless it carries `key` already.
+    fn with_tag(&self, key: String, value: String) -> NativeProfile {
+        NativeProfile(self.0.with_tag(&key, &value))
+    }
+
     /// The samples that carry tag `key`, whatever its value.
     fn having_tag(&self, key: String) -> NativeProfile {
         let p = &self.0;
@@ -335,6 +340,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
     prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;
+    prof.define_method("with_tag", method!(NativeProfile::with_tag, 2))?;
     prof.define_method("group_by_tag", method!(NativeProfile::group_by_tag, 1))?;
     prof.define_method("samples", method!(NativeProfile::samples, 0))?;
     prof.define_method("frames", method!(NativeProfile::frames, 0))?;
