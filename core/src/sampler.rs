@@ -28,6 +28,9 @@ pub struct RecordConfig {
     /// Also record Ruby processes descending from the target (preforking servers); new
     /// ones are picked up within `SCAN_EVERY`.
     pub subprocesses: bool,
+    /// Keep a copy of the profile so far in [`Progress::profile`], refreshed every
+    /// `SCAN_EVERY` (for live views such as `rubyspy top`).
+    pub live: bool,
     pub spy: Config,
 }
 
@@ -39,6 +42,7 @@ impl Default for RecordConfig {
             threads: ThreadSelection::All,
             on_cpu: false,
             subprocesses: false,
+            live: false,
             spy: Config::default(),
         }
     }
@@ -106,6 +110,8 @@ pub struct Progress {
     /// The functions most often on top of a stack so far (label, samples), refreshed
     /// every half second.
     pub top: Vec<(String, u64)>,
+    /// With [`RecordConfig::live`]: the profile so far, refreshed every half second.
+    pub profile: Option<Arc<Profile>>,
 }
 
 impl Progress {
@@ -382,6 +388,9 @@ fn run<M: Memory>(
             }
             if let Ok(mut p) = progress.lock() {
                 p.top = top_functions(agg.profile());
+                if config.live {
+                    p.profile = Some(Arc::new(agg.profile().clone()));
+                }
             }
         }
         next = wait_until(next, now) + timer.next_interval();

@@ -3,6 +3,7 @@
 require "json"
 require "optparse"
 require_relative "../rbspy_ext"
+require_relative "cli/top"
 
 # The `rubyspy` command (exe/rubyspy is only its entry point), here so that specs and other
 # programs can run it in-process: `RubySpy::CLI.run(%w[snapshot --pid 42])` returns the exit
@@ -24,7 +25,7 @@ module RubySpy
       command = argv.shift
       # Without native code every command fails the same way: say why before parsing options
       # (the formats, for one, come from the extension).
-      if %w[snapshot record report tags].include?(command) && RubySpy::Native.unsupported_reason
+      if %w[snapshot record report tags top].include?(command) && RubySpy::Native.unsupported_reason
         raise RubySpy::UnsupportedPlatform, RubySpy::Native.unsupported_message
       end
       case command
@@ -32,9 +33,10 @@ module RubySpy
       when "record" then record(argv)
       when "report" then report(argv)
       when "tags" then tags(argv)
+      when "top" then top(argv)
       when nil, "-h", "--help", "help" then puts(top_help) || 0
       when "-V", "--version", "version" then puts("rubyspy #{RubySpy::VERSION}") || 0
-      else raise Usage, "unknown command #{command.inspect} (snapshot, record, report, tags)"
+      else raise Usage, "unknown command #{command.inspect} (snapshot, record, top, report, tags)"
       end
     rescue Usage, OptionParser::ParseError => e
       warn "rubyspy: #{e.message}"
@@ -50,6 +52,7 @@ module RubySpy
         Usage: rubyspy COMMAND [options]   (rubyspy COMMAND --help for each)
           snapshot   print what a Ruby process is doing right now
           record     sample a process (or a command) and write a profile
+          top        a live view of the functions a process spends its time in
           report     render a raw profile in another format
           tags       print each thread's tags (RubySpy.tag) and where BPF programs find them
         Common: --verbose shows backtraces of errors; rubyspy --version prints the version.
@@ -142,6 +145,23 @@ module RubySpy
         puts "#{name}: #{t[:tags].empty? ? "(no tags)" : tag_text(t[:tags])}"
       end
       0
+    end
+
+    def top(argv)
+      options = { rate: 99, idle: false }
+      parser = OptionParser.new do |opts|
+        opts.banner = "Usage: rubyspy top --pid PID [options]   (keys: 1-4 sort, q quits)"
+        pid_option(opts, options)
+        opts.on("-r", "--rate HZ", Float, "samples per second (default 99)") { |v| options[:rate] = v }
+        opts.on("--idle", "count the samples of blocked threads too") { options[:idle] = true }
+        opts.on("-h", "--help") { puts opts; return 0 }
+      end
+      parser.parse!(argv)
+      raise Usage, "unexpected arguments: #{argv.join(" ")}" unless argv.empty?
+      raise Usage, "top needs --pid PID" unless options[:pid]
+      raise Usage, "--rate must be a rate in Hz up to #{RubySpy::MAX_RATE.to_i}" unless RubySpy.valid_rate?(options[:rate])
+
+      Top.new(options[:pid], rate: options[:rate], idle: options[:idle], force_version: options[:force_version]).run
     end
 
     def record(argv)

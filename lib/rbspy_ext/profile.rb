@@ -182,10 +182,11 @@ module RubySpy
     # (one key, in the extension); a C function has no path of its own (its frames carry their
     # caller's), so it is one function whoever calls it, with path "".
     # @param limit [Integer, nil] keep only the first +limit+
-    # @return [Array<Hash>] +{label:, path:, self:, total:}+, most self samples first (then
-    #   most total)
-    def functions(limit: nil)
-      rows = @native.functions
+    # @param idle [Boolean] false to count only the samples of threads that were not blocked
+    # @return [Array<Hash>] +{label:, path:, line:, self:, total:}+ (+line+: where its frames
+    #   were seen most), most self samples first (then most total)
+    def functions(limit: nil, idle: true)
+      rows = @native.functions(idle ? true : false)
       limit ? rows.first(limit) : rows
     end
 

@@ -21,11 +21,13 @@ module RubySpy
   # @!attribute subprocesses [Boolean] also record Ruby processes descending from the
   #   target (preforking servers); new ones are picked up within half a second
   # @!attribute force_version [String, nil] Ruby version whose layout to use
-  RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :subprocesses, :force_version,
+  # @!attribute live [Boolean] keep the profile so far for {Recorder#profile_so_far},
+  #   refreshed every half second
+  RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :subprocesses, :force_version, :live,
                              keyword_init: true) do
     # @raise [ArgumentError, TypeError] for an option that cannot be honoured
     def initialize(rate: 99, duration: nil, threads: :all, on_cpu: false, subprocesses: false,
-                   force_version: nil)
+                   force_version: nil, live: false)
       super
       validate!
       freeze
@@ -80,7 +82,7 @@ module RubySpy
       @native = NativeRecorder.start(pid, { rate: o.rate.to_f, duration: o.duration&.to_f, threads: o.threads,
                                             on_cpu: o.on_cpu ? true : false,
                                             subprocesses: o.subprocesses ? true : false,
-                                            force_version: o.force_version })
+                                            force_version: o.force_version, live: o.live ? true : false })
       self
     end
 
@@ -97,6 +99,14 @@ module RubySpy
       return { elapsed: 0.0, ticks: 0, samples: 0, top: [] } unless @native
 
       @native.progress.tap { |h| h.delete(:finished) }
+    end
+
+    # The samples so far, for a recording started with +live: true+ (refreshed every half
+    # second; nil before the first refresh and without +live+).
+    # @return [RubySpy::Profile, nil]
+    def profile_so_far
+      native = @native&.profile_so_far
+      native && Profile.new(native)
     end
 
     # Waits until the recording ends by itself (duration or target exit).

@@ -110,6 +110,8 @@ pub struct FunctionSamples {
     pub label: String,
     /// "" for a C function (see the module docs of `output`).
     pub path: String,
+    /// The line its frames were seen at most (for a C function, its callers' line).
+    pub line: i32,
     pub self_samples: u64,
     pub total_samples: u64,
 }
@@ -118,11 +120,29 @@ pub struct FunctionSamples {
 /// most total samples, then by label and path. `RubySpy::Profile#functions` is this list.
 pub fn functions(profile: &Profile) -> Vec<FunctionSamples> {
     let (self_samples, total_samples) = function_samples(profile);
+    let mut at_line: HashMap<(FunctionKey, i32), u64> = HashMap::new();
+    for stack in &profile.stacks {
+        for &f in &stack.frames {
+            let frame = &profile.frames[f as usize];
+            *at_line
+                .entry((FunctionKey::of(frame), frame.lineno))
+                .or_default() += stack.count;
+        }
+    }
+    // The most seen line of each function; ties go to the first line.
+    let mut line: HashMap<FunctionKey, (u64, i32)> = HashMap::new();
+    for ((f, l), n) in at_line {
+        let best = line.entry(f).or_insert((0, l));
+        if (n, std::cmp::Reverse(l)) > (best.0, std::cmp::Reverse(best.1)) {
+            *best = (n, l);
+        }
+    }
     let mut rows: Vec<FunctionSamples> = total_samples
         .iter()
         .map(|(f, total)| FunctionSamples {
             label: f.label.to_string(),
             path: f.path.to_string(),
+            line: line.get(f).map_or(0, |(_, l)| *l),
             self_samples: self_samples.get(f).copied().unwrap_or(0),
             total_samples: *total,
         })
@@ -322,6 +342,9 @@ mod tests {
             (work.path.as_str(), work.self_samples, work.total_samples),
             ("lib/work.rb", 14, 21)
         );
+        assert_eq!(work.line, 5);
+        // fib: line 4 in 12 samples (5 + 5 + 2, a frame each), line 3 in 7.
+        assert_eq!(find("Object#fib").line, 4);
         let sleep = find("Kernel#sleep");
         assert_eq!(
             (sleep.path.as_str(), sleep.self_samples, sleep.total_samples),

@@ -4,7 +4,7 @@
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, Error, RArray, RHash, Ruby};
 use rbspy_ext_core::output::{self, Format, Options};
-use rbspy_ext_core::profile::Profile;
+use rbspy_ext_core::profile::{Profile, ThreadState};
 use rbspy_ext_core::sampler::{RecordConfig, Recorder};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::Config;
@@ -33,6 +33,7 @@ impl NativeRecorder {
         let on_cpu: bool = option(ruby, options, "on_cpu")?;
         let subprocesses: bool = option(ruby, options, "subprocesses")?;
         let force_version: Option<String> = option(ruby, options, "force_version")?;
+        let live: bool = option(ruby, options, "live")?;
         let pid = i32::try_from(pid)
             .ok()
             .filter(|p| *p > 0)
@@ -57,6 +58,7 @@ impl NativeRecorder {
             },
             on_cpu,
             subprocesses,
+            live,
             spy: Config {
                 force_version,
                 ..Config::default()
@@ -94,6 +96,14 @@ impl NativeRecorder {
             Ok(profile) => Ok(NativeProfile(profile)),
             Err(_) => Err(errors::panicked(ruby, "stopping a recording")),
         }
+    }
+
+    /// The profile so far, for a recording started with `live: true` (nil before its first
+    /// refresh, or without `live`).
+    fn profile_so_far(&self) -> Option<NativeProfile> {
+        let guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let profile = guard.as_ref()?.progress().profile?;
+        Some(NativeProfile(Profile::clone(&profile)))
     }
 
     /// `{elapsed:, ticks:, samples:, finished:, top: [[label, samples], ...]}` (top 10).
@@ -157,14 +167,21 @@ impl NativeProfile {
         Ok(ruby.str_from_slice(&out))
     }
 
-    /// `[{label:, path:, self:, total:}, ...]`: `output::summary::functions`.
-    fn functions(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
-        let rows = output::summary::functions(&rb_self.0);
+    /// `[{label:, path:, line:, self:, total:}, ...]`: `output::summary::functions`, of every
+    /// sample or (`idle` false) of those of threads that were not blocked.
+    fn functions(ruby: &Ruby, rb_self: &Self, idle: bool) -> Result<RArray, Error> {
+        let p = &rb_self.0;
+        let rows = if idle {
+            output::summary::functions(p)
+        } else {
+            output::summary::functions(&p.filtered(|s| s.state != ThreadState::Blocked))
+        };
         let out = ruby.ary_new_capa(rows.len());
         for f in rows {
             let h = ruby.hash_new();
             h.aset(ruby.to_symbol("label"), f.label)?;
             h.aset(ruby.to_symbol("path"), f.path)?;
+            h.aset(ruby.to_symbol("line"), f.line)?;
             h.aset(ruby.to_symbol("self"), f.self_samples)?;
             h.aset(ruby.to_symbol("total"), f.total_samples)?;
             out.push(h)?;
@@ -333,10 +350,11 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     rec.define_singleton_method("start", function!(NativeRecorder::start, 2))?;
     rec.define_method("stop", method!(NativeRecorder::stop, 0))?;
     rec.define_method("progress", method!(NativeRecorder::progress, 0))?;
+    rec.define_method("profile_so_far", method!(NativeRecorder::profile_so_far, 0))?;
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
     prof.define_singleton_method("load", function!(NativeProfile::load, 1))?;
     prof.define_method("render", method!(NativeProfile::render, 2))?;
-    prof.define_method("functions", method!(NativeProfile::functions, 0))?;
+    prof.define_method("functions", method!(NativeProfile::functions, 1))?;
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
     prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;

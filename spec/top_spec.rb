@@ -1,0 +1,128 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "open3"
+require "shellwords"
+require "tmpdir"
+
+# `rubyspy top` in a real terminal: a tmux session of a given size runs it, keys go in with
+# send-keys, and what it drew comes back with capture-pane.
+RSpec.describe "rubyspy top" do
+  before(:all) { skip "tmux is not installed (script/setup installs it)" unless system("tmux -V", out: File::NULL) }
+
+  before do
+    skip "the extension is built for the host Ruby" unless RubySpyTest::TargetRuby.current.host?
+    @dir = Dir.mktmpdir("rubyspy-top")
+    @session = "rubyspy-top-#{Process.pid}-#{rand(1 << 30)}"
+  end
+
+  after do
+    system("tmux", "kill-session", "-t", @session, err: File::NULL) if @session
+    FileUtils.rm_rf(@dir) if @dir
+  end
+
+  let(:exe) { File.join(RubySpyTest::ROOT, "exe", "rubyspy") }
+  let(:status_file) { File.join(@dir, "status") }
+
+  # Starts `rubyspy top ARGS` in a +width+ x +height+ terminal; its exit status and
+  # standard error land in files once it ends.
+  def start_top(*args, width: 120, height: 30)
+    command = [RbConfig.ruby, exe, "top", *args.map(&:to_s)].shelljoin
+    script = "#{command} 2>#{File.join(@dir, "err").shellescape}; echo $? > #{status_file.shellescape}; sleep 60"
+    ok = system("tmux", "new-session", "-d", "-s", @session, "-x", width.to_s, "-y", height.to_s, script)
+    raise "tmux new-session failed" unless ok
+  end
+
+  def screen
+    out, = Open3.capture2("tmux", "capture-pane", "-p", "-t", @session)
+    out
+  end
+
+  # Waits (up to 15 s) until the screen matches +pattern+; the screen.
+  def await(pattern)
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 15
+    loop do
+      text = screen
+      return text if text.match?(pattern)
+      raise "the screen never showed #{pattern.inspect}:\n#{text}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+
+      sleep 0.2
+    end
+  end
+
+  def keys(*keys)
+    system("tmux", "send-keys", "-t", @session, *keys)
+  end
+
+  def exit_status
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
+    sleep 0.1 until File.exist?(status_file) && !File.read(status_file).empty? ||
+                    Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+    Integer(File.read(status_file))
+  end
+
+  it "shows the functions with %Own, %Total and file:line, sorts on 1-4, and quits on q" do
+    target = start_target("named_worker")
+    start_top("--pid", target.pid, "--rate", 200)
+    text = await(/Crunch#digest/)
+    lines = text.lines.map(&:rstrip)
+    expect(lines[0]).to match(/\Arubyspy top: pid #{target.pid}, \d+ s, \d+ samples at 200 Hz, sorted by %Own\z/)
+    expect(lines[1]).to match(/\AThreads: 2 .*running \d+\.\d%/)
+    expect(lines).to include(a_string_matching(/\A +%Own +%Total +Function +File:line\z/))
+    digest = lines.find { |l| l.include?("Crunch#digest") }
+    spin = fixture_line("named_worker", "spin-start")..fixture_line("named_worker", "spin-end")
+    own, total, line = digest.match(/\A +([\d.]+) +([\d.]+) +\S+ +\S*named_worker\.rb:(\d+)\z/)&.captures
+    expect(own).not_to be_nil, digest
+    expect(Float(own)).to be > 90 # the sleeping main thread is left out
+    expect(Float(total)).to be >= Float(own)
+    expect(spin).to include(Integer(line))
+    expect(lines).not_to include(a_string_matching(/Kernel#sleep/))
+
+    keys("2")
+    await(/sorted by %Total/)
+    keys("3")
+    text = await(/sorted by Function/)
+    labels = text.lines.drop_while { |l| !l.include?("%Own") }.drop(1).take_while { |l| !l.start_with?("Keys:") }
+                 .map { |l| l.split(/\s{2,}/)[2] }.compact
+    expect(labels).to eq(labels.sort)
+    keys("q")
+    expect(exit_status).to eq(0)
+  end
+
+  it "shows each thread's current tags, and the blocked threads with --idle" do
+    target = start_target("tagged")
+    start_top("--pid", target.pid, "--idle")
+    text = await(/Kernel#sleep/)
+    expect(text).to include("Tags of main: request_id=req-#{target.pid} user=7")
+    expect(text).to include("Tags of tagged-worker: job=nightly-report attempt=3")
+    keys("C-c")
+    expect(exit_status).to eq(0)
+  end
+
+  it "fits a narrow terminal: no line wider than it, long labels cut" do
+    target = start_target("named_worker")
+    start_top("--pid", target.pid, width: 50, height: 20)
+    text = await(/Crunch#dig/)
+    expect(text.lines.map { |l| l.chomp.size }.max).to be <= 50
+    expect(text).to match(/…/)
+    keys("q")
+    expect(exit_status).to eq(0)
+  end
+
+  it "says so and exits 0 when the process exits" do
+    target = start_target("named_worker")
+    start_top("--pid", target.pid)
+    await(/Crunch#digest/)
+    target.stop
+    expect(exit_status).to eq(0)
+    expect(File.read(File.join(@dir, "err"))).to match(/\Arubyspy: process #{target.pid} exited after [\d.]+ s/)
+  end
+
+  it "without a terminal is a usage error (exit 2)" do
+    target = start_target("named_worker")
+    _, err, status = Open3.capture3(RbConfig.ruby, exe, "top", "--pid", target.pid.to_s, stdin_data: "")
+    expect(status.exitstatus).to eq(2)
+    expect(err).to eq("rubyspy: top needs a terminal (it redraws in place); use rubyspy record for a file\n")
+  end
+end
