@@ -137,16 +137,16 @@ RSpec.describe "the RSpec integration" do
     expect(profile.tags.map { |t| t[:tags] }).to all(include(example: id))
   end
 
-  it "RUBYSPY=1's summary counts before(:suite) work and every thread, like the summary format" do
+  it "RUBYSPY=1's summary counts before(:suite) work and every thread, as Profile#functions does" do
     run = rspec("spec/short_check.rb", "-e", "waits while its server works", env: { "RUBYSPY" => "1" })
     expect(run.summary).to eq([1, 0]), run.err
-    top = run.out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).first(10).join
-    expect(top).to include("Work.crunch_in_setup", "Work.serve_request")
-    expect(top).to match(/Kernel#sleep \(C function\)/)
     suite = RubySpy::Profile.load(path("suite.raw"))
-    summary = suite.render(:summary)
-    share = ->(text, label) { text[/^\s*([\d.]+)\s+\d+\s+#{Regexp.escape(label)} - /, 1] }
-    expect(share.call(summary, "Work.crunch_in_setup")).not_to be_nil
+    expect(suite.share("Work.crunch_in_setup")).to be > 0.02 # before(:suite): 0.3 s of the run
+    expect(suite.share("Work.serve_request")).to be > 0.02 # the server thread, which has no example tag
+    top = run.out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).first(10)
+    printed = top.map { |l| l[/\A\s*[\d.]+%\s+[\d.]+%  (.+) \([^)]*\)\n?\z/, 1] }
+    expect(printed).to eq(suite.functions(limit: 10).map { |f| f[:label] }), top.join
+    expect(top.join).to match(/ \(C function\)$/)
   end
 
   it "RUBYSPY=boot records only the load of the suite" do

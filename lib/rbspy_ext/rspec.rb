@@ -1,10 +1,7 @@
 # frozen_string_literal: true
 
-require "fileutils"
-# Plain Ruby (no extension): the format names and the error classes.
-require_relative "error"
-require_relative "native"
-require_relative "profile"
+require "forwardable"
+require_relative "test_profiling"
 
 module RubySpy
   # Profiling RSpec runs with rbspy_ext's self-profiling sampler. Install it from
@@ -39,66 +36,17 @@ module RubySpy
   #
   # The matcher {Matchers#spend_at_most} is available in every example group.
   module RSpec
-    DEFAULT_RATE = 999
-    DEFAULT_DIR = "tmp/rubyspy"
-    SUITE_FORMATS = %i[speedscope flamegraph].freeze
-    EXAMPLE_FORMATS = %i[speedscope].freeze
-    # The tag each example's samples carry.
-    TAG = :example
-    # How many functions the end-of-run summary lists.
-    SUMMARY_FUNCTIONS = 10
-
-    # What the environment asked for.
-    # @!attribute mode [Symbol] +:off+, +:suite+ or +:boot+
-    # @!attribute rate [Numeric, nil] RUBYSPY_RATE, when valid
-    # @!attribute formats [Array<Symbol>, nil] RUBYSPY_FORMAT, when valid
-    # @!attribute dir [String]
-    # @!attribute sample [Integer] how many random examples to profile (0: none)
-    Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, keyword_init: true)
+    TAG = TestProfiling::TAG
 
     class << self
-      # Whether +value+ is a sampling rate a recording takes ({RubySpy.valid_rate?}). The
-      # limit is the extension's, so this loads it: a rate is only checked when one is given,
-      # which means something is to be recorded.
-      # @param value [Object]
-      # @return [Boolean]
-      def valid_rate?(value)
-        load_core
-        RubySpy.valid_rate?(value)
-      end
-
-      # The highest rate, as whole Hz for messages.
-      # @return [Integer, Float]
-      def max_rate
-        load_core
-        RubySpy::MAX_RATE.finite? ? RubySpy::MAX_RATE.to_i : RubySpy::MAX_RATE
-      end
-
-      # Reads the settings from +env+; every value that cannot be used is reported with
-      # {warn_once} and replaced by its default.
-      # @param env [Hash{String => String}]
-      # @return [Settings]
-      def settings(env = ENV)
-        Settings.new(mode: mode(env["RUBYSPY"]), rate: rate(env["RUBYSPY_RATE"]),
-                     formats: formats(env["RUBYSPY_FORMAT"], "RUBYSPY_FORMAT"),
-                     dir: env["RUBYSPY_DIR"].to_s.empty? ? DEFAULT_DIR : env["RUBYSPY_DIR"],
-                     sample: sample(env["RUBYSPY_SAMPLE"]))
-      end
-
-      # Prints +message+ once per run on standard error, prefixed with "rubyspy:".
-      # @param message [String]
-      # @return [void]
-      def warn_once(message)
-        @warned ||= {}
-        return if @warned[message]
-
-        @warned[message] = true
-        Kernel.warn("rubyspy: #{message}")
-      end
+      extend Forwardable
+      # The shared settings and helpers (see {RubySpy::TestProfiling}).
+      def_delegators :"RubySpy::TestProfiling", :valid_rate?, :max_rate, :settings, :warn_once, :formats,
+                     :load_core
 
       # Installs the hooks the settings call for into +config+ (done on require).
       # @param config [RSpec::Core::Configuration]
-      # @param settings [Settings]
+      # @param settings [TestProfiling::Settings]
       # @return [void]
       def install(config, settings = self.settings)
         config.include(Matchers)
@@ -117,110 +65,35 @@ module RubySpy
 
         config.around(:example) { |example| run.around_example(example) }
       end
-
-      # The file name an example's profile gets: its id (+./spec/a_spec.rb[1:2]+) made safe
-      # for a file name (+spec-a_spec.rb-1-2+), stable across runs.
-      # @param example [RSpec::Core::Example]
-      # @return [String]
-      def file_name(example)
-        example.id.delete_prefix("./").gsub(/[^A-Za-z0-9_.-]+/, "-").gsub(/\A-+|-+\z/, "")
-      end
-
-      # Checks a list of format names (from the environment or metadata).
-      # @return [Array<Symbol>, nil] nil when +value+ is nil or names an unknown format
-      def formats(value, source)
-        return nil if value.nil? || value.to_s.strip.empty?
-
-        names = Array(value).flat_map { |v| v.to_s.split(",") }.map { |v| v.strip.to_sym }
-        known = RubySpy::Profile::FORMATS
-        unknown = names - known
-        return names.uniq if unknown.empty?
-
-        warn_once("unknown format #{unknown.map(&:to_s).join(", ")} in #{source} " \
-                  "(known: #{known.join(", ")}); using the default")
-        nil
-      end
-
-      # Loads the extension itself: only once something is to be recorded.
-      # @return [void]
-      def load_core
-        require_relative "../rbspy_ext"
-      end
-
-      private
-
-      def mode(value)
-        case value.to_s.strip.downcase
-        when "", "0", "false", "no", "off" then :off
-        when "boot" then :boot
-        when "1", "true", "yes", "on", "suite" then :suite
-        else
-          warn_once("RUBYSPY=#{value} is not understood (use 1 for the suite or boot for its load); " \
-                    "not profiling")
-          :off
-        end
-      end
-
-      def rate(value)
-        return nil if value.nil? || value.strip.empty?
-
-        rate = Float(value, exception: false)
-        return rate if RubySpy::RSpec.valid_rate?(rate)
-
-        warn_once("RUBYSPY_RATE=#{value} is not a rate in Hz between 0 and #{RubySpy::RSpec.max_rate}; " \
-                  "using #{DEFAULT_RATE}")
-        nil
-      end
-
-      def sample(value)
-        return 0 if value.nil? || value.strip.empty?
-
-        n = Integer(value, exception: false)
-        return n if n && n >= 0
-
-        warn_once("RUBYSPY_SAMPLE=#{value} is not a number of examples; sampling none")
-        0
-      end
     end
 
-    # One run of the suite: the recorders it keeps and the files it wrote.
+    # One run of the suite, as RSpec's hooks see it (see {TestProfiling::Session}).
     # @api private
     class Run
       def initialize(settings, config)
-        @settings = settings
         @config = config
-        @sampled = nil
-        @written = []
+        @session = TestProfiling::Session.new(settings, -> { config.output_stream || $stdout }, noun: "example")
       end
 
       def start_boot
-        @boot = start_recorder(rate)
+        @session.start_boot
       end
 
       def before_suite
-        finish(@boot, "boot", "the load of the suite") if @boot
-        @boot = nil
-        @sampled = pick_examples if @settings.sample.positive?
-        @suite = start_recorder(rate) if @settings.mode == :suite
+        @session.pick(all_example_ids, @config.seed)
+        @session.start_suite
       end
 
       def after_suite
-        finish(@suite, "suite", "the suite") if @suite
-        @suite = nil
-        return if @written.empty?
-
-        out.puts "rubyspy: #{@written.size} example profile#{"s" unless @written.size == 1} in " \
-                 "#{File.join(@settings.dir, "examples")}/"
+        @session.end_suite
       end
 
       # Every example, when the suite is recorded or examples are sampled.
       def around_example(example)
-        if @sampled&.include?(example.id) && !example.metadata[:rubyspy]
+        if @session.sampled?(example.id) && !example.metadata[:rubyspy]
           profile_example(example)
-        elsif @suite
-          RubySpy.tag(TAG => example.id) { example.run }
         else
-          example.run
+          @session.tagged(example.id) { example.run }
         end
       end
 
@@ -228,102 +101,15 @@ module RubySpy
       def profile_example(example)
         options = example.metadata[:rubyspy]
         options = {} unless options.is_a?(Hash)
-        recorder = start_recorder(example_rate(options))
-        return example.run unless recorder
-
-        begin
-          RubySpy.tag(TAG => example.id) { example.run }
-        ensure
-          profile = stop(recorder)
-        end
-        return unless profile
-
-        formats = RSpec.formats(options[:format] || options[:formats], "the :rubyspy metadata of #{example.id}") ||
-                  @settings.formats || EXAMPLE_FORMATS
-        # Every thread's samples (a system spec's server thread too), named by the example.
-        paths = write(profile.with_tag(TAG, example.id),
-                      File.join(@settings.dir, "examples", RSpec.file_name(example)), formats)
-        @written.concat(paths)
+        @session.profile_one(example.id, options, "the :rubyspy metadata of #{example.id}") { example.run }
       end
 
       private
 
-      def rate
-        @settings.rate || DEFAULT_RATE
-      end
-
-      def example_rate(options)
-        value = options[:rate]
-        return rate if value.nil?
-        return value if RubySpy::RSpec.valid_rate?(value)
-
-        RSpec.warn_once("rubyspy: { rate: #{value.inspect} } is not a rate in Hz between 0 and #{RubySpy::RSpec.max_rate}; " \
-                        "using #{rate}")
-        rate
-      end
-
-      def start_recorder(hz)
-        RSpec.load_core
-        RubySpy::Recorder.new(Process.pid, rate: hz).start
-      rescue RubySpy::Error, SystemCallError, ArgumentError, TypeError => e
-        RSpec.warn_once("could not start recording (#{e.class}: #{e.message}); not profiling")
-        nil
-      end
-
-      def stop(recorder)
-        recorder.stop
-      rescue RubySpy::Error => e
-        RSpec.warn_once("recording failed (#{e.message})")
-        nil
-      end
-
-      # Writes +profile+ as +base.<ext>+ for each format; returns the paths written.
-      def write(profile, base, formats)
-        FileUtils.mkdir_p(File.dirname(base))
-        formats.map do |format|
-          profile.write("#{base}.#{RubySpy::Profile::EXTENSIONS.fetch(format)}", format: format)
-        end
-      rescue SystemCallError, IOError, RubySpy::Error => e
-        RSpec.warn_once("could not write profiles under #{File.dirname(base)} (#{e.message}); " \
-                        "set RUBYSPY_DIR to a writable directory")
-        []
-      end
-
-      def finish(recorder, name, what)
-        profile = stop(recorder)
-        return unless profile
-
-        formats = (@settings.formats || SUITE_FORMATS) | [:raw]
-        paths = write(profile, File.join(@settings.dir, name), formats)
-        # All the work of the run: before(:suite) hooks and threads count as much as examples.
-        summarize(profile, what, paths)
-      end
-
-      def summarize(profile, what, paths)
-        out.puts
-        out.puts format("rubyspy: %<what>s, %<n>d samples at %<hz>g Hz over %<s>.1f s%<to>s",
-                        what: what, n: profile.samples, hz: profile.rate, s: profile.duration,
-                        to: paths.empty? ? "" : ", written to #{paths.join(", ")}")
-        total = profile.samples
-        return out.puts("rubyspy: no samples") if total.zero?
-
-        out.puts "  self%  total%  function"
-        profile.functions(limit: SUMMARY_FUNCTIONS).each do |f|
-          where = f[:path].empty? ? " (C function)" : " (#{f[:path].delete_prefix("#{Dir.pwd}/")})"
-          out.puts format("%6.1f%% %6.1f%%  %s%s", 100.0 * f[:self] / total, 100.0 * f[:total] / total,
-                          f[:label], where)
-        end
-      end
-
-      def pick_examples
-        examples = ::RSpec.world.ordered_example_groups.flat_map do |group|
+      def all_example_ids
+        ::RSpec.world.ordered_example_groups.flat_map do |group|
           group.descendants.flat_map { |g| ::RSpec.world.filtered_examples[g] }
-        end
-        examples.map(&:id).sample(@settings.sample, random: Random.new(@config.seed || 0))
-      end
-
-      def out
-        @config.output_stream || $stdout
+        end.map(&:id)
       end
     end
 
