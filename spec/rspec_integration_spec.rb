@@ -14,13 +14,13 @@ require "rbspy_ext"
 RSpec.describe "the RSpec integration" do
   include RubySpyTest::Recording
 
-  PROJECT = File.join(RubySpyTest::ROOT, "spec", "fixtures", "rspec_project")
   RUNNER = 'require "rspec/core"; exit RSpec::Core::Runner.run(ARGV)'
 
+  include RubySpyTest::Projects
+
   around do |example|
-    Dir.mktmpdir("rspec_project") do |dir|
+    RubySpyTest::Projects.in_copy_of("rspec_project") do |dir|
       @dir = dir
-      FileUtils.cp_r(File.join(PROJECT, "."), dir)
       example.run
     end
   end
@@ -49,15 +49,6 @@ RSpec.describe "the RSpec integration" do
     )
     results = File.exist?(json) ? JSON.parse(File.read(json)) : {}
     Run.new(out: out, err: err, status: status, results: results)
-  end
-
-  def written(sub = "")
-    dir = File.join(@dir, "tmp", "rubyspy", sub)
-    Dir.exist?(dir) ? Dir.children(dir).reject { |f| File.directory?(File.join(dir, f)) }.sort : []
-  end
-
-  def path(*parts)
-    File.join(@dir, "tmp", "rubyspy", *parts)
   end
 
   def speedscope_frames(file)
@@ -145,8 +136,9 @@ RSpec.describe "the RSpec integration" do
     expect(suite.share("Work.serve_request")).to be > 0.02 # the server thread, which has no example tag
     top = run.out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).first(10)
     printed = top.map { |l| l[/\A\s*[\d.]+%\s+[\d.]+%  (.+) \([^)]*\)\n?\z/, 1] }
-    expect(printed).to eq(suite.functions(limit: 10).map { |f| f[:label] }), top.join
+    expect(printed).to eq(suite.functions(limit: 10, idle: false).map { |f| f[:label] }), top.join
     expect(top.join).to match(/ \(C function\)$/)
+    expect(printed).not_to include("Kernel#sleep") # the main thread waits: blocked, left out
   end
 
   it "RUBYSPY=boot records only the load of the suite" do

@@ -193,17 +193,23 @@ module RubySpy
       # Runs a test under a recording of its own and writes that profile: every thread's
       # samples while it ran, each tagged with +id+. +options+: +rate:+ and +format:+, from
       # +source+ (for warnings).
+      # @return what the test returned
       def profile_one(id, options, source, &test)
         recorder = start_recorder(test_rate(options))
         return test.call unless recorder
 
         begin
-          RubySpy.tag(TAG => id, &test)
+          result = RubySpy.tag(TAG => id, &test)
         ensure
           profile = stop(recorder)
         end
-        return unless profile
+        write_test_profile(id, options, source, profile) if profile
+        result
+      end
 
+      private
+
+      def write_test_profile(id, options, source, profile)
         formats = TestProfiling.formats(options[:format] || options[:formats], source) ||
                   @settings.formats || EXAMPLE_FORMATS
         # Every thread's samples (a system test's server thread too), named by the test.
@@ -211,8 +217,6 @@ module RubySpy
                       formats)
         @written.concat(paths)
       end
-
-      private
 
       def rate
         @settings.rate || DEFAULT_RATE
@@ -270,11 +274,14 @@ module RubySpy
         out.puts format("rubyspy: %<what>s, %<n>d samples at %<hz>g Hz over %<s>.1f s%<to>s",
                         what: what, n: profile.samples, hz: profile.rate, s: profile.duration,
                         to: paths.empty? ? "" : ", written to #{paths.join(", ")}")
-        total = profile.samples
-        return out.puts("rubyspy: no samples") if total.zero?
+        # Blocked threads (idle pools, a main thread waiting on workers) are left out, as the
+        # flame graphs leave them out: they would crowd out where the time goes.
+        blocked = profile.threads.sum { |t| t[:states]["blocked"].to_i }
+        total = profile.samples - blocked
+        return out.puts("rubyspy: no samples of threads at work") if total.zero?
 
-        out.puts "  self%  total%  function"
-        profile.functions(limit: SUMMARY_FUNCTIONS).each do |f|
+        out.puts "  self%  total%  function#{"   (#{blocked} samples of blocked threads left out)" if blocked.positive?}"
+        profile.functions(limit: SUMMARY_FUNCTIONS, idle: false).each do |f|
           where = f[:path].empty? ? " (C function)" : " (#{f[:path].delete_prefix("#{Dir.pwd}/")})"
           out.puts format("%6.1f%% %6.1f%%  %s%s", 100.0 * f[:self] / total, 100.0 * f[:total] / total,
                           f[:label], where)

@@ -1,0 +1,90 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "fileutils"
+require "open3"
+require "tmpdir"
+require "rbspy_ext"
+
+# `require "rbspy_ext/minitest"`: real Minitest runs of the project in
+# spec/fixtures/minitest_project, each in a subprocess inside a copy of the project.
+RSpec.describe "the Minitest integration" do
+  include RubySpyTest::Projects
+
+  around do |example|
+    RubySpyTest::Projects.in_copy_of("minitest_project") do |dir|
+      @dir = dir
+      example.run
+    end
+  end
+
+  before { skip "the extension is built for the host Ruby" unless RubySpyTest::TargetRuby.current.host? }
+
+  def minitest(file, *args, env: {})
+    clean = { "RUBYSPY" => nil, "RUBYSPY_DIR" => nil, "RUBYSPY_FORMAT" => nil, "RUBYSPY_RATE" => nil,
+              "RUBYSPY_SAMPLE" => nil, "TEST_ENV_NUMBER" => nil }
+    out, err, status = Open3.capture3(clean.merge(env), RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
+                                      file, *args, chdir: @dir)
+    expect(status.success?).to be(true), "#{out}\n#{err}"
+    out
+  end
+
+  it "does nothing unless asked" do
+    out = minitest("test/work_test.rb")
+    expect(out).to include("3 runs, 3 assertions, 0 failures")
+    expect(Dir.exist?(File.join(@dir, "tmp"))).to be(false)
+  end
+
+  it "RUBYSPY=1 records the run, tags samples by test, and prints the top functions after Minitest's report" do
+    out = minitest("test/work_test.rb", env: { "RUBYSPY" => "1" })
+    expect(out).to match(/3 runs, 3 assertions, 0 failures.*rubyspy: the suite, \d+ samples at 999 Hz/m)
+    expect(written).to eq(%w[suite.raw suite.speedscope.json suite.svg])
+    top = out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).join
+    expect(top).to include("Work.crunch (work.rb)", "Work.shuffle_letters (work.rb)")
+    by_test = RubySpy::Profile.load(path("suite.raw")).group_by(:example)
+    expect(by_test.keys).to include("WorkTest#test_crunch", "WorkTest#test_shuffle_letters", "WorkTest#test_quick")
+    expect(by_test["WorkTest#test_crunch"].share("Work.crunch")).to be > 0.8
+    expect(by_test["WorkTest#test_crunch"].share("Work.shuffle_letters")).to eq(0.0)
+    expect(by_test["WorkTest#test_shuffle_letters"].share("Work.shuffle_letters")).to be > 0.8
+  end
+
+  it "RUBYSPY_SAMPLE profiles that many tests, the same ones for the same seed" do
+    env = { "RUBYSPY_SAMPLE" => "2", "RUBYSPY_FORMAT" => "raw" }
+    minitest("test/work_test.rb", "--seed", "1234", env: env)
+    picked = written("examples")
+    expect(picked.size).to eq(2)
+    expect(picked).to all(match(/\AWorkTest-test_\w+\.raw\z/))
+    picked.each do |file|
+      profile = RubySpy::Profile.load(path("examples", file))
+      test = file.delete_suffix(".raw").sub("-", "#")
+      expect(profile.tags.map { |t| t[:tags] }).to all(include(example: test))
+      expect(profile.samples).to be_positive
+    end
+    FileUtils.rm_rf(path)
+    minitest("test/work_test.rb", "--seed", "1234", env: env)
+    expect(written("examples")).to eq(picked)
+  end
+
+  it "under parallel_tests (TEST_ENV_NUMBER) each process writes suite.<number>.*" do
+    minitest("test/work_test.rb", env: { "RUBYSPY" => "1", "TEST_ENV_NUMBER" => "" })
+    minitest("test/work_test.rb", env: { "RUBYSPY" => "1", "TEST_ENV_NUMBER" => "2" })
+    expect(written).to eq(%w[suite.1.raw suite.1.speedscope.json suite.1.svg
+                             suite.2.raw suite.2.speedscope.json suite.2.svg])
+    %w[1 2].each do |n|
+      expect(RubySpy::Profile.load(path("suite.#{n}.raw")).group_by(:example).keys).to include("WorkTest#test_crunch")
+    end
+  end
+
+  it "under Rails' parallelize each forked worker writes suite.<worker>.* with its own tests" do
+    out = minitest("test/parallel_test.rb", env: { "RUBYSPY" => "1", "PARALLEL_WORKERS" => "2" })
+    expect(out).to include("4 runs, 4 assertions, 0 failures")
+    expect(written).to include("suite.0.raw", "suite.1.raw", "suite.raw")
+    tests = %w[0 1].flat_map do |worker|
+      by_test = RubySpy::Profile.load(path("suite.#{worker}.raw")).group_by(:example)
+      names = by_test.keys.compact
+      names.each { |name| expect(by_test[name].share("Work.crunch")).to be > 0.5 }
+      names
+    end
+    expect(tests.sort).to eq((0..3).map { |i| "ParallelTest#test_crunch_#{i}" })
+  end
+end
