@@ -284,8 +284,8 @@ RSpec.describe RubySpy::Recorder do
       path
     end
 
-    it "lists the eight formats" do
-      expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines raw])
+    it "lists the nine formats" do
+      expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines timeline raw])
     end
 
     it "speedscope: JSON with the schema, one profile per thread (per_thread), frames naming the worker method" do

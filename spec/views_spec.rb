@@ -127,6 +127,47 @@ RSpec.describe "profile views" do
     expect(File.exist?(File.join(@dir, "x"))).to be(false)
   end
 
+  # Replays one evented profile of a timeline: every close matches the innermost open frame,
+  # times never go back, nothing stays open. The root-first frame names of each moment and
+  # how long it lasted, in ms.
+  def timeline_spans(doc, index)
+    frames = doc["shared"]["frames"].map { |f| f["name"] }
+    open = []
+    spans = Hash.new(0.0)
+    last = 0.0
+    doc["profiles"][index]["events"].each do |e|
+      expect(e["at"]).to be >= last
+      spans[open.map { |f, _| frames[f] }] += e["at"] - last if !open.empty? && e["at"] > last
+      last = e["at"]
+      if e["type"] == "O"
+        open << [e["frame"], e["at"]]
+      else
+        expect(open.pop&.first).to eq(e["frame"])
+      end
+    end
+    expect(open).to be_empty
+    spans
+  end
+
+  it "timeline: each thread's samples in time order, states and stacks as spans, rendered again from raw" do
+    out, = report("--format", "timeline")
+    expect(out).to eq(@profile.render(:timeline)) # raw keeps the order
+    doc = JSON.parse(out)
+    expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")
+    names = doc["profiles"].map { |p| p["name"] }
+    expect(names).to contain_exactly("Thread #{@main_tid} (main)", "Thread #{@worker_tid} (worker)")
+    worker = timeline_spans(doc, names.index("Thread #{@worker_tid} (worker)"))
+    main = timeline_spans(doc, names.index("Thread #{@main_tid} (main)"))
+    # The worker spins in Crunch#digest the whole time, the main thread sleeps.
+    digest = worker.select { |path, _| path.first == "[running]" && path.last.match?(/digest/) }.values.sum
+    expect(digest).to be > 0.9 * worker.values.sum
+    expect(main.keys.map(&:first).uniq).to eq(["[blocked]"])
+    expect(main.keys.map(&:last).uniq).to eq(["Kernel#sleep"])
+    # Spans cover the recording: about 1.5 s each, as many samples as the profile counts.
+    expect(worker.values.sum).to be_within(300).of(1500)
+    expect(doc["profiles"].map { |p| p["type"] }).to all(eq("evented"))
+  end
+
   it "speedscope: one profile of every thread by default, one per thread with --per-thread" do
     merged = JSON.parse(@profile.render(:speedscope))
     expect(merged["profiles"].map { |p| p["name"] }).to eq(["All threads"])

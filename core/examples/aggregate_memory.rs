@@ -1,6 +1,8 @@
 //! Memory of aggregated samples: feeds 10^6 samples of 50-frame stacks (10,000 distinct
-//! stacks over 2,000 distinct frames, 4 threads) to the aggregator and prints the process's
-//! peak RSS. Run by bench/record.rb; `cargo run --release --example aggregate_memory`.
+//! stacks over 2,000 distinct frames, 4 threads) to the aggregator, one tick of 4 samples
+//! each millisecond, and prints the process's peak RSS and the timeline's share of it (its
+//! bytes per sample). Run by bench/record.rb; `cargo run --release --example
+//! aggregate_memory`.
 use rbspy_ext_core::profile::{frame, Aggregator, ThreadInfo, ThreadState};
 
 fn rss_kb(field: &str) -> u64 {
@@ -49,13 +51,21 @@ fn main() {
         } else {
             ThreadState::Running
         };
+        if i % 4 == 0 {
+            agg.tick_at(std::time::Duration::from_millis(i / 4));
+        }
         agg.add(&threads[(i % 4) as usize], state, &stack);
     }
-    let p = agg.finish(1);
+    let p = agg.finish(250_000_000_000);
+    let timeline_bytes = p.timeline.at_us.capacity() * 4 + p.timeline.stacks.capacity() * 4;
     println!(
-        "aggregating 10^6 samples of 50-frame stacks: {} distinct stacks, peak RSS {:.1} MB (was {:.1} MB before)",
+        "aggregating 10^6 samples of 50-frame stacks: {} distinct stacks, {} in the timeline, \
+         peak RSS {:.1} MB (was {:.1} MB before); the timeline holds {:.1} MB, {:.1} bytes a sample",
         p.stacks.len(),
+        p.timeline.len(),
         rss_kb("VmHWM:") as f64 / 1024.0,
-        before as f64 / 1024.0
+        before as f64 / 1024.0,
+        timeline_bytes as f64 / 1048576.0,
+        timeline_bytes as f64 / p.timeline.len() as f64
     );
 }

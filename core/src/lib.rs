@@ -8,6 +8,7 @@
 //! - [`vm`]: finding and validating the VM, with or without symbols;
 //! - [`spy`]: the one stack walker and its caches;
 //! - [`profile`]: samples aggregated into a [`profile::Profile`];
+//! - [`timeline`]: the order of a profile's samples;
 //! - [`output`]: every output format of a profile, and reading the raw one back.
 pub mod error;
 pub mod lines;
@@ -18,6 +19,7 @@ pub mod process;
 pub mod profile;
 pub mod sampler;
 pub mod spy;
+pub mod timeline;
 pub mod vm;
 
 pub use error::{Error, MemoryError, Result};

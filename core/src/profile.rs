@@ -2,6 +2,7 @@
 //! distinct (thread, state, stack) combinations, not with the recording's length. Output
 //! formats live in `crate::output`.
 use crate::spy::Frame;
+use crate::timeline::Timeline;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -136,6 +137,10 @@ pub struct Profile {
     /// Every distinct set of tags seen; `tag_sets[0]` is the empty set.
     #[serde(default = "no_tags")]
     pub tag_sets: Vec<TagSet>,
+    /// The samples in the order they were taken (empty in files written before it existed,
+    /// and in profiles shaped for a view).
+    #[serde(default)]
+    pub timeline: Timeline,
 }
 
 fn no_tags() -> Vec<TagSet> {
@@ -178,6 +183,7 @@ impl Profile {
             sampler_work_ns: self.sampler_work_ns,
             read_calls: self.read_calls,
             tag_sets: self.tag_sets.clone(),
+            timeline: Timeline::default(),
         }
     }
 
@@ -211,8 +217,20 @@ impl Profile {
     /// indexes stay valid); `samples` is recounted.
     pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {
         let mut part = self.clone();
+        let mut kept = 0;
+        let remap: Vec<Option<u32>> = self
+            .stacks
+            .iter()
+            .map(|s| {
+                keep(s).then(|| {
+                    kept += 1;
+                    kept - 1
+                })
+            })
+            .collect();
         part.stacks.retain(|s| keep(s));
         part.samples = part.stacks.iter().map(|s| s.count).sum();
+        part.timeline = self.timeline.remapped(&remap);
         part
     }
 }
@@ -229,6 +247,11 @@ pub struct Aggregator {
     /// Stack index by (pid, walker token, Ruby thread, tid, state, tag set); see `add_stack`.
     stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState, u32), usize>,
     tag_ids: FxHashMap<crate::spy::Tags, u32>,
+    /// The samples in order, kept apart until `finish` (a live copy of the profile, made
+    /// every half second, need not copy it); and the current tick's time.
+    timeline: Timeline,
+    tick_us: u64,
+    timeline_full: bool,
 }
 
 /// Most walker tokens remembered by the aggregator.
@@ -318,6 +341,10 @@ impl Aggregator {
     fn count(&mut self, index: usize, thread: &ThreadInfo, n: u64) {
         self.profile.stacks[index].count += n;
         self.profile.samples += n;
+        if !self.timeline_full && !self.timeline.push(self.tick_us, index, n) {
+            self.timeline_full = true;
+            self.note("the timeline stops after 71 minutes; the aggregate goes on".into());
+        }
         // A thread may be named after it was first seen.
         let recorded = &mut self.profile.threads[self.profile.stacks[index].thread as usize];
         if thread.name.is_some() && recorded.name != thread.name {
@@ -391,6 +418,13 @@ impl Aggregator {
         self.profile.ticks += 1;
     }
 
+    /// Counts one sample tick taken `since_start` into the recording: the time its samples
+    /// get in the timeline.
+    pub fn tick_at(&mut self, since_start: std::time::Duration) {
+        self.tick();
+        self.tick_us = u64::try_from(since_start.as_micros()).unwrap_or(u64::MAX);
+    }
+
     /// Counts a dropped sample.
     pub fn error(&mut self, reason: &str) {
         *self.profile.errors.entry(reason.to_string()).or_insert(0) += 1;
@@ -409,6 +443,7 @@ impl Aggregator {
 
     pub fn finish(mut self, duration_ns: u64) -> Profile {
         self.profile.duration_ns = duration_ns;
+        self.profile.timeline = self.timeline;
         self.profile
     }
 

@@ -401,7 +401,7 @@ fn run<M: Memory>(
         // short recording that one tick, scaled up, would swamp the figure.
         let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
-        agg.tick();
+        agg.tick_at(started.elapsed());
         if let Err(e) = sample_into(spy, &config, &mut agg) {
             let what = match e {
                 Error::ProcessReplaced { detail, .. } => detail,

@@ -14,6 +14,7 @@
 //! | `callgrind`  | callgrind.out, for callgrind_annotate / KCachegrind   | [`callgrind`]         |
 //! | `summary`    | text: header, top functions by self and total samples | [`summary`]           |
 //! | `lines`      | text: the summary, then top source lines              | [`summary`]           |
+//! | `timeline`   | speedscope JSON, each thread's samples in time order  | [`timeline`]          |
 //! | `raw`        | versioned JSON that [`read_raw`] reads back exactly   | [`raw`]               |
 //!
 //! [`Options`] shape flamegraph, speedscope and collapsed ([`view`]): by default every
@@ -35,6 +36,7 @@ pub mod pprof;
 pub mod raw;
 pub mod speedscope;
 pub mod summary;
+pub mod timeline;
 mod view;
 
 pub use raw::read_raw;
@@ -56,11 +58,13 @@ pub enum Format {
     Summary,
     /// The summary followed by the top source lines by self samples.
     Lines,
+    /// Each thread's samples in time order, with states and tags.
+    Timeline,
     Raw,
 }
 
 impl Format {
-    pub const ALL: [Format; 8] = [
+    pub const ALL: [Format; 9] = [
         Format::Flamegraph,
         Format::Speedscope,
         Format::Pprof,
@@ -68,6 +72,7 @@ impl Format {
         Format::Callgrind,
         Format::Summary,
         Format::Lines,
+        Format::Timeline,
         Format::Raw,
     ];
 
@@ -80,6 +85,7 @@ impl Format {
             Format::Callgrind => "callgrind",
             Format::Summary => "summary",
             Format::Lines => "lines",
+            Format::Timeline => "timeline",
             Format::Raw => "raw",
         }
     }
@@ -107,6 +113,8 @@ impl Format {
             Format::Callgrind => "callgrind.out",
             Format::Summary => "summary.txt",
             Format::Lines => "lines.txt",
+            // speedscope opens it like any speedscope file.
+            Format::Timeline => "timeline.speedscope.json",
             // Not ".json": a raw profile is for `Profile.load` / `rubyspy report` only.
             Format::Raw => "raw",
         }
@@ -189,6 +197,11 @@ pub enum OutputError {
     },
     #[error("the profile has no samples: there is nothing to draw")]
     NoSamples,
+    #[error(
+        "this profile has no timeline (it was saved by an older rbspy_ext, or is a part of a \
+         profile): record it again for the timeline format"
+    )]
+    NoTimeline,
     #[error("inconsistent profile: {0}")]
     InvalidProfile(String),
     #[error("not an rbspy_ext raw profile: {0}")]
@@ -230,6 +243,7 @@ pub fn write(
         Format::Callgrind => callgrind::write(profile, out),
         Format::Summary => summary::write(profile, out, false),
         Format::Lines => summary::write(profile, out, true),
+        Format::Timeline => timeline::write(profile, out),
         Format::Raw => raw::write(profile, out),
     }?;
     out.flush()?;
@@ -261,7 +275,7 @@ pub(crate) fn check(profile: &Profile) -> Result<(), String> {
             .checked_add(s.count)
             .ok_or_else(|| "sample counts overflow".to_string())?;
     }
-    Ok(())
+    profile.timeline.check(profile.stacks.len())
 }
 
 /// Samples in the stacks (what every format shows; `Profile::samples` should agree).

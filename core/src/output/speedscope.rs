@@ -21,55 +21,70 @@ use std::io::Write;
 
 pub const SCHEMA_URL: &str = "https://www.speedscope.app/file-format-schema.json";
 
+/// A speedscope file: its profiles are "sampled" here, "evented" in the timeline format.
 #[derive(Serialize)]
-struct File<'a> {
+pub(crate) struct File<'a, P> {
     #[serde(rename = "$schema")]
-    schema: &'static str,
-    shared: Shared<'a>,
-    profiles: Vec<SampledProfile>,
-    name: String,
+    pub schema: &'static str,
+    pub shared: Shared<'a>,
+    pub profiles: Vec<P>,
+    pub name: String,
     #[serde(rename = "activeProfileIndex")]
-    active_profile_index: usize,
-    exporter: String,
+    pub active_profile_index: usize,
+    pub exporter: String,
 }
 
 #[derive(Serialize)]
-struct Shared<'a> {
-    frames: Vec<Frame<'a>>,
+pub(crate) struct Shared<'a> {
+    pub frames: Vec<Frame<'a>>,
 }
 
 #[derive(Serialize)]
-struct Frame<'a> {
-    name: &'a str,
+pub(crate) struct Frame<'a> {
+    pub name: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    file: Option<&'a str>,
+    pub file: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    line: Option<i32>,
+    pub line: Option<i32>,
 }
 
+/// What `exporter` says in every speedscope file.
+pub(crate) fn exporter() -> String {
+    format!("rbspy_ext {}", env!("CARGO_PKG_VERSION"))
+}
+
+/// One profile of a speedscope file: "sampled" (`Sampled` samples and weights) here,
+/// "evented" (open and close events) in the timeline format.
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct SampledProfile {
+pub(crate) struct SpeedscopeProfile<B> {
     #[serde(rename = "type")]
-    kind: &'static str,
-    name: String,
-    unit: &'static str,
-    start_value: f64,
-    end_value: f64,
+    pub kind: &'static str,
+    pub name: String,
+    pub unit: &'static str,
+    pub start_value: f64,
+    pub end_value: f64,
+    #[serde(flatten)]
+    pub body: B,
+}
+
+#[derive(Serialize, Default)]
+struct Sampled {
     samples: Vec<Vec<usize>>,
     weights: Vec<f64>,
 }
 
+type SampledProfile = SpeedscopeProfile<Sampled>;
+
 impl SampledProfile {
     fn new(name: String, unit: &'static str) -> Self {
-        SampledProfile {
+        SpeedscopeProfile {
             kind: "sampled",
             name,
             unit,
             start_value: 0.0,
             end_value: 0.0,
-            samples: Vec::new(),
-            weights: Vec::new(),
+            body: Sampled::default(),
         }
     }
 }
@@ -91,8 +106,8 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
     for (stack, &g) in profile.stacks.iter().zip(&group_of) {
         let p = &mut profiles[g];
         let root_first = stack.frames.iter().rev().map(|&f| remap[f as usize]);
-        p.samples.push(root_first.collect());
-        p.weights.push(stack.count as f64 * ms_per_sample);
+        p.body.samples.push(root_first.collect());
+        p.body.weights.push(stack.count as f64 * ms_per_sample);
         counts[g] += stack.count;
     }
     for (p, count) in profiles.iter_mut().zip(&counts) {
@@ -130,7 +145,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
             Some(note) => format!("rbspy_ext: pid {}{version}; {note}", profile.pid),
         },
         active_profile_index,
-        exporter: format!("rbspy_ext {}", env!("CARGO_PKG_VERSION")),
+        exporter: exporter(),
     };
     serde_json::to_writer(&mut *out, &file)?;
     Ok(())
