@@ -18,7 +18,7 @@
 //! with the one before, root first, stay open; the others close and open at its time.
 use super::speedscope::{exporter, File, Frame, Shared, SpeedscopeProfile, SCHEMA_URL};
 use super::{sample_period_ns, thread_label, FunctionKey, OutputError};
-use crate::profile::Profile;
+use crate::profile::{Profile, ThreadState};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::io::Write;
@@ -55,7 +55,12 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
     for (thread, samples) in by_thread.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
         let events = events(samples, &chains, period_us);
         let end = events.last().map_or(0.0, |e| e.at).max(duration_ms);
-        sizes.push(samples.len());
+        // Opens on the thread that was busiest: most samples not blocked.
+        let busy = samples
+            .iter()
+            .filter(|(_, s)| profile.stacks[*s as usize].state != ThreadState::Blocked)
+            .count();
+        sizes.push(busy);
         profiles.push(EventedProfile {
             kind: "evented",
             name: thread_label(profile, thread as u32),
@@ -271,6 +276,7 @@ mod tests {
         assert_eq!(p.timeline.len(), 17);
         let doc = timeline(&p);
         assert_eq!(doc["profiles"].as_array().unwrap().len(), 2);
+        assert_eq!(doc["activeProfileIndex"], 1); // the worker: 7 samples not blocked, main 6
         assert_eq!(doc["profiles"][0]["type"], "evented");
         assert_eq!(doc["profiles"][0]["name"], "Thread 4242 (main)");
         let main_spans = replay(&doc, 0);
