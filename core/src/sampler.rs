@@ -386,12 +386,7 @@ fn run<M: Memory>(
             if config.subprocesses {
                 children.attach_new(pid, &config, &mut agg, started);
             }
-            if let Ok(mut p) = progress.lock() {
-                p.top = top_functions(agg.profile());
-                if config.live {
-                    p.profile = Some(Arc::new(agg.profile().clone()));
-                }
-            }
+            refresh_live(progress, &agg, config.live);
         }
         next = wait_until(next, now) + timer.next_interval();
         // Every 16th tick, the CPU time from waking up to the end of the sample: the cost of
@@ -433,6 +428,17 @@ fn run<M: Memory>(
         spy.memory().calls() - calls_before + children.calls(),
     );
     agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+/// Refreshes what a live display reads: the top functions, and with `live` the profile so
+/// far.
+fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
+    if let Ok(mut p) = progress.lock() {
+        p.top = top_functions(agg.profile());
+        if live {
+            p.profile = Some(Arc::new(agg.profile().clone()));
+        }
+    }
 }
 
 /// Sleeps until `next` (it is `now`), and returns when the tick is: `next`, or `now` when far
