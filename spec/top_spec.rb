@@ -119,6 +119,20 @@ RSpec.describe "rubyspy top" do
     expect(File.read(File.join(@dir, "err"))).to match(/\Arubyspy: process #{target.pid} exited after [\d.]+ s/)
   end
 
+  it "record's live view fits the terminal too" do
+    target = start_target("named_worker")
+    output = File.join(@dir, "out.svg")
+    command = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "-d", "3", "-o", output].shelljoin
+    system("tmux", "new-session", "-d", "-s", @session, "-x", "40", "-y", "15",
+           "#{command}; echo $? > #{status_file.shellescape}; sleep 60") or raise "tmux failed"
+    text = await(/Crunch#digest/)
+    lines = text.lines.map(&:chomp).reject(&:empty?)
+    expect(lines.first).to start_with("recording pid #{target.pid}:").and end_with("…")
+    expect(lines.map(&:size).max).to be <= 40
+    expect(lines.count { |l| l.start_with?("recording pid") }).to eq(1) # redrawn in place
+    expect(exit_status).to eq(0)
+  end
+
   it "without a terminal is a usage error (exit 2)" do
     target = start_target("named_worker")
     _, err, status = Open3.capture3(RbConfig.ruby, exe, "top", "--pid", target.pid.to_s, stdin_data: "")

@@ -1,5 +1,6 @@
 # frozen_string_literal: true
 
+require "io/console"
 require "json"
 require "optparse"
 require_relative "../rbspy_ext"
@@ -315,6 +316,10 @@ module RubySpy
       progress[:top].each do |label, n|
         lines << format("  %5.1f%%  %s", 100.0 * n / total, label)
       end
+      # A line wider than the terminal wraps, and moving up previous_lines would then leave
+      # its tail behind: every line is cut to the width.
+      width = ($stderr.winsize[1] rescue 80)
+      lines = lines.map { |l| l.size < width ? l : "#{l[0, width - 2]}…" }
       $stderr.print("\e[#{previous_lines}A") if previous_lines.positive?
       $stderr.print(lines.map { |l| "\e[2K#{l}\n" }.join)
       lines.size
