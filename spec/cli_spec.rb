@@ -122,8 +122,6 @@ RSpec.describe "exe/rubyspy" do
       expect(profile.threads.first[:states].keys).to eq(["running"])
     end
 
-    # Fails about one run in ten while the start-up attach bug below stands (exit 1 with
-    # "VM (ruby_current_vm_ptr does not validate) ..." on stderr).
     it "-- COMMAND under sudo runs as SUDO_UID/SUDO_GID, and as root with --no-drop-root" do
       skip "needs root" unless Process.euid.zero?
       require "etc"
@@ -146,6 +144,8 @@ RSpec.describe "exe/rubyspy" do
       FileUtils.rm_rf(shared) if shared
     end
 
+    # Fails about one run in ten while the start-up attach bug below stands (exit 1 with
+    # "VM (ruby_current_vm_ptr does not validate) ..." on stderr).
     it "-- COMMAND records the command until it exits and writes the profile" do
       output = File.join(@dir, "command.txt")
       script = <<~RUBY

@@ -54,11 +54,14 @@ RSpec.describe "the Minitest integration" do
     picked = written("examples")
     expect(picked.size).to eq(2)
     expect(picked).to all(match(/\AWorkTest-test_\w+\.raw\z/))
+    own_code = { "test_crunch" => "Work.crunch", "test_shuffle_letters" => "Work.shuffle_letters",
+                 "test_quick" => "Work.crunch" }
     picked.each do |file|
       profile = RubySpy::Profile.load(path("examples", file))
       test = file.delete_suffix(".raw").sub("-", "#")
       expect(profile.tags.map { |t| t[:tags] }).to all(include(example: test))
-      expect(profile.samples).to be_positive
+      labels = profile.stacks.flat_map { |s| s[:frames].map(&:label) }
+      expect(labels).to include(own_code.fetch(test.split("#").last)), test
     end
     FileUtils.rm_rf(path)
     minitest("test/work_test.rb", "--seed", "1234", env: env)
@@ -73,6 +76,21 @@ RSpec.describe "the Minitest integration" do
     %w[1 2].each do |n|
       expect(RubySpy::Profile.load(path("suite.#{n}.raw")).group_by(:example).keys).to include("WorkTest#test_crunch")
     end
+  end
+
+  it "leaves the other Minitest plugins loading (minitest's own pride plugin)" do
+    # minitest <= 5.20 loads no plugin once Minitest.extensions is not empty: --pride was then
+    # an invalid option (exit 1).
+    out = minitest("test/work_test.rb", "--pride", env: { "RUBYSPY" => "1" })
+    expect(out).to include("3 runs, 3 assertions, 0 failures")
+    expect(written).to eq(%w[suite.raw suite.speedscope.json suite.svg])
+  end
+
+  it "under Rails' parallelize, RUBYSPY_SAMPLE still profiles the picked tests in the workers" do
+    out = minitest("test/parallel_test.rb", "--seed", "7", env: { "RUBYSPY_SAMPLE" => "2", "RUBYSPY_FORMAT" => "raw",
+                                                                  "PARALLEL_WORKERS" => "2" })
+    expect(out).to include("4 runs, 4 assertions, 0 failures")
+    expect(written("examples")).to match([a_string_matching(/\AParallelTest-test_crunch_\d\.raw\z/)] * 2)
   end
 
   it "under Rails' parallelize each forked worker writes suite.<worker>.* with its own tests" do

@@ -216,22 +216,60 @@ impl Profile {
     /// A profile of only the stacks `keep` accepts (frames and threads are kept whole, so
     /// indexes stay valid); `samples` is recounted.
     pub fn filtered(&self, keep: impl Fn(&StackCount) -> bool) -> Profile {
-        let mut part = self.clone();
-        let mut kept = 0;
+        let mut kept = Vec::new();
         let remap: Vec<Option<u32>> = self
             .stacks
             .iter()
             .map(|s| {
                 keep(s).then(|| {
-                    kept += 1;
-                    kept - 1
+                    kept.push(s.clone());
+                    (kept.len() - 1) as u32
                 })
             })
             .collect();
-        part.stacks.retain(|s| keep(s));
-        part.samples = part.stacks.iter().map(|s| s.count).sum();
+        let mut part = self.with_stacks(self.frames.clone(), kept);
         part.timeline = self.timeline.remapped(&remap);
         part
+    }
+
+    /// The profile split by `key` of each stack, in first-seen order of the keys: one pass
+    /// over the stacks and one over the timeline, however many parts (a suite split by
+    /// example has thousands).
+    pub fn split_by<K: Eq + std::hash::Hash + Clone>(
+        &self,
+        key: impl Fn(&StackCount) -> K,
+    ) -> Vec<(K, Profile)> {
+        let mut keys: Vec<K> = Vec::new();
+        let mut index: FxHashMap<K, usize> = FxHashMap::default();
+        let mut parts: Vec<(Vec<StackCount>, Timeline)> = Vec::new();
+        let place: Vec<(usize, u32)> = self
+            .stacks
+            .iter()
+            .map(|s| {
+                let k = key(s);
+                let g = *index.entry(k.clone()).or_insert_with(|| {
+                    keys.push(k);
+                    parts.push(Default::default());
+                    parts.len() - 1
+                });
+                parts[g].0.push(s.clone());
+                (g, (parts[g].0.len() - 1) as u32)
+            })
+            .collect();
+        for (&at, &stack) in self.timeline.at_us.iter().zip(&self.timeline.stacks) {
+            if let Some(&(g, i)) = place.get(stack as usize) {
+                parts[g].1.at_us.push(at);
+                parts[g].1.stacks.push(i);
+            }
+        }
+        keys.into_iter()
+            .zip(parts)
+            .map(|(k, (stacks, timeline))| {
+                let mut part = self.with_stacks(self.frames.clone(), stacks);
+                part.timeline = timeline;
+                (k, part)
+            })
+            .collect()
     }
 }
 
@@ -343,7 +381,10 @@ impl Aggregator {
         self.profile.samples += n;
         if !self.timeline_full && !self.timeline.push(self.tick_us, index, n) {
             self.timeline_full = true;
-            self.note("the timeline stops after 71 minutes; the aggregate goes on".into());
+            self.note(format!(
+                "the timeline stops after {} samples or 71 minutes; the aggregate goes on",
+                crate::timeline::MAX_SAMPLES
+            ));
         }
         // A thread may be named after it was first seen.
         let recorded = &mut self.profile.threads[self.profile.stacks[index].thread as usize];
@@ -471,6 +512,21 @@ pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_by_and_filtered_keep_each_part_with_its_own_timeline() {
+        let p = crate::output::fixture::profile();
+        let parts = p.split_by(|s| s.thread);
+        assert_eq!(parts.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(parts.iter().map(|(_, q)| q.samples).sum::<u64>(), p.samples);
+        for (thread, part) in &parts {
+            assert!(part.stacks.iter().all(|s| s.thread == *thread));
+            assert_eq!(part.timeline.len() as u64, part.samples);
+            part.timeline.check(part.stacks.len()).unwrap();
+            let alone = p.filtered(|s| s.thread == *thread);
+            assert_eq!(&alone, part);
+        }
+    }
 
     #[test]
     fn with_tag_names_every_sample_and_keeps_tags_already_there() {

@@ -3,9 +3,14 @@
 //! go"; the timeline answers "what was each thread doing when" (the `timeline` format).
 //!
 //! Eight bytes a sample (sixteen at worst while a vector doubles): a sample's time in
-//! microseconds since the recording began, and its stack's index. Microseconds in a `u32`
-//! last 71 minutes; a longer recording keeps its aggregate and stops its timeline there.
+//! microseconds since the recording began, and its stack's index. The timeline keeps at most
+//! [`MAX_SAMPLES`] samples, and microseconds in a `u32` last 71 minutes: a longer recording
+//! keeps its aggregate, whose memory follows the distinct stacks, and stops its timeline.
 use serde::{Deserialize, Serialize};
+
+/// Most samples a timeline keeps: 32 MB (64 MB while its vectors last double); at 1 kHz,
+/// 40 threads for 100 s.
+pub const MAX_SAMPLES: usize = 4_000_000;
 
 /// Samples in the order they were taken (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -25,12 +30,15 @@ impl Timeline {
         self.stacks.is_empty()
     }
 
-    /// Adds `n` samples of stack `stack` at `at_us`; false once the timeline is full (the
-    /// time no longer fits, or the stack index does not).
+    /// Adds `n` samples of stack `stack` at `at_us`; false once the timeline is full
+    /// ([`MAX_SAMPLES`], or a time or stack index that no longer fits).
     pub fn push(&mut self, at_us: u64, stack: usize, n: u64) -> bool {
         let (Ok(at), Ok(stack)) = (u32::try_from(at_us), u32::try_from(stack)) else {
             return false;
         };
+        if n > (MAX_SAMPLES - self.stacks.len().min(MAX_SAMPLES)) as u64 {
+            return false;
+        }
         for _ in 0..n {
             self.at_us.push(at);
             self.stacks.push(stack);
@@ -80,6 +88,7 @@ mod tests {
         assert!(t.push(20, 1, 2));
         assert!(t.push(30, 0, 1));
         assert!(!t.push(u64::from(u32::MAX) + 1, 0, 1)); // past 71 minutes: full
+        assert!(!t.clone().push(40, 0, MAX_SAMPLES as u64)); // past the most samples
         assert_eq!(t.len(), 4);
         assert!(t.check(2).is_ok());
         assert!(t.check(1).is_err());

@@ -221,6 +221,7 @@ module RubySpy
         shown = live_display(pid, recorder.progress, shown) if show
       end
       profile = recorder.stop
+      stopped = true
       write_outputs(profile, paths, options[:view], options[:raw])
       profile.notes.each { |n| warn "rubyspy: #{n}" }
       warn "rubyspy: wrote #{profile.samples} samples to #{[*paths.values, *options[:raw]].join(", ")}"
@@ -228,7 +229,9 @@ module RubySpy
     ensure
       if command && pid
         begin
-          Process.kill(:TERM, pid) if interrupted
+          # A command that will not be recorded (interrupted, or an error after it started,
+          # such as an output path that cannot be written) is stopped, not waited for.
+          Process.kill(:TERM, pid) if interrupted || !stopped
           Process.wait(pid)
         rescue SystemCallError
           nil

@@ -43,12 +43,14 @@ module RubySpy
         @session = TestProfiling::Session.new(settings, -> { $stdout }, worker: parallel_tests_worker)
         @session.start_boot
         ::Minitest::Test.prepend(TestHooks)
-        ::Minitest.extensions << "rubyspy"
+        # Not a name in Minitest.extensions: a non-empty list before Minitest.run would keep
+        # load_plugins (minitest <= 5.20) from loading any other plugin, Rails' among them.
+        ::Minitest.singleton_class.prepend(RunHook)
       end
 
-      # Minitest's plugin hook, called once the run's options are known (see
-      # Minitest.init_plugins): picks the sampled tests, starts the suite's recording, adds
-      # the reporter that ends it, and follows Rails' parallel workers.
+      # Called once the run's options are known and every plugin has set up (see
+      # RunHook): picks the sampled tests, starts the suite's recording, adds the reporter
+      # that ends it, and follows Rails' parallel workers.
       # @api private
       def start(options)
         @session.pick(test_ids, options[:seed])
@@ -78,12 +80,23 @@ module RubySpy
       def follow_rails_workers
         return unless defined?(ActiveSupport::Testing::Parallelization)
 
-        settings = @settings
         ActiveSupport::Testing::Parallelization.after_fork_hook do |worker|
-          @session = TestProfiling::Session.new(settings, -> { $stdout }, worker: worker.to_s)
+          # Under parallel_tests too, each process's workers get names of their own.
+          name = [parallel_tests_worker, worker].compact.join(".")
+          @session = @session.for_worker(name)
           @session.start_suite
         end
         ActiveSupport::Testing::Parallelization.run_cleanup_hook { |_worker| @session.end_suite }
+      end
+    end
+
+    # Prepended to Minitest's singleton: starts profiling after Minitest.init_plugins, which
+    # every run calls (with or without --no-plugins), once the reporter exists.
+    module RunHook
+      # @api private
+      def init_plugins(options)
+        super
+        RubySpy::Minitest.start(options)
       end
     end
 
@@ -116,14 +129,6 @@ module RubySpy
         @session.end_suite
       end
     end
-  end
-end
-
-# Minitest calls plugin_<name>_init for each name in Minitest.extensions.
-module Minitest
-  # @api private
-  def self.plugin_rubyspy_init(options)
-    RubySpy::Minitest.start(options)
   end
 end
 

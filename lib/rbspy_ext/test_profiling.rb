@@ -143,13 +143,22 @@ module RubySpy
       # @param worker [String, nil] a parallel worker's number: its suite files are
       #   +suite.<worker>.*+, so that workers do not overwrite each other
       # @param noun [String] what the framework calls a test, for messages
-      def initialize(settings, out, worker: nil, noun: "test")
+      # @param sampled [Array<String>, nil] the tests RUBYSPY_SAMPLE picked (see {#pick})
+      def initialize(settings, out, worker: nil, noun: "test", sampled: nil)
         @settings = settings
         @out = out
         @worker = worker
         @noun = noun
-        @sampled = nil
+        @sampled = sampled
         @written = []
+      end
+
+      # A session for a parallel worker forked from this one: the same settings and picks
+      # (RUBYSPY_SAMPLE), its own recordings, and suite files named +suite.<worker>.*+.
+      # @param worker [String]
+      # @return [Session]
+      def for_worker(worker)
+        Session.new(@settings, @out, worker: worker, noun: @noun, sampled: @sampled)
       end
 
       # Starts recording the load of the suite (RUBYSPY=boot).
@@ -227,7 +236,7 @@ module RubySpy
         return rate if value.nil?
         return value if TestProfiling.valid_rate?(value)
 
-        TestProfiling.warn_once("rubyspy: { rate: #{value.inspect} } is not a rate in Hz between 0 and " \
+        TestProfiling.warn_once("{ rate: #{value.inspect} } is not a rate in Hz between 0 and " \
                                 "#{TestProfiling.max_rate}; using #{rate}")
         rate
       end
@@ -247,13 +256,18 @@ module RubySpy
         nil
       end
 
-      # Writes +profile+ as +base.<ext>+ for each format; returns the paths written.
+      # Writes +profile+ as +base.<ext>+ for each format; returns the paths written. A format
+      # that cannot render this profile (a flame graph of no samples) is said so and skipped;
+      # the others are still written.
       def write(profile, base, formats)
         FileUtils.mkdir_p(File.dirname(base))
-        formats.map do |format|
+        formats.filter_map do |format|
           profile.write("#{base}.#{RubySpy::Profile::EXTENSIONS.fetch(format)}", format: format)
+        rescue RubySpy::Error => e
+          TestProfiling.warn_once("no #{format} of #{File.basename(base)}: #{e.message}")
+          nil
         end
-      rescue SystemCallError, IOError, RubySpy::Error => e
+      rescue SystemCallError, IOError => e
         TestProfiling.warn_once("could not write profiles under #{File.dirname(base)} (#{e.message}); " \
                                 "set RUBYSPY_DIR to a writable directory")
         []
@@ -263,7 +277,8 @@ module RubySpy
         profile = stop(recorder)
         return unless profile
 
-        formats = (@settings.formats || SUITE_FORMATS) | [:raw]
+        # raw first: it keeps everything, whatever happens to the others.
+        formats = [:raw] | (@settings.formats || SUITE_FORMATS)
         paths = write(profile, File.join(@settings.dir, name), formats)
         # All the work of the run: before-suite hooks and threads count as much as tests.
         summarize(profile, what, paths)

@@ -17,7 +17,7 @@ use crate::profile::Profile;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 
-/// The file of the pseudo functions (thread roots, [`NO_FRAMES`]).
+/// The file of the pseudo function [`NO_FRAMES`] (a stack with no Ruby frame).
 pub const PSEUDO_FILE: &str = "<threads>";
 
 /// (file, function name): how callgrind tells functions apart.

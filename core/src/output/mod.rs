@@ -8,7 +8,7 @@
 //! | name         | what                                                  | module                |
 //! |--------------|-------------------------------------------------------|-----------------------|
 //! | `flamegraph` | SVG drawn by `inferno` from the collapsed lines       | [`flamegraph`]        |
-//! | `speedscope` | speedscope JSON, one "sampled" profile per thread     | [`speedscope`]        |
+//! | `speedscope` | speedscope JSON, "sampled": every thread, or per thread | [`speedscope`]      |
 //! | `pprof`      | gzipped protobuf `perftools.profiles.Profile`         | [`pprof`]             |
 //! | `collapsed`  | Brendan Gregg's folded stacks                         | [`collapsed`]         |
 //! | `callgrind`  | callgrind.out, for callgrind_annotate / KCachegrind   | [`callgrind`]         |

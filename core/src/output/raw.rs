@@ -8,7 +8,8 @@
 //!
 //! The first line identifies the file and its [`RAW_FORMAT_VERSION`] (`head -1` tells what a
 //! file is; the other header fields are informative only); the second is the profile as
-//! serde JSON. Frames are already interned, so files stay small; they are not compressed so
+//! serde JSON. Frames are already interned; the timeline (two numbers a sample, at most
+//! `timeline::MAX_SAMPLES`) is what grows with the recording's length. They are not compressed so
 //! that they can be inspected, but [`read_raw`] also reads a gzipped one (`gzip file.raw.json`).
 //!
 //! `read_raw(write(p)) == p`. Reading never panics: a file that is not ours, of another

@@ -301,17 +301,11 @@ impl NativeProfile {
     /// `{value or nil => profile}`: the samples split by the value of tag `key`.
     fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RHash, Error> {
         let p = &rb_self.0;
-        let mut values: Vec<Option<String>> = p
-            .stacks
-            .iter()
-            .map(|s| p.tag_value(s, &key).map(str::to_string))
-            .collect();
-        values.sort();
-        values.dedup();
+        let mut parts = p.split_by(|s| p.tag_value(s, &key).map(str::to_string));
+        parts.sort_by(|a, b| a.0.cmp(&b.0));
         let out = ruby.hash_new();
-        for v in values {
-            let part = p.filtered(|s| p.tag_value(s, &key) == v.as_deref());
-            out.aset(v, ruby.obj_wrap(NativeProfile(part)))?;
+        for (value, part) in parts {
+            out.aset(value, ruby.obj_wrap(NativeProfile(part)))?;
         }
         Ok(out)
     }

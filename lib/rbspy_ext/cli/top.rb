@@ -37,23 +37,35 @@ module RubySpy
 
         recorder = Recorder.new(@pid, rate: @rate, live: true, force_version: @force_version).start
         handle = RubySpy.attach(@pid, force_version: @force_version)
-        @output.print "\e[?1049h\e[?25l" # the alternate screen, no cursor
-        @input.raw { watch(recorder, handle) }
+        enter
+        begin
+          @input.raw { watch(recorder, handle) }
+        rescue Interrupt
+          nil # a SIGINT from outside the terminal: quit as Ctrl-C does
+        end
         leave
         profile = recorder.stop
+        recorder = nil
         exited = profile.notes.find { |n| n.start_with?("process #{@pid} ") }
         warn "rubyspy: #{exited}" if exited
         0
       ensure
         leave
+        recorder&.stop # on an error: no sampler thread left behind
       end
 
       private
 
-      def leave
-        return if @left || !@output.tty?
+      # The alternate screen, without a cursor.
+      def enter
+        @entered = true
+        @output.print "\e[?1049h\e[?25l"
+      end
 
-        @left = true
+      def leave
+        return unless @entered
+
+        @entered = false
         @output.print "\e[?25h\e[?1049l"
       end
 
@@ -63,7 +75,7 @@ module RubySpy
           return unless recorder.running?
 
           case read_key
-          when "q", "Q", "\u0003" then return
+          when "q", "Q", "\u0003", :eof then return
           when *SORTS.keys then @sort = SORTS[@key]
           end
         end
@@ -74,13 +86,19 @@ module RubySpy
         @key = nil
         return unless IO.select([@input], nil, nil, @interval)
 
-        @key = @input.read_nonblock(16, exception: false).to_s[0]
+        # The last key typed in the interval wins; a q anywhere quits. Nothing to read from
+        # a readable terminal means it hung up: quit rather than spin.
+        keys = @input.read_nonblock(16, exception: false)
+        return @key = :eof if keys.nil?
+        return @key = "q" if keys.is_a?(String) && keys.match?(/[qQ\u0003]/)
+
+        @key = keys.is_a?(String) ? keys[-1] : nil
       end
 
       def draw(recorder, handle)
         rows, cols = @output.winsize
-        lines = header(recorder) + tag_lines(handle)
-        profile = recorder.profile_so_far
+        profile = recorder.profile_so_far # one copy per redraw, for every part of it
+        lines = header(recorder, profile) + tag_lines(handle)
         table = profile ? function_rows(profile, cols) : ["  (collecting samples)"]
         room = [rows - lines.size - 2, 1].max
         lines.concat(table.first(room))
@@ -89,9 +107,8 @@ module RubySpy
         @output.flush
       end
 
-      def header(recorder)
+      def header(recorder, profile)
         progress = recorder.progress
-        profile = recorder.profile_so_far
         lines = [format("rubyspy top: pid %<pid>d, %<s>.0f s, %<n>d samples at %<hz>g Hz, sorted by %<by>s",
                         pid: @pid, s: progress[:elapsed], n: progress[:samples], hz: @rate,
                         by: SORT_NAMES.fetch(@sort))]
