@@ -141,7 +141,8 @@ pub struct Recorder {
 static OWN_SPY: Mutex<Option<Spy>> = Mutex::new(None);
 
 /// The kept spy, when it is this process's: a child forked after it was kept has a copy of
-/// its parent's, which it drops. Never waits for the lock (here and in `Recorder::start`): a
+/// its parent's, which it drops. (A child forked while its parent's sampler held the lock
+/// finds it locked for good: it attaches anew for each recording, as without a kept spy.) Never waits for the lock (here and in `Recorder::start`): a
 /// child forked while its parent's sampler held it would wait forever.
 fn take_own_spy() -> Option<Spy> {
     let spy = OWN_SPY.try_lock().ok()?.take()?;
@@ -168,8 +169,9 @@ impl Recorder {
                 spy
             }
         };
-        let keep = move |spy: Spy| {
+        let keep = move |mut spy: Spy| {
             if own {
+                spy.forget_threads();
                 if let Ok(mut kept) = OWN_SPY.try_lock() {
                     *kept = Some(spy);
                 }

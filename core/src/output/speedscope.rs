@@ -176,44 +176,45 @@ fn shared_frames(profile: &Profile) -> (Vec<Frame<'_>>, Vec<usize>) {
     (frames, remap)
 }
 
-/// The profiles' names and each stack's profile: one per thread, in the order threads were
-/// first seen, or one for all; with `tag_root`, one per value of that tag instead
-/// ("endpoint=orders#show", "endpoint=-"), in the order the values first appear.
+/// The profiles' names and each stack's profile, in the order first seen: one for all
+/// threads; with `per_thread` one per thread; with `tag_root` one per value of that tag
+/// ("endpoint=orders#show", "endpoint=-"); with both, one per value and thread
+/// ("endpoint=orders#show · Thread 12 (puma srv tp 001)").
 fn groups(profile: &Profile, options: &Options) -> (Vec<String>, Vec<usize>) {
-    if let Some(key) = &options.tag_root {
-        let roots = super::tag_roots(profile, key);
-        let mut names: Vec<String> = Vec::new();
-        let group_of = profile
-            .stacks
-            .iter()
-            .map(|stack| {
-                let Some(root) = roots.get(stack.tags as usize) else {
-                    return 0;
-                };
-                names.iter().position(|g| g == root).unwrap_or_else(|| {
-                    names.push(root.clone());
-                    names.len() - 1
-                })
-            })
-            .collect();
-        if names.is_empty() {
-            names.push(String::new());
+    let roots = options
+        .tag_root
+        .as_ref()
+        .map(|key| super::tag_roots(profile, key));
+    let name = |stack: &crate::profile::StackCount| {
+        let tag = roots
+            .as_ref()
+            .map(|r| r.get(stack.tags as usize).cloned().unwrap_or_default());
+        let thread = options
+            .per_thread
+            .then(|| thread_label(profile, stack.thread));
+        match (tag, thread) {
+            (Some(tag), Some(thread)) => format!("{tag} · {thread}"),
+            (Some(tag), None) => tag,
+            (None, Some(thread)) => thread,
+            (None, None) => "All threads".to_string(),
         }
-        return (names, group_of);
+    };
+    let mut names: Vec<String> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let group_of = profile
+        .stacks
+        .iter()
+        .map(|stack| {
+            *index.entry(name(stack)).or_insert_with_key(|n| {
+                names.push(n.clone());
+                names.len() - 1
+            })
+        })
+        .collect();
+    if names.is_empty() {
+        names.push("All threads".to_string());
     }
-    if options.per_thread {
-        let names = (0..profile.threads.len() as u32)
-            .map(|t| thread_label(profile, t))
-            .collect();
-        return (
-            names,
-            profile.stacks.iter().map(|s| s.thread as usize).collect(),
-        );
-    }
-    (
-        vec!["All threads".to_string()],
-        vec![0; profile.stacks.len()],
-    )
+    (names, group_of)
 }
 
 #[cfg(test)]
@@ -329,6 +330,54 @@ mod tests {
         assert_eq!(frames.iter().filter(|f| f["name"] == "<main>").count(), 1);
         // An empty stack is an empty sample.
         assert_eq!(profiles[2]["samples"], serde_json::json!([[]]));
+    }
+
+    #[test]
+    fn output_speedscope_by_tag_and_by_thread_together() {
+        use crate::profile::{Aggregator, ThreadState};
+        let [main, worker, _] = fixture::threads();
+        let mut agg = Aggregator::new(4242, "3.3.0", 100.0, 0);
+        let job: crate::spy::Tags = vec![("job".into(), "report".into())].into();
+        let frames = [fixture::work()];
+        agg.add_stack(&main, ThreadState::Running, 1, &frames, &job);
+        agg.add_stack(&worker, ThreadState::Running, 1, &frames, &job);
+        agg.add_stack(
+            &worker,
+            ThreadState::Running,
+            1,
+            &frames,
+            &Default::default(),
+        );
+        let p = agg.finish(1);
+        let names = |options: &Options| -> Vec<String> {
+            let mut out = Vec::new();
+            write(&p, Format::Speedscope, &mut out, options).unwrap();
+            let doc: Value = serde_json::from_slice(&out).unwrap();
+            check_structure(&doc);
+            doc["profiles"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p["name"].as_str().unwrap().to_string())
+                .collect()
+        };
+        let by_tag = Options {
+            tag_root: Some("job".into()),
+            ..Options::default()
+        };
+        assert_eq!(names(&by_tag), ["job=report", "job=-"]);
+        let both = Options {
+            per_thread: true,
+            ..by_tag
+        };
+        assert_eq!(
+            names(&both),
+            [
+                "job=report · Thread 4242 (main)",
+                "job=report · Thread 4250 (worker)",
+                "job=- · Thread 4250 (worker)"
+            ]
+        );
     }
 
     #[test]

@@ -434,6 +434,13 @@ impl TagReader {
     pub(super) fn forget_tables(&mut self) {
         self.last.clear();
     }
+
+    /// Forgets everything known per Ruby thread: their addresses may be other threads' by
+    /// the time the spy samples again.
+    pub(super) fn forget_threads(&mut self) {
+        self.last.clear();
+        self.pointers.clear();
+    }
 }
 
 impl<M: Memory> Decoder<'_, M> {

@@ -86,6 +86,16 @@ impl<M: Memory> Spy<M> {
         Ok((sampled, dropped))
     }
 
+    /// Forgets what is known of each thread (the list, contexts, stacks, tag pointers), and
+    /// keeps what describes code (iseqs, method entries, names, the memo): for a spy kept
+    /// between recordings, whose threads may have come and gone meanwhile.
+    pub fn forget_threads(&mut self) {
+        self.sampler.read_at = None;
+        self.sampler.forget_stacks();
+        self.sampler.forget_contexts();
+        self.tags.forget_threads();
+    }
+
     /// A thread (or its context) went away while read: forget the list so the next sample
     /// reads it again, and report this sample as dropped (or the process as gone).
     #[allow(clippy::type_complexity)]
