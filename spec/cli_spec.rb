@@ -128,11 +128,12 @@ RSpec.describe "exe/rubyspy" do
       nobody = Etc.getpwnam("nobody")
       shared = Dir.mktmpdir("rubyspy-sudo") # not under @dir, which nobody cannot enter
       File.chmod(0o1777, shared)
-      script = 'File.write(ARGV[0], [Process.uid, Process.euid, Process.gid, Process.egid].join(":")); ' \
+      script = 'File.write(ARGV[0], [Process.uid, Process.euid, Process.gid, Process.egid, ENV["HOME"]].join(":")); ' \
                "t = Process.clock_gettime(Process::CLOCK_MONOTONIC); " \
                "nil while Process.clock_gettime(Process::CLOCK_MONOTONIC) - t < 0.3"
       env = { "SUDO_UID" => nobody.uid.to_s, "SUDO_GID" => nobody.gid.to_s }
-      cases = { [] => [nobody.uid, nobody.uid, nobody.gid, nobody.gid], ["--no-drop-root"] => [0, 0, 0, 0] }
+      cases = { [] => [nobody.uid, nobody.uid, nobody.gid, nobody.gid, nobody.dir],
+                ["--no-drop-root"] => [0, 0, 0, 0, ENV.fetch("HOME")] }
       cases.each_with_index do |(flags, ids), i|
         ids_file = File.join(shared, "ids#{i}")
         _, err, status = Open3.capture3(env, RbConfig.ruby, exe, "record", "-f", "raw", "-o", File.join(@dir, "p#{i}.raw"),

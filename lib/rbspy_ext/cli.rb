@@ -1,5 +1,6 @@
 # frozen_string_literal: true
 
+require "etc"
 require "io/console"
 require "json"
 require "optparse"
@@ -347,12 +348,20 @@ module RubySpy
     end
 
     # Process.spawn has no uid option: fork, give up root for good, exec.
+    # The user's supplementary groups (initgroups) and HOME, USER and LOGNAME come along, as
+    # sudo -u would give them, when the uid has a passwd entry.
     def spawn_as(command, uid, gid)
+      user = begin
+        Etc.getpwuid(uid)
+      rescue ArgumentError
+        nil
+      end
       fork do
-        Process.groups = [gid]
+        user ? Process.initgroups(user.name, gid) : Process.groups = [gid]
         Process::GID.change_privilege(gid)
         Process::UID.change_privilege(uid)
-        exec(*command)
+        env = user ? { "HOME" => user.dir, "USER" => user.name, "LOGNAME" => user.name } : {}
+        exec(env, *command)
       rescue SystemCallError => e
         warn "rubyspy: cannot run #{command.first} as uid #{uid}: #{e.message}"
         exit!(127)
@@ -398,5 +407,12 @@ module RubySpy
       end
       0
     end
+
+    # Only #run is the interface; the rest are its steps (module functions, so that they
+    # call each other plainly).
+    private_class_method :top_help, :pid_option, :snapshot, :snapshot_json, :tag_text, :tags, :top,
+                         :record, :format_options, :view_options, :check_view, :output_paths,
+                         :write_outputs, :tell_idle, :invoking_user, :live_display, :spawn_ruby,
+                         :spawn_as, :check_writable, :report
   end
 end
