@@ -30,10 +30,6 @@ RSpec.describe "profile views" do
     parse_collapsed(out)
   end
 
-  def samples_in(state)
-    @profile.threads.sum { |t| t[:states][state].to_i }
-  end
-
   before(:all) do
     @dir = Dir.mktmpdir("rubyspy-views")
     @target = RubySpyTest::Target.start("named_worker")
@@ -60,25 +56,25 @@ RSpec.describe "profile views" do
     expect(@record_err).to include("wrote #{@profile.samples} samples to #{@base}.collapsed.txt, #{@base}.svg, " \
                                    "#{@base}.speedscope.json, #{@raw}")
     expect(File.read("#{@base}.collapsed.txt")).to eq(@profile.render(:collapsed))
-    expect(samples_in("running")).to be > 100
-    expect(samples_in("blocked")).to be > 100
+    expect(@profile.samples_in(:running)).to be > 100
+    expect(@profile.samples_in(:blocked)).to be > 100
   end
 
   it "by default merges threads into functions and leaves out the blocked main thread, saying so" do
     stacks = collapsed
-    expect(stacks.sum(&:last)).to eq(@profile.samples - samples_in("blocked"))
+    expect(stacks.sum(&:last)).to eq(@profile.samples - @profile.samples_in(:blocked))
     frames = stacks.flat_map { |stack, _| stack.split(";") }
     expect(frames).not_to include(a_string_starting_with("Thread "))
     expect(frames).not_to include(a_string_matching(/Kernel#sleep/))
     expect(frames).to include(a_string_matching(/\A#{method_label_pattern("Crunch", "digest", @target.ruby_version)} \S+named_worker\.rb\z/))
     expect(frames.grep(/named_worker\.rb/)).to all(match(/named_worker\.rb\z/)) # no :line
     _, err = report("--format", "collapsed")
-    expect(err).to eq("rubyspy: #{samples_in("blocked")} idle samples (blocked threads) left out of collapsed; " \
+    expect(err).to eq("rubyspy: #{@profile.samples_in(:blocked)} idle samples (blocked threads) left out of collapsed; " \
                       "--idle shows them\n")
     svg = File.read("#{@base}.svg")
-    expect(svg).to include("#{samples_in("blocked")} idle samples (blocked threads) left out")
+    expect(svg).to include("#{@profile.samples_in(:blocked)} idle samples (blocked threads) left out")
     name = JSON.parse(File.read("#{@base}.speedscope.json"))["name"]
-    expect(name).to include("#{samples_in("blocked")} idle samples (blocked threads) left out")
+    expect(name).to include("#{@profile.samples_in(:blocked)} idle samples (blocked threads) left out")
   end
 
   it "--per-thread gives each thread a root, --idle brings the blocked samples back" do

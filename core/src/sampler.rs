@@ -141,9 +141,9 @@ pub struct Recorder {
 static OWN_SPY: Mutex<Option<Spy>> = Mutex::new(None);
 
 /// The kept spy, when it is this process's: a child forked after it was kept has a copy of
-/// its parent's, which it drops. (A child forked while its parent's sampler held the lock
-/// finds it locked for good: it attaches anew for each recording, as without a kept spy.) Never waits for the lock (here and in `Recorder::start`): a
-/// child forked while its parent's sampler held it would wait forever.
+/// its parent's, which it drops. The lock is only ever tried (here and in `Recorder::start`):
+/// a child forked while its parent's sampler held it finds it locked for good, and then
+/// attaches anew for each recording rather than waiting forever.
 fn take_own_spy() -> Option<Spy> {
     let spy = OWN_SPY.try_lock().ok()?.take()?;
     (spy.pid() as u32 == std::process::id()).then_some(spy)

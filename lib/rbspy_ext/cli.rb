@@ -295,7 +295,7 @@ module RubySpy
     # Says how many idle samples the view formats +shaped+ leave out (collapsed has nowhere to
     # say it; a profile of idle samples only keeps them).
     def tell_idle(profile, shaped, view)
-      blocked = profile.threads.sum { |t| t[:states]["blocked"].to_i }
+      blocked = profile.samples_in(:blocked)
       return if view[:idle] || blocked.zero? || blocked == profile.samples || shaped.empty?
 
       warn "rubyspy: #{blocked} idle samples (blocked threads) left out of #{shaped.join(", ")}; --idle shows them"

@@ -90,6 +90,14 @@ module RubySpy
       @native.threads
     end
 
+    # Samples of threads in +state+, over every thread: +samples_in(:blocked)+ is what the
+    # views leave out by default.
+    # @param state [Symbol, String] a state of {#threads} (+:running+, +:blocked+...)
+    # @return [Integer]
+    def samples_in(state)
+      threads.sum { |t| t[:states][state.to_s].to_i }
+    end
+
     # The profile in +format+, as a String (binary for pprof).
     #
     # flamegraph, speedscope and collapsed ({VIEW_FORMATS}) merge every thread's stacks into

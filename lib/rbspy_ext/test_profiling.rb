@@ -291,7 +291,7 @@ module RubySpy
                         to: paths.empty? ? "" : ", written to #{paths.join(", ")}")
         # Blocked threads (idle pools, a main thread waiting on workers) are left out, as the
         # flame graphs leave them out: they would crowd out where the time goes.
-        blocked = profile.threads.sum { |t| t[:states]["blocked"].to_i }
+        blocked = profile.samples_in(:blocked)
         total = profile.samples - blocked
         return out.puts("rubyspy: no samples of threads at work") if total.zero?
 

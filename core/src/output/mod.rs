@@ -334,6 +334,33 @@ impl<'a> FunctionKey<'a> {
     }
 }
 
+/// Values numbered in the order first seen (the frames a view or a timeline shows).
+pub(crate) struct Interner<T> {
+    pub list: Vec<T>,
+    index: std::collections::HashMap<T, usize>,
+}
+
+impl<T> Default for Interner<T> {
+    fn default() -> Self {
+        Interner {
+            list: Vec::new(),
+            index: std::collections::HashMap::new(),
+        }
+    }
+}
+
+impl<T: Eq + std::hash::Hash + Clone> Interner<T> {
+    /// The number of `value`, given it if new.
+    pub fn id(&mut self, value: T) -> usize {
+        if let Some(&i) = self.index.get(&value) {
+            return i;
+        }
+        self.list.push(value.clone());
+        self.index.insert(value, self.list.len() - 1);
+        self.list.len() - 1
+    }
+}
+
 /// Nanoseconds between samples, when the rate is usable (finite and positive).
 pub(crate) fn sample_period_ns(profile: &Profile) -> Option<f64> {
     (profile.rate_hz.is_finite() && profile.rate_hz > 0.0).then(|| 1e9 / profile.rate_hz)

@@ -185,13 +185,17 @@ fn groups(profile: &Profile, options: &Options) -> (Vec<String>, Vec<usize>) {
         .tag_root
         .as_ref()
         .map(|key| super::tag_roots(profile, key));
+    let threads: Vec<String> = match options.per_thread {
+        true => (0..profile.threads.len() as u32)
+            .map(|t| thread_label(profile, t))
+            .collect(),
+        false => Vec::new(),
+    };
     let name = |stack: &crate::profile::StackCount| {
         let tag = roots
             .as_ref()
             .map(|r| r.get(stack.tags as usize).cloned().unwrap_or_default());
-        let thread = options
-            .per_thread
-            .then(|| thread_label(profile, stack.thread));
+        let thread = threads.get(stack.thread as usize).cloned();
         match (tag, thread) {
             (Some(tag), Some(thread)) => format!("{tag} · {thread}"),
             (Some(tag), None) => tag,

@@ -17,10 +17,9 @@
 //! not started, or a recording of the GVL holder only left it out). Frames a sample shares
 //! with the one before, root first, stay open; the others close and open at its time.
 use super::speedscope::{exporter, File, Frame, Shared, SpeedscopeProfile, SCHEMA_URL};
-use super::{sample_period_ns, thread_label, FunctionKey, OutputError};
+use super::{sample_period_ns, thread_label, FunctionKey, Interner, OutputError};
 use crate::profile::{Profile, ThreadState};
 use serde::Serialize;
-use std::collections::HashMap;
 use std::io::Write;
 
 #[derive(Serialize)]
@@ -43,7 +42,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
         return Err(OutputError::NoTimeline);
     }
     let period_us = sample_period_ns(profile).map_or(1000.0, |ns| ns / 1000.0);
-    let mut names = Names::default();
+    let mut names = Interner::default();
     let chains = chains(profile, &mut names);
     let duration_ms = profile.duration_ns as f64 / 1e6;
     let mut by_thread: Vec<Vec<(u32, u32)>> = vec![Vec::new(); profile.threads.len()];
@@ -88,7 +87,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
     let file = File {
         schema: SCHEMA_URL,
         shared: Shared {
-            frames: names.frames(),
+            frames: shared_frames(&names),
         },
         profiles,
         name: format!("rbspy_ext timeline: pid {}{version}", profile.pid),
@@ -101,13 +100,13 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
 
 /// Each stack's frames as the timeline shows them, root first: its tags, its state, then its
 /// functions.
-fn chains(profile: &Profile, names: &mut Names) -> Vec<Vec<usize>> {
+fn chains(profile: &Profile, names: &mut Interner<(String, String)>) -> Vec<Vec<usize>> {
     let tag_frames: Vec<Option<usize>> = profile
         .tag_sets
         .iter()
         .map(|set| {
             let text: Vec<String> = set.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            (!set.is_empty()).then(|| names.id(text.join(" "), String::new()))
+            (!set.is_empty()).then(|| names.id((text.join(" "), String::new())))
         })
         .collect();
     let functions: Vec<usize> = profile
@@ -115,7 +114,7 @@ fn chains(profile: &Profile, names: &mut Names) -> Vec<Vec<usize>> {
         .iter()
         .map(|f| {
             let key = FunctionKey::of(f);
-            names.id(key.label.to_string(), key.path.to_string())
+            names.id((key.label.to_string(), key.path.to_string()))
         })
         .collect();
     profile
@@ -124,7 +123,7 @@ fn chains(profile: &Profile, names: &mut Names) -> Vec<Vec<usize>> {
         .map(|s| {
             let mut chain: Vec<usize> = Vec::with_capacity(s.frames.len() + 2);
             chain.extend(tag_frames.get(s.tags as usize).copied().flatten());
-            chain.push(names.id(format!("[{}]", s.state.name()), String::new()));
+            chain.push(names.id((format!("[{}]", s.state.name()), String::new())));
             chain.extend(s.frames.iter().rev().map(|&f| functions[f as usize]));
             chain
         })
@@ -171,34 +170,17 @@ fn close(events: &mut Vec<Event>, open: &[usize], from: usize, at: f64) {
     }
 }
 
-/// The file's shared frames, by name and file.
-#[derive(Default)]
-struct Names {
-    list: Vec<(String, String)>,
-    index: HashMap<(String, String), usize>,
-}
-
-impl Names {
-    fn id(&mut self, name: String, file: String) -> usize {
-        let key = (name, file);
-        if let Some(&i) = self.index.get(&key) {
-            return i;
-        }
-        self.list.push(key.clone());
-        self.index.insert(key, self.list.len() - 1);
-        self.list.len() - 1
-    }
-
-    fn frames(&self) -> Vec<Frame<'_>> {
-        self.list
-            .iter()
-            .map(|(name, file)| Frame {
-                name,
-                file: (!file.is_empty()).then_some(file.as_str()),
-                line: None,
-            })
-            .collect()
-    }
+/// The file's shared frames, as speedscope takes them.
+fn shared_frames(names: &Interner<(String, String)>) -> Vec<Frame<'_>> {
+    names
+        .list
+        .iter()
+        .map(|(name, file)| Frame {
+            name,
+            file: (!file.is_empty()).then_some(file.as_str()),
+            line: None,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! stack a root pseudo frame naming the thread's state (`[running]`, `[waiting_for_gvl]`,
 //! `[gc_marking]`...). Thread roots and tag roots are the writers' (they name threads and
 //! tag sets, which stay as they are).
-use super::{FunctionKey, Options};
+use super::{FunctionKey, Interner, Options};
 use crate::profile::{Profile, StackCount, ThreadState};
 use crate::spy::Frame;
 use std::borrow::Cow;
@@ -48,15 +48,15 @@ pub(crate) fn view<'a>(
         return (Cow::Borrowed(profile), note);
     }
     // Frames are interned as kept stacks use them: a frame only idle stacks had is not shown.
-    let mut frames = Frames::default();
+    let mut frames: Interner<Frame> = Interner::default();
     let mut remap: Vec<Option<u32>> = vec![None; profile.frames.len()];
-    let shape = |f: u32, frames: &mut Frames, remap: &mut Vec<Option<u32>>| {
+    let shape = |f: u32, frames: &mut Interner<Frame>, remap: &mut Vec<Option<u32>>| {
         *remap[f as usize].get_or_insert_with(|| {
             let frame = &profile.frames[f as usize];
-            frames.intern(match options.lines {
+            frames.id(match options.lines {
                 true => frame.clone(),
                 false => function_frame(frame),
-            })
+            }) as u32
         })
     };
     let mut stacks: Vec<StackCount> = Vec::new();
@@ -71,7 +71,7 @@ pub(crate) fn view<'a>(
             .map(|&f| shape(f, &mut frames, &mut remap))
             .collect();
         if options.state {
-            shaped.push(frames.intern(state_frame(s.state)));
+            shaped.push(frames.id(state_frame(s.state)) as u32);
         }
         // Frames that differed only in their lines are one function now: their stacks merge.
         match index.entry((s.thread, s.state, shaped, s.tags)) {
@@ -124,25 +124,6 @@ fn state_frame(state: ThreadState) -> Frame {
         absolute_path: None,
         lineno: 0,
         c_function: false,
-    }
-}
-
-/// Frames interned by value.
-#[derive(Default)]
-struct Frames {
-    list: Vec<Frame>,
-    index: HashMap<Frame, u32>,
-}
-
-impl Frames {
-    fn intern(&mut self, f: Frame) -> u32 {
-        if let Some(&i) = self.index.get(&f) {
-            return i;
-        }
-        let i = self.list.len() as u32;
-        self.list.push(f.clone());
-        self.index.insert(f, i);
-        i
     }
 }
 

@@ -139,7 +139,7 @@ module RubySpy
 
       def function_rows(profile, cols)
         rows = profile.functions(idle: @idle)
-        counted = @idle ? profile.samples : profile.samples - profile.threads.sum { |t| t[:states]["blocked"].to_i }
+        counted = @idle ? profile.samples : profile.samples - profile.samples_in(:blocked)
         counted = [counted, 1].max
         rows = sort(rows)
         width = [cols - 17, 20].max
