@@ -1,6 +1,7 @@
 //! `cargo run --release --example record -- PID [RATE] [SECONDS]`: records a process with the
 //! sampler alone (no Ruby involved) and prints what it cost: ticks, sampler CPU per tick,
 //! `process_vm_readv` calls per tick. Handy under `perf record` to see where a tick goes.
+//! With `RBSPY_BPF=1` it records with the BPF sampler (as root) and prints its kernel cost.
 //!
 //! `... --example record -- idle [RATE] [SECONDS]`: the same timer loop without sampling, to
 //! show what merely waking up at that rate costs on this machine.
@@ -96,6 +97,7 @@ fn main() {
     let config = RecordConfig {
         rate_hz: rate,
         duration: Some(Duration::from_secs_f64(seconds)),
+        bpf: std::env::var_os("RBSPY_BPF").is_some_and(|v| v == "1"),
         ..RecordConfig::default()
     };
     let recorder = Recorder::start(pid, config).unwrap_or_else(|e| {
@@ -118,4 +120,13 @@ fn main() {
         p.read_calls as f64 / ticks as f64,
         p.errors
     );
+    if let Some(k) = p.kernel {
+        println!(
+            "in the kernel: {} runs, {:.2} us per run; {} wake-ups; notes {:?}",
+            k.bpf_runs,
+            k.us_per_run(),
+            k.wakeups,
+            p.notes
+        );
+    }
 }

@@ -78,6 +78,9 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The BPF sampler cannot run here: the reason says what is missing and what to do.
+    #[error("the BPF sampler cannot run: {0}")]
+    BpfUnavailable(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

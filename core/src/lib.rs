@@ -10,6 +10,9 @@
 //! - [`profile`]: samples aggregated into a [`profile::Profile`];
 //! - [`timeline`]: the order of a profile's samples;
 //! - [`output`]: every output format of a profile, and reading the raw one back.
+#[cfg(feature = "bpf")]
+pub mod bpf;
+pub mod cost;
 pub mod error;
 pub mod lines;
 pub mod memory;
@@ -18,6 +21,7 @@ pub mod output;
 pub mod process;
 pub mod profile;
 pub mod sampler;
+mod sampler_mode;
 pub mod spy;
 pub mod timeline;
 pub mod vm;

@@ -30,10 +30,14 @@ pub enum ThreadState {
     GcSweeping,
     /// The GVL holder is collecting garbage: compacting the heap.
     GcCompacting,
+    /// On a CPU without the GVL: C code that released it, a system call, or taking the GVL.
+    /// Only the BPF sampler sees it (it samples threads on a CPU; the user-space sampler
+    /// sees such a thread as blocked).
+    NoGvl,
 }
 
 impl ThreadState {
-    pub const ALL: [ThreadState; 7] = [
+    pub const ALL: [ThreadState; 8] = [
         ThreadState::Running,
         ThreadState::WaitingForGvl,
         ThreadState::Blocked,
@@ -41,6 +45,7 @@ impl ThreadState {
         ThreadState::GcMarking,
         ThreadState::GcSweeping,
         ThreadState::GcCompacting,
+        ThreadState::NoGvl,
     ];
 
     pub fn name(self) -> &'static str {
@@ -52,17 +57,27 @@ impl ThreadState {
             ThreadState::GcMarking => "gc_marking",
             ThreadState::GcSweeping => "gc_sweeping",
             ThreadState::GcCompacting => "gc_compacting",
+            ThreadState::NoGvl => "no_gvl",
         }
     }
 
     /// Holds the GVL: running Ruby code or collecting garbage.
     pub fn on_cpu(self) -> bool {
-        !matches!(self, ThreadState::WaitingForGvl | ThreadState::Blocked)
+        !matches!(
+            self,
+            ThreadState::WaitingForGvl | ThreadState::Blocked | ThreadState::NoGvl
+        )
     }
 
     /// Collecting garbage, in whatever phase.
     pub fn in_gc(self) -> bool {
-        self.on_cpu() && self != ThreadState::Running
+        matches!(
+            self,
+            ThreadState::Gc
+                | ThreadState::GcMarking
+                | ThreadState::GcSweeping
+                | ThreadState::GcCompacting
+        )
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
@@ -134,6 +149,9 @@ pub struct Profile {
     pub sampler_work_ns: u64,
     #[serde(default)]
     pub read_calls: u64,
+    /// With the BPF sampler: the program's run time and the recorder's wake-ups.
+    #[serde(default)]
+    pub kernel: Option<crate::cost::KernelCost>,
     /// Every distinct set of tags seen; `tag_sets[0]` is the empty set.
     #[serde(default = "no_tags")]
     pub tag_sets: Vec<TagSet>,
@@ -180,6 +198,7 @@ impl Profile {
             frames,
             stacks,
             sampler_cpu_ns: self.sampler_cpu_ns,
+            kernel: self.kernel,
             sampler_work_ns: self.sampler_work_ns,
             read_calls: self.read_calls,
             tag_sets: self.tag_sets.clone(),
@@ -468,7 +487,12 @@ impl Aggregator {
 
     /// Counts a dropped sample.
     pub fn error(&mut self, reason: &str) {
-        *self.profile.errors.entry(reason.to_string()).or_insert(0) += 1;
+        self.errors(reason, 1);
+    }
+
+    /// Counts `n` dropped samples.
+    pub fn errors(&mut self, reason: &str, n: u64) {
+        *self.profile.errors.entry(reason.to_string()).or_insert(0) += n;
     }
 
     pub fn note(&mut self, note: String) {
@@ -494,6 +518,10 @@ impl Aggregator {
         self.profile.sampler_work_ns = sampler_work_ns;
         self.profile.read_calls = read_calls;
     }
+
+    pub fn set_kernel_cost(&mut self, cost: crate::cost::KernelCost) {
+        self.profile.kernel = Some(cost);
+    }
 }
 
 /// A frame for tests and examples.
@@ -510,76 +538,5 @@ pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn split_by_and_filtered_keep_each_part_with_its_own_timeline() {
-        let p = crate::output::fixture::profile();
-        let parts = p.split_by(|s| s.thread);
-        assert_eq!(parts.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [0, 1, 2]);
-        assert_eq!(parts.iter().map(|(_, q)| q.samples).sum::<u64>(), p.samples);
-        for (thread, part) in &parts {
-            assert!(part.stacks.iter().all(|s| s.thread == *thread));
-            assert_eq!(part.timeline.len() as u64, part.samples);
-            part.timeline.check(part.stacks.len()).unwrap();
-            let alone = p.filtered(|s| s.thread == *thread);
-            assert_eq!(&alone, part);
-        }
-    }
-
-    #[test]
-    fn with_tag_names_every_sample_and_keeps_tags_already_there() {
-        let p = crate::output::fixture::profile();
-        let mut tagged_before = p.clone();
-        tagged_before.tag_sets = vec![Vec::new(), vec![("example".into(), "other".into())]];
-        tagged_before.stacks[0].tags = 1;
-        let t = tagged_before.with_tag("example", "mine");
-        assert_eq!(t.tag_sets[0], Vec::<(String, String)>::new()); // index 0 stays the empty set
-        assert_eq!(t.tag_value(&t.stacks[0], "example"), Some("other"));
-        for s in &t.stacks[1..] {
-            assert_eq!(t.tag_value(s, "example"), Some("mine"));
-        }
-        assert_eq!(t.samples, p.samples);
-        // A hand-built profile without tag sets gets them.
-        let bare = Profile {
-            tag_sets: Vec::new(),
-            ..p
-        };
-        let t = bare.with_tag("k", "v");
-        assert!(t.stacks.iter().all(|s| t.tag_value(s, "k") == Some("v")));
-    }
-
-    #[test]
-    fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
-        let main = ThreadInfo {
-            pid: 1,
-            tid: 1,
-            name: None,
-            ruby_thread: 0x10,
-            main: true,
-        };
-        let mut agg = Aggregator::new(1, "3.1.2", 99.0, 0);
-        let a = [
-            frame("Kernel#sleep", "a.rb", 3, true),
-            frame("<main>", "a.rb", 3, false),
-        ];
-        let b = [
-            frame("Foo#bar", "a.rb", 7, false),
-            frame("<main>", "a.rb", 9, false),
-        ];
-        for i in 0..10_000 {
-            agg.add(&main, ThreadState::Blocked, &a);
-            if i % 2 == 0 {
-                agg.add(&main, ThreadState::Running, &b);
-            }
-        }
-        let p = agg.finish(1);
-        assert_eq!(p.samples, 15_000);
-        assert_eq!(p.stacks.len(), 2);
-        assert_eq!(p.frames.len(), 4);
-        assert_eq!(p.threads.len(), 1);
-        assert_eq!(p.stacks[0].count, 10_000);
-        assert_eq!(p.stacks[1].state, ThreadState::Running);
-    }
-}
+#[path = "profile_tests.rs"]
+mod tests;

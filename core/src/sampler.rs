@@ -6,6 +6,7 @@ use crate::memory::Memory;
 use crate::output::FunctionKey;
 use crate::process::descendants;
 use crate::profile::{Aggregator, Profile};
+use crate::sampler_mode::{kernel_mode, Mode};
 use crate::spy::{Config, Spy, ThreadSelection};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,6 +32,8 @@ pub struct RecordConfig {
     /// Keep a copy of the profile so far in [`Progress::profile`], refreshed every
     /// `SCAN_EVERY` (for live views such as `rubyspy top`).
     pub live: bool,
+    /// Sample in the kernel (crate::bpf): a BPF program on a CPU-clock event per CPU.
+    pub bpf: bool,
     pub spy: Config,
 }
 
@@ -43,6 +46,7 @@ impl Default for RecordConfig {
             on_cpu: false,
             subprocesses: false,
             live: false,
+            bpf: false,
             spy: Config::default(),
         }
     }
@@ -159,7 +163,7 @@ impl Recorder {
         let own = pid as u32 == std::process::id()
             && config.spy.force_version.is_none()
             && !config.spy.scan_for_vm;
-        let spy = match own.then(take_own_spy).flatten() {
+        let mut spy = match own.then(take_own_spy).flatten() {
             Some(spy) => spy,
             None => {
                 let mut spy = Spy::attach_with(pid, &config.spy)?;
@@ -169,6 +173,7 @@ impl Recorder {
                 spy
             }
         };
+        let mode = kernel_mode(&mut spy, &config)?;
         let keep = move |mut spy: Spy| {
             if own {
                 spy.forget_threads();
@@ -177,12 +182,12 @@ impl Recorder {
                 }
             }
         };
-        Ok(Self::spawn(spy, config, keep))
+        Ok(Self::spawn(spy, config, keep, mode))
     }
 
     /// Starts sampling with an already attached spy.
     pub fn start_with<M: Memory + Send + 'static>(spy: Spy<M>, config: RecordConfig) -> Recorder {
-        Self::spawn(spy, config, drop)
+        Self::spawn(spy, config, drop, Mode::default())
     }
 
     /// Starts the sampler thread, which hands the spy to `done` when the recording ends.
@@ -190,6 +195,7 @@ impl Recorder {
         mut spy: Spy<M>,
         config: RecordConfig,
         done: impl FnOnce(Spy<M>) + Send + 'static,
+        mode: Mode,
     ) -> Recorder {
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new(Mutex::new(Progress::default()));
@@ -197,7 +203,13 @@ impl Recorder {
         let thread = std::thread::Builder::new()
             .name("rbspy_ext sampler".into())
             .spawn(move || {
-                let profile = run(&mut spy, config, &s, &p);
+                let profile = match mode.kernel {
+                    #[cfg(feature = "bpf")]
+                    Some(k) => crate::bpf::run(&mut spy, k, config, mode.notes, &s, &p),
+                    #[cfg(not(feature = "bpf"))]
+                    Some(k) => match k {},
+                    None => run(&mut spy, config, mode.notes, &s, &p),
+                };
                 done(spy);
                 profile
             })
@@ -279,7 +291,7 @@ impl Drop for Recorder {
     }
 }
 
-fn unix_ns() -> u64 {
+pub(crate) fn unix_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -357,14 +369,16 @@ fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
 fn run<M: Memory>(
     spy: &mut Spy<M>,
     config: RecordConfig,
+    notes: Vec<String>,
     stop: &AtomicBool,
     progress: &Mutex<Progress>,
 ) -> Profile {
     let pid = spy.pid();
     let mut agg = Aggregator::new(pid, spy.version(), config.rate_hz, unix_ns());
-    if let Some(w) = spy.warning() {
-        agg.note(w.to_string());
-    }
+    notes
+        .into_iter()
+        .chain(spy.warning().map(str::to_string))
+        .for_each(|n| agg.note(n));
     let started = Instant::now();
     // A kept spy (`OWN_SPY`) counts its calls since it attached: this recording's are the rest.
     let calls_before = spy.memory().calls();
@@ -434,7 +448,7 @@ fn run<M: Memory>(
 
 /// Refreshes what a live display reads: the top functions, and with `live` the profile so
 /// far.
-fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
+pub(crate) fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
     if let Ok(mut p) = progress.lock() {
         p.top = top_functions(agg.profile());
         if live {
@@ -521,7 +535,7 @@ impl Children {
 }
 
 /// CPU time used by the calling thread so far.
-fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -94,6 +94,19 @@ module RbspyExtConf
     missing
   end
 
+  # What building the BPF sampler (`record --bpf`) needs and this machine lacks: clang to
+  # compile core/bpf/sampler.bpf.c, and the headers of the kernel, libelf and zlib for
+  # libbpf. Without them the gem is built without it, and --bpf says so.
+  def bpf_missing
+    missing = []
+    missing << "clang" unless executable(ENV.fetch("CLANG", "clang"))
+    includes = ["/usr/include", "/usr/local/include"]
+    { "linux/bpf.h" => "linux-libc-dev", "libelf.h" => "libelf-dev", "zlib.h" => "zlib1g-dev" }.each do |h, pkg|
+      missing << "#{h} (#{pkg})" unless includes.any? { |d| File.exist?(File.join(d, h)) }
+    end
+    missing
+  end
+
   # The cargo to build with: $CARGO, cargo on PATH, or rustup's default place (which
   # non-login shells often leave off PATH).
   def cargo
@@ -183,6 +196,14 @@ unless missing.empty?
   MESSAGE
 end
 
+bpf_missing = RbspyExtConf.bpf_missing
+features = ""
+unless bpf_missing.empty?
+  features = "--no-default-features"
+  puts "rbspy_ext: building without the BPF sampler (record --bpf): missing #{bpf_missing.join(', ')}; " \
+       "Debian/Ubuntu: apt-get install clang libelf-dev zlib1g-dev"
+end
+
 require "mkmf" # first: rake-compiler and rb_sys hook into it
 
 begin
@@ -194,6 +215,7 @@ end
 if defined?(RbSys::Mkmf)
   create_rust_makefile("rbspy_ext/rbspy_ext") do |r|
     r.profile = ENV.fetch("RB_SYS_CARGO_PROFILE", :release).to_sym
+    r.extra_cargo_args += [features] unless features.empty?
   end
   exit
 end
@@ -229,7 +251,7 @@ File.write("Makefile", <<~MAKE)
 
   # Always ask cargo: it knows whether anything changed, make does not.
   $(DLLIB): FORCE
-  \t$(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext
+  \t$(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext #{features}
   \tcp -f $(RUSTLIB) $@
 
   install: all

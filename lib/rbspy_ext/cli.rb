@@ -182,6 +182,8 @@ module RubySpy
           options[:threads] = v.to_sym
         end
         opts.on("--on-cpu", "keep only samples of threads holding the GVL") { options[:on_cpu] = true }
+        opts.on("--bpf", "sample in the kernel (BPF): threads on a CPU, no wake-up per sample; " \
+                         "needs root or CAP_BPF+CAP_PERFMON") { options[:mode] = :bpf }
         view_options(opts, options)
         opts.on("--subprocesses", "also record Ruby child processes") { options[:subprocesses] = true }
         opts.on("--no-drop-root", "run COMMAND as root even under sudo (default: as SUDO_UID/SUDO_GID)") do
@@ -202,7 +204,7 @@ module RubySpy
       record_options = { rate: options[:rate], duration: options[:duration],
                          threads: options[:threads], on_cpu: options[:on_cpu],
                          subprocesses: options[:subprocesses] ? true : false,
-                         force_version: options[:force_version] }
+                         force_version: options[:force_version], mode: options[:mode] || :user }
       begin
         RecordOptions.new(**record_options)
       rescue ArgumentError, TypeError => e
@@ -225,6 +227,7 @@ module RubySpy
       stopped = true
       write_outputs(profile, paths, options[:view], options[:raw])
       profile.notes.each { |n| warn "rubyspy: #{n}" }
+      warn "rubyspy: #{kernel_cost(profile.cost)}" if profile.cost[:bpf_runs]
       warn "rubyspy: wrote #{profile.samples} samples to #{[*paths.values, *options[:raw]].join(", ")}"
       0
     ensure
@@ -238,6 +241,13 @@ module RubySpy
           nil
         end
       end
+    end
+
+    # What a BPF recording cost, per sample kept.
+    def kernel_cost(cost)
+      format("cost per sample: %<kernel>.2f us in the kernel (BPF), %<user>.2f us in the recorder; " \
+             "%<wakeups>d wake-ups", kernel: cost[:bpf_per_tick_us], user: cost[:per_tick_us],
+                                     wakeups: cost[:wakeups])
     end
 
     # -f/--format, which may be given more than once.

@@ -43,4 +43,10 @@ module RubySpy
   # or a profile; {RubySpy.tag} still runs its block, so code that tags runs unchanged. The
   # message names the platform and why.
   class UnsupportedPlatform < Error; end
+
+  # The in-kernel sampler (+mode: :bpf+, +rubyspy record --bpf+) cannot run: no privilege
+  # (root, or CAP_BPF with CAP_PERFMON), a kernel without BTF, the verifier refused the
+  # program, or this build of the gem has none. The message says which and what to do; a
+  # recording without +mode: :bpf+ still works.
+  class BpfUnavailable < Error; end
 end

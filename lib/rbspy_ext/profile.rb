@@ -75,17 +75,27 @@ module RubySpy
     # @return [Hash] +:sampler_cpu+ seconds of CPU used by the sampler thread,
     #   +:sampling_cpu+ the part of it spent taking samples (the rest is the kernel waking the
     #   thread up), +:read_calls+ (+process_vm_readv+ calls), +:per_tick_us+ and
-    #   +:sampling_per_tick_us+ the same per sampling tick
+    #   +:sampling_per_tick_us+ the same per sampling tick. A recording by the BPF sampler
+    #   (+mode: :bpf+) adds +:bpf_run_time+ seconds the program ran in the kernel (every run,
+    #   other processes' ticks it filtered out included), +:bpf_runs+, +:bpf_per_run_us+,
+    #   +:bpf_per_tick_us+ (its run time per sample kept) and +:wakeups+ of the recorder
     def cost
-      cpu, work, calls = @native.cost
+      cpu, work, calls, kernel = @native.cost
       per_tick = ->(seconds) { ticks.zero? ? 0.0 : seconds * 1e6 / ticks }
-      { sampler_cpu: cpu, sampling_cpu: work, read_calls: calls,
-        per_tick_us: per_tick.(cpu), sampling_per_tick_us: per_tick.(work) }
+      cost = { sampler_cpu: cpu, sampling_cpu: work, read_calls: calls,
+               per_tick_us: per_tick.(cpu), sampling_per_tick_us: per_tick.(work) }
+      return cost unless kernel
+
+      run_time, runs, wakeups = kernel
+      cost.merge(bpf_run_time: run_time, bpf_runs: runs, wakeups: wakeups,
+                 bpf_per_run_us: runs.zero? ? 0.0 : run_time * 1e6 / runs,
+                 bpf_per_tick_us: per_tick.(run_time))
     end
 
     # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:states+
     #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc_marking", "gc_sweeping",
-    #   "gc_compacting", or "gc" between GC phases)
+    #   "gc_compacting", "gc" between GC phases, or with the BPF sampler "no_gvl": on a CPU
+    #   without the GVL)
     def threads
       @native.threads
     end

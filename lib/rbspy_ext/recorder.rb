@@ -23,11 +23,15 @@ module RubySpy
   # @!attribute force_version [String, nil] Ruby version whose layout to use
   # @!attribute live [Boolean] keep the profile so far for {Recorder#profile_so_far},
   #   refreshed every half second
+  # @!attribute mode [Symbol] +:user+ (the default: a sampler thread reads the target's memory
+  #   at each tick, every thread in whatever state) or +:bpf+ (a BPF program samples threads
+  #   on a CPU, in the kernel, without waking anyone per sample: a CPU profile at a fraction
+  #   of the cost; needs root or CAP_BPF and CAP_PERFMON, else {BpfUnavailable})
   RecordOptions = Struct.new(:rate, :duration, :threads, :on_cpu, :subprocesses, :force_version, :live,
-                             keyword_init: true) do
+                             :mode, keyword_init: true) do
     # @raise [ArgumentError, TypeError] for an option that cannot be honoured
     def initialize(rate: 99, duration: nil, threads: :all, on_cpu: false, subprocesses: false,
-                   force_version: nil, live: false)
+                   force_version: nil, live: false, mode: :user)
       super
       validate!
       freeze
@@ -42,6 +46,7 @@ module RubySpy
       unless duration.nil? || (duration.is_a?(Numeric) && duration.positive? && duration.finite?)
         raise ArgumentError, "duration must be a positive number of seconds or nil, got #{duration.inspect}"
       end
+      raise ArgumentError, "mode must be :user or :bpf, got #{mode.inspect}" unless %i[user bpf].include?(mode)
       return if %i[all gvl].include?(threads)
 
       raise ArgumentError, "threads must be :all or :gvl, got #{threads.inspect}"
@@ -82,7 +87,8 @@ module RubySpy
       @native = NativeRecorder.start(pid, { rate: o.rate.to_f, duration: o.duration&.to_f, threads: o.threads,
                                             on_cpu: o.on_cpu ? true : false,
                                             subprocesses: o.subprocesses ? true : false,
-                                            force_version: o.force_version, live: o.live ? true : false })
+                                            force_version: o.force_version, live: o.live ? true : false,
+                                            bpf: o.mode == :bpf })
       self
     end
 

@@ -178,17 +178,7 @@ fn header(profile: &Profile, total: u64, out: &mut dyn Write) -> std::io::Result
         "Samples: {total} thread stacks from {} ticks at {} Hz",
         profile.ticks, profile.rate_hz
     )?;
-    if profile.sampler_cpu_ns > 0 && profile.ticks > 0 {
-        writeln!(
-            out,
-            "Profiler cost: {:.1} ms of CPU ({:.1} us per tick, {:.1} us of it sampling, \
-             the rest waking up), {} process_vm_readv calls",
-            profile.sampler_cpu_ns as f64 / 1e6,
-            profile.sampler_cpu_ns as f64 / 1e3 / profile.ticks as f64,
-            profile.sampler_work_ns as f64 / 1e3 / profile.ticks as f64,
-            profile.read_calls
-        )?;
-    }
+    cost_lines(out, profile)?;
     let dropped: u64 = profile.errors.values().sum();
     if dropped == 0 {
         writeln!(out, "Dropped samples: none")?;
@@ -247,6 +237,35 @@ fn percent(n: u64, total: u64) -> String {
     } else {
         format!("{:.2}", n as f64 * 100.0 / total as f64)
     }
+}
+
+/// What the recording cost the profiler, when it was measured.
+fn cost_lines(out: &mut dyn std::io::Write, profile: &Profile) -> std::io::Result<()> {
+    if let (Some(k), true) = (profile.kernel, profile.ticks > 0) {
+        writeln!(
+            out,
+            "Profiler cost (BPF): {:.1} us per sample in the kernel ({} runs of {:.2} us, \
+             other processes' ticks included), {:.1} us per sample in the recorder, {} \
+             wake-ups, {} process_vm_readv calls",
+            k.bpf_run_ns as f64 / 1e3 / profile.ticks as f64,
+            k.bpf_runs,
+            k.us_per_run(),
+            profile.sampler_cpu_ns as f64 / 1e3 / profile.ticks as f64,
+            k.wakeups,
+            profile.read_calls
+        )?;
+    } else if profile.sampler_cpu_ns > 0 && profile.ticks > 0 {
+        writeln!(
+            out,
+            "Profiler cost: {:.1} ms of CPU ({:.1} us per tick, {:.1} us of it sampling, \
+             the rest waking up), {} process_vm_readv calls",
+            profile.sampler_cpu_ns as f64 / 1e6,
+            profile.sampler_cpu_ns as f64 / 1e3 / profile.ticks as f64,
+            profile.sampler_work_ns as f64 / 1e3 / profile.ticks as f64,
+            profile.read_calls
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -42,7 +42,7 @@ struct StackGuess {
 
 /// The state of the thread holding the GVL, from the GC's flags (`rb_objspace.flags`: a
 /// 2-bit mode at bit 0, `during_gc` at bit 5; see `Layout::objspace_flags`).
-fn gc_state(flags: u32) -> ThreadState {
+pub(super) fn gc_state(flags: u32) -> ThreadState {
     if flags & (1 << 5) == 0 {
         return ThreadState::Running;
     }
@@ -157,7 +157,7 @@ impl ThreadSampler {
 
     /// The GC's `rb_objspace`, read once: it lives as long as the VM. 0 when unreadable (then
     /// GC is simply not told apart).
-    fn objspace<M: Memory>(&mut self, t: &Target<M>) -> u64 {
+    pub(super) fn objspace<M: Memory>(&mut self, t: &Target<M>) -> u64 {
         if let Some(o) = self.objspace {
             return o;
         }

@@ -11,12 +11,14 @@ use std::sync::Arc;
 
 mod attach;
 mod batch;
+mod captured;
 mod frames;
 mod memo;
 mod tags;
 mod thread_list;
 mod threads;
 mod walker;
+pub use captured::{CaptureLayout, Captured, TRUNCATED_LABEL};
 pub use tags::Tags;
 pub use threads::{SampledThread, ThreadSelection};
 use walker::{Envs, Prefetched, RawFrame, Wanted};

@@ -469,6 +469,29 @@ impl<M: Memory> Decoder<'_, M> {
         } else {
             raw.truncate(len);
         }
+        let tags = self.decode(&raw)?;
+        if pointer_read_at.elapsed() > TABLE_WINDOW {
+            return None; // the table may have been freed and reused meanwhile
+        }
+        Some((raw, tags))
+    }
+
+    /// The tags of a table's bytes (header and every slot), read by whoever read them (the
+    /// sampler's call, or the BPF sampler in the same pass as the stack). None when they do
+    /// not make a table, or a key is not an ID or a value cannot be read now.
+    pub(super) fn decode(&mut self, raw: &[u8]) -> Option<Tags> {
+        if raw.len() < 16 {
+            return None;
+        }
+        let (size, capacity) = (word(raw, 0), word(raw, 8));
+        if capacity == 0
+            || !capacity.is_power_of_two()
+            || capacity > MAX_CAPACITY
+            || size > capacity
+            || raw.len() != 16 + 16 * capacity as usize
+        {
+            return None;
+        }
         let mut out = Vec::with_capacity(size as usize);
         for pair in raw[16..].chunks_exact(16) {
             let (key, value) = (word(pair, 0), word(pair, 8));
@@ -481,10 +504,7 @@ impl<M: Memory> Decoder<'_, M> {
             let text = self.value_text(value)?;
             out.push((name, text));
         }
-        if pointer_read_at.elapsed() > TABLE_WINDOW {
-            return None; // the table may have been freed and reused meanwhile
-        }
-        Some((raw, out.into()))
+        Some(out.into())
     }
 
     fn id_name(&mut self, id: u64) -> Option<Arc<str>> {

@@ -135,6 +135,8 @@ impl<M: Memory> Spy<M> {
             cfp,
             count,
             guess: (hint as u64).min(cfp - vm_stack) as usize,
+            values_from: vm_stack,
+            captured: false,
         })
     }
 
@@ -283,7 +285,12 @@ impl<M: Memory> Spy<M> {
         values: &'a [u8],
     ) -> std::result::Result<(Vec<RawFrame>, Envs<'a>), Attempt> {
         let l = self.target.layout;
-        let Plan { vm_stack, cfp, .. } = plan;
+        let Plan {
+            vm_stack,
+            cfp,
+            values_from: base,
+            ..
+        } = plan;
         let frames: Vec<RawFrame> = cfps
             .chunks_exact(l.cfp_size)
             .map(|c| RawFrame {
@@ -298,22 +305,27 @@ impl<M: Memory> Spy<M> {
             .iter()
             .map(|f| f.ep)
             .filter(|ep| {
-                *ep >= vm_stack.saturating_add(16) && ep.checked_add(8).is_some_and(|e| e <= cfp)
+                *ep >= base.saturating_add(16) && ep.checked_add(8).is_some_and(|e| e <= cfp)
             })
-            .map(|ep| (ep + 8 - vm_stack) as usize)
+            .map(|ep| (ep + 8 - base) as usize)
             .max()
             .unwrap_or(0);
         if needed > MAX_VALUE_STACK {
             return Err(Attempt::Changed(format!("a value stack of {needed} bytes")));
         }
-        let values: Cow<'a, [u8]> = if needed > values.len() {
+        let values: Cow<'a, [u8]> = if needed > values.len() && plan.captured {
+            // Read now, it would be another moment's stack.
+            return Err(Attempt::Changed(
+                "an environment above the captured value stack".into(),
+            ));
+        } else if needed > values.len() {
             // Deeper than read along with the frames: the rest, in a call of its own.
             let have = values.len();
             let mut more = values.to_vec();
             more.resize(needed, 0);
             self.target
                 .mem
-                .read(field(vm_stack, have), &mut more[have..])
+                .read(field(base, have), &mut more[have..])
                 .map_err(self.moved("reading the value stack"))?;
             Cow::Owned(more)
         } else {
@@ -323,11 +335,14 @@ impl<M: Memory> Spy<M> {
         if self.walk.stack_hints.len() >= MAX_CACHED_ENVS {
             self.walk.stack_hints.clear();
         }
-        self.walk
-            .stack_hints
-            .insert(vm_stack, needed + needed / 4 + 1024);
+        if !plan.captured {
+            self.walk
+                .stack_hints
+                .insert(vm_stack, needed + needed / 4 + 1024);
+        }
         let envs = Envs {
-            base: vm_stack,
+            base,
+            floor: vm_stack,
             values,
         };
         Ok((frames, envs))
@@ -389,6 +404,14 @@ impl<M: Memory> Spy<M> {
         if let Some(s) = envs.on_stack(ep) {
             return Ok(s);
         }
+        if (envs.floor..envs.base).contains(&ep) {
+            // On this stack but below what was copied of it (a captured stack whose value
+            // stack was cut): read now it would be another moment's, and cached as if on
+            // the heap it would outlive its frame.
+            return Err(Attempt::Changed(
+                "an environment below the copied value stack".into(),
+            ));
+        }
         if let Some(s) = self.walk.heap_envs.get(&ep) {
             return Ok(*s);
         }
@@ -429,10 +452,12 @@ pub(super) fn slots(buf: &[u8; 24]) -> Slots {
     }
 }
 
-/// The environments of one sample: the value stack `[base, base + len)` as read.
+/// The environments of one sample: the value stack `[base, base + len)` as read, out of the
+/// whole stack from `floor` (`vm_stack`; equal to `base` unless the copy was cut).
 #[derive(Debug, Default)]
 pub(super) struct Envs<'a> {
     pub(super) base: u64,
+    pub(super) floor: u64,
     pub(super) values: Cow<'a, [u8]>,
 }
 
@@ -456,6 +481,12 @@ pub(super) struct Plan {
     pub(super) count: u64,
     /// Bytes of value stack to read along with the frames.
     pub(super) guess: usize,
+    /// Where the value stack given with the frames starts (`vm_stack` unless a captured
+    /// copy was cut short).
+    pub(super) values_from: u64,
+    /// Frames and value stack captured in one pass by the BPF sampler (spy/captured.rs):
+    /// nothing may be read later to complete them.
+    pub(super) captured: bool,
 }
 
 /// A thread's control frames and value stack, read along with the thread on the guess that

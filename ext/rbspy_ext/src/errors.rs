@@ -24,6 +24,7 @@ pub fn to_ruby(ruby: &Ruby, e: CoreError) -> Error {
             return Error::new(ruby.exception_arg_error(), e.to_string())
         }
         CoreError::Io { .. } => "Error",
+        CoreError::BpfUnavailable(_) => "BpfUnavailable",
     };
     Error::new(class(ruby, name), e.to_string())
 }

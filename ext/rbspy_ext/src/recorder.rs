@@ -25,7 +25,7 @@ fn option<T: magnus::TryConvert>(ruby: &Ruby, options: RHash, key: &str) -> Resu
 impl NativeRecorder {
     /// `NativeRecorder.start(pid, options)`: `options` is `RecordOptions#to_h` (validated
     /// there): `rate`, `duration` (nil for none), `threads` (`:all` or `:gvl`), `on_cpu`,
-    /// `subprocesses`, `force_version`.
+    /// `subprocesses`, `force_version`, `live`, `bpf`.
     fn start(ruby: &Ruby, pid: i64, options: RHash) -> Result<Self, Error> {
         let rate: f64 = option(ruby, options, "rate")?;
         let duration: Option<f64> = option(ruby, options, "duration")?;
@@ -34,6 +34,7 @@ impl NativeRecorder {
         let subprocesses: bool = option(ruby, options, "subprocesses")?;
         let force_version: Option<String> = option(ruby, options, "force_version")?;
         let live: bool = option(ruby, options, "live")?;
+        let bpf: bool = option(ruby, options, "bpf")?;
         let pid = i32::try_from(pid)
             .ok()
             .filter(|p| *p > 0)
@@ -59,6 +60,7 @@ impl NativeRecorder {
             on_cpu,
             subprocesses,
             live,
+            bpf,
             spy: Config {
                 force_version,
                 ..Config::default()
@@ -213,12 +215,17 @@ impl NativeProfile {
         self.0.rate_hz
     }
 
-    /// [sampler CPU seconds, of which sampling (not waking up), process_vm_readv calls]
-    fn cost(&self) -> (f64, f64, u64) {
+    /// [sampler CPU seconds, of which sampling (not waking up), process_vm_readv calls,
+    /// and with the BPF sampler [program run time in seconds, runs, wake-ups] (else nil)]
+    #[allow(clippy::type_complexity)]
+    fn cost(&self) -> (f64, f64, u64, Option<(f64, u64, u64)>) {
         (
             self.0.sampler_cpu_ns as f64 / 1e9,
             self.0.sampler_work_ns as f64 / 1e9,
             self.0.read_calls,
+            self.0
+                .kernel
+                .map(|k| (k.bpf_run_ns as f64 / 1e9, k.bpf_runs, k.wakeups)),
         )
     }
 

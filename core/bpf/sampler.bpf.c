@@ -1,0 +1,216 @@
+// SPDX-License-Identifier: MIT OR GPL-2.0
+// rbspy_ext's in-kernel sampler (core/src/bpf/): on each perf_event CPU-clock tick, for a
+// thread of the target process, copies what the user-space walker needs to resolve the
+// Ruby thread's stack, all read in this one pass while the thread is stopped on this CPU:
+//   - the execution context's stack fields (vm_stack, vm_stack_size, cfp);
+//   - the control frames from cfp towards the end of the VM stack (at most MAX_FRAMES);
+//   - the used top of the value stack, where those frames' environments live;
+//   - the GVL owner and the GC's flags (the thread's state);
+//   - the thread's ruby_profiler_state table, header and slots (docs/profiler-state.md).
+// Nothing is symbolised here: user space resolves the raw frames through the same walker
+// and caches that make snapshots exact (spy/captured.rs). It only reads user memory
+// (bpf_probe_read_user), never writes it.
+//
+// Every layout offset is a read-only global set from the target's `Layout` before load, so
+// one object file serves every Ruby version. No vmlinux.h: the one kernel field read
+// (task->thread.fsbase, the thread pointer on x86-64) is declared below and relocated by
+// libbpf against the running kernel's BTF (CO-RE).
+#include <linux/bpf.h>
+#include <linux/types.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+
+#include "sampler.h"
+
+struct thread_struct {
+    unsigned long fsbase;
+} __attribute__((preserve_access_index));
+
+struct task_struct {
+    struct thread_struct thread;
+} __attribute__((preserve_access_index));
+
+/* The interrupted thread's thread pointer (x86-64: %fs base; glibc's pthread_self()). On
+ * other architectures user space sets tag_offset to 0 and this is not called. */
+static __always_inline __u64 thread_pointer(void)
+{
+#if defined(__TARGET_ARCH_x86)
+    struct task_struct *task = (struct task_struct *)bpf_get_current_task_btf();
+    return BPF_CORE_READ(task, thread.fsbase);
+#else
+    return 0;
+#endif
+}
+
+const volatile __u32 target_tgid = 0;
+const volatile __u64 thread_ec = 0;
+const volatile __u64 ec_vm_stack = 0; /* vm_stack, vm_stack_size and cfp follow it */
+const volatile __u64 cfp_size = 64;
+const volatile __u64 cfp_sp = 8;
+const volatile __u64 cfp_ep = 32;
+const volatile __u64 max_frame_bytes = 512 * 64;
+const volatile __u64 gvl_owner_addr = 0;
+const volatile __u64 gc_flags_addr = 0;
+/* Offset of ruby_profiler_state from the thread pointer; 0: the target has no tags. */
+const volatile __s64 tag_offset = 0;
+
+/* Native thread id -> rb_thread_t *, filled by user space from the thread list. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, MAX_THREADS);
+    __type(key, __u32);
+    __type(value, __u64);
+} threads SEC(".maps");
+
+/* One record buffer per CPU (a per-CPU array value is limited to 32 KB; this is a plain
+ * array indexed by CPU, sized by user space to the number of possible CPUs). A perf_event
+ * program runs with preemption off, so the CPU's buffer is its own until it returns. */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, __u32);
+    __type(value, struct record);
+} scratch SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_RINGBUF);
+    __uint(max_entries, 1 << 23);
+} events SEC(".maps");
+
+/* Ticks of target threads that are not Ruby threads we know, and records the ring buffer
+ * had no room for: counted, so user space can report them rather than lose them silently. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, COUNTERS);
+    __type(key, __u32);
+    __type(value, __u64);
+} counters SEC(".maps");
+
+static __always_inline void count(__u32 which)
+{
+    __u64 *n = bpf_map_lookup_elem(&counters, &which);
+    if (n)
+        *n += 1;
+}
+
+SEC("perf_event")
+int sample(void *ctx)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    if ((id >> 32) != target_tgid)
+        return 0;
+    __u32 tid = (__u32)id;
+    __u64 *thread = bpf_map_lookup_elem(&threads, &tid);
+    if (!thread) {
+        count(COUNT_UNKNOWN_THREAD);
+        return 0;
+    }
+    __u32 cpu = bpf_get_smp_processor_id();
+    struct record *r = bpf_map_lookup_elem(&scratch, &cpu);
+    if (!r)
+        return 0;
+    struct header *h = &r->h;
+    h->time_ns = bpf_ktime_get_ns();
+    h->tid = tid;
+    h->flags = 0;
+    h->thread = *thread;
+    h->ec = 0;
+    h->head[0] = h->head[1] = h->head[2] = 0;
+    h->gvl_owner = 0;
+    h->gc_flags = 0;
+    h->frame_bytes = 0;
+    h->value_bytes = 0;
+    h->values_from = 0;
+    h->tag_table = 0;
+    h->tag_words = 0;
+
+    if (bpf_probe_read_user(&h->ec, 8, (void *)(h->thread + thread_ec)) ||
+        bpf_probe_read_user(h->head, sizeof h->head, (void *)(h->ec + ec_vm_stack)))
+        h->flags |= FLAG_UNREADABLE;
+    if (gvl_owner_addr)
+        bpf_probe_read_user(&h->gvl_owner, 8, (void *)gvl_owner_addr);
+    if (gc_flags_addr)
+        bpf_probe_read_user(&h->gc_flags, 4, (void *)gc_flags_addr);
+
+    __u64 vm_stack = h->head[0], cfp = h->head[2];
+    /* The last control frame slot is a dummy that Ruby's own backtrace skips. */
+    __u64 end = vm_stack + h->head[1] * 8 - cfp_size;
+    __u64 frames = 0;
+    if (!(h->flags & FLAG_UNREADABLE) && vm_stack && cfp >= vm_stack && cfp < end) {
+        frames = end - cfp;
+        if (frames > max_frame_bytes) {
+            frames = max_frame_bytes;
+            h->flags |= FLAG_TRUNCATED;
+        }
+    }
+    if (frames > MAX_FRAME_BYTES)
+        frames = MAX_FRAME_BYTES;
+    if (frames && bpf_probe_read_user(r->data, frames, (void *)cfp) == 0)
+        h->frame_bytes = frames;
+    else if (frames)
+        h->flags |= FLAG_UNREADABLE;
+
+    /* The value stack up to the innermost frame's sp (or just past its environment, if sp
+     * lags): every running frame's environment lies below it. */
+    __u64 top = 0, ep = 0;
+    if (h->frame_bytes) {
+        __u64 sp_at = cfp_sp & (MAX_FRAME_BYTES - 8), ep_at = cfp_ep & (MAX_FRAME_BYTES - 8);
+        top = *(__u64 *)(r->data + sp_at);
+        ep = *(__u64 *)(r->data + ep_at) + 8;
+        if (ep > top)
+            top = ep;
+        if (top > cfp || top < vm_stack)
+            top = 0;
+    }
+    __u64 from = vm_stack;
+    if (top && top - from > MAX_VALUE_BYTES) {
+        from = top - MAX_VALUE_BYTES;
+        h->flags |= FLAG_VALUES_CUT;
+    }
+    __u64 values = top ? top - from : 0;
+    __u64 at = h->frame_bytes;
+    if (at > MAX_FRAME_BYTES)
+        at = MAX_FRAME_BYTES;
+    if (values > MAX_VALUE_BYTES)
+        values = MAX_VALUE_BYTES;
+    if (values && bpf_probe_read_user(r->data + at, values, (void *)from) == 0) {
+        h->value_bytes = values;
+        h->values_from = from;
+    }
+
+    /* The tags: the table pointer at the thread pointer + offset, then its header and
+     * slots in one read, copied into the record (a table may be freed 10 ms after it is
+     * unpublished, long before user space reads the ring). */
+    if (tag_offset) {
+        __u64 tp = thread_pointer();
+        __u64 table = 0;
+        bpf_probe_read_user(&table, 8, (void *)(tp + tag_offset));
+        h->tag_table = table;
+        __u64 hdr[2] = {0, 0};
+        if (table && bpf_probe_read_user(hdr, sizeof hdr, (void *)table) == 0) {
+            __u64 words = 2 + 2 * hdr[1];
+            if (hdr[1] > MAX_TAG_SLOTS || hdr[0] > hdr[1]) {
+                h->flags |= FLAG_TAGS_CUT;
+            } else {
+                __u64 t = at + h->value_bytes;
+                if (t > MAX_FRAME_BYTES + MAX_VALUE_BYTES)
+                    t = MAX_FRAME_BYTES + MAX_VALUE_BYTES;
+                __u64 bytes = words * 8;
+                if (bytes > MAX_TAG_BYTES)
+                    bytes = MAX_TAG_BYTES;
+                if (bytes && bpf_probe_read_user(r->data + t, bytes, (void *)table) == 0)
+                    h->tag_words = bytes / 8;
+            }
+        }
+    }
+
+    __u64 size = sizeof(struct header) + h->frame_bytes + h->value_bytes + h->tag_words * 8;
+    if (size > sizeof(struct record))
+        size = sizeof(struct record);
+    /* No wake-up: user space drains the ring on its own schedule (core/src/bpf/mod.rs). */
+    if (bpf_ringbuf_output(&events, r, size, BPF_RB_NO_WAKEUP))
+        count(COUNT_RING_FULL);
+    return 0;
+}
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";

@@ -1,0 +1,47 @@
+// SPDX-License-Identifier: MIT OR GPL-2.0
+// The record sampler.bpf.c writes into the ring buffer. core/src/bpf/record.rs reads it
+// with the same layout (its tests check the sizes against these numbers).
+#ifndef RBSPY_EXT_SAMPLER_H
+#define RBSPY_EXT_SAMPLER_H
+
+/* Bytes of control frames copied: 512 frames of 64 bytes (the depth cap user space states
+ * is max_frame_bytes / cfp_size, at most this). A power of two: indexes are masked by it. */
+#define MAX_FRAME_BYTES (512 * 64)
+/* Bytes of value stack copied, from just above the innermost frame's environment down. */
+#define MAX_VALUE_BYTES (32 * 1024)
+/* Slots of a tag table copied (a table of 64 slots holds up to 32 tags). */
+#define MAX_TAG_SLOTS 64
+#define MAX_TAG_BYTES ((2 + 2 * MAX_TAG_SLOTS) * 8)
+#define MAX_THREADS 8192
+
+#define FLAG_TRUNCATED 1  /* deeper than max_frame_bytes: the outermost frames are cut */
+#define FLAG_UNREADABLE 2 /* the context or its frames did not read */
+#define FLAG_VALUES_CUT 4 /* the value stack was longer than MAX_VALUE_BYTES */
+#define FLAG_TAGS_CUT 8   /* a tag table larger than MAX_TAG_SLOTS */
+
+#define COUNT_UNKNOWN_THREAD 0
+#define COUNT_RING_FULL 1
+#define COUNTERS 2
+
+struct header {
+    __u64 time_ns;      /* bpf_ktime_get_ns (CLOCK_MONOTONIC) */
+    __u32 tid;
+    __u32 flags;
+    __u64 thread;       /* rb_thread_t * */
+    __u64 ec;           /* its rb_execution_context_t * */
+    __u64 head[3];      /* ec->vm_stack, ec->vm_stack_size, ec->cfp */
+    __u64 gvl_owner;    /* the rb_thread_t * holding the GVL (0: none) */
+    __u32 gc_flags;     /* rb_objspace.flags */
+    __u32 frame_bytes;  /* control frames from cfp, data[0..frame_bytes) */
+    __u64 values_from;  /* address of the value stack copy */
+    __u32 value_bytes;  /* data[frame_bytes..+value_bytes) */
+    __u32 tag_words;    /* the table's words (size, capacity, pairs) after the values */
+    __u64 tag_table;    /* the ruby_profiler_state pointer */
+};
+
+struct record {
+    struct header h;
+    __u8 data[MAX_FRAME_BYTES + MAX_VALUE_BYTES + MAX_TAG_BYTES];
+};
+
+#endif

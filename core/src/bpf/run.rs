@@ -1,0 +1,221 @@
+//! A recording by the BPF sampler: the recorder thread sleeps `DRAIN_EVERY`, drains the ring
+//! and resolves each record through the spy. The thread map is refreshed from the spy's
+//! thread list every `REFRESH_EVERY`, and sooner when the program saw a thread it did not
+//! know.
+use super::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
+use crate::cost::KernelCost;
+use crate::memory::Memory;
+use crate::profile::{Aggregator, Profile, ThreadInfo};
+use crate::sampler::{refresh_live, thread_cpu_ns, unix_ns, Progress, RecordConfig};
+use crate::spy::Spy;
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often the thread map follows the thread list when nothing says it changed.
+const REFRESH_EVERY: Duration = Duration::from_millis(500);
+
+/// What one recording keeps between drains.
+struct Recording {
+    agg: Aggregator,
+    threads: FxHashMap<u64, Arc<ThreadInfo>>,
+    /// CLOCK_MONOTONIC at the start, to place records on the timeline.
+    mono_start: u64,
+    truncated: u64,
+}
+
+pub(crate) fn run<M: Memory>(
+    spy: &mut Spy<M>,
+    mut bpf: BpfSampler,
+    config: RecordConfig,
+    notes: Vec<String>,
+    stop: &AtomicBool,
+    progress: &Mutex<Progress>,
+) -> Profile {
+    let pid = spy.pid();
+    let mut rec = Recording {
+        agg: Aggregator::new(pid, spy.version(), config.rate_hz, unix_ns()),
+        threads: FxHashMap::default(),
+        mono_start: monotonic_ns(),
+        truncated: 0,
+    };
+    for n in notes {
+        rec.agg.note(n);
+    }
+    if let Some(w) = spy.warning() {
+        rec.agg.note(w.to_string());
+    }
+    let started = Instant::now();
+    let calls_before = spy.memory().calls();
+    let cpu_before = thread_cpu_ns();
+    let stats_before = bpf.stats();
+    let mut refreshed: Option<Instant> = None;
+    let mut unknown_seen = stats_before.unknown_thread;
+    let mut wakeups = 0u64;
+    loop {
+        let now = Instant::now();
+        let over = config.duration.is_some_and(|d| now - started >= d);
+        if stop.load(Ordering::Relaxed) || over {
+            break;
+        }
+        if refreshed.is_none_or(|t| t.elapsed() >= REFRESH_EVERY) {
+            refreshed = Some(Instant::now());
+            if !refresh_threads(spy, &mut bpf, &mut rec) {
+                note_exit(&mut rec.agg, pid, started);
+                break;
+            }
+            refresh_live(progress, &rec.agg, config.live);
+        }
+        let left = config
+            .duration
+            .map_or(DRAIN_EVERY, |d| d.saturating_sub(now - started));
+        std::thread::sleep(left.min(DRAIN_EVERY));
+        wakeups += 1;
+        drain(spy, &mut bpf, &config, &mut rec);
+        let unknown = bpf.stats().unknown_thread;
+        if unknown != unknown_seen {
+            unknown_seen = unknown;
+            refreshed = None; // a thread started since the last refresh, maybe a Ruby one
+        }
+        if let Ok(mut p) = progress.lock() {
+            p.elapsed = started.elapsed();
+            p.ticks = rec.agg.profile().ticks;
+            p.samples = rec.agg.profile().samples;
+        }
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            drain(spy, &mut bpf, &config, &mut rec);
+            note_exit(&mut rec.agg, pid, started);
+            break;
+        }
+    }
+    drain(spy, &mut bpf, &config, &mut rec);
+    let stats = bpf.stats();
+    // Detach and unload before the profile is handed over.
+    drop(bpf);
+    if let Ok(mut p) = progress.lock() {
+        p.finished = true;
+    }
+    finish(rec, stats, stats_before, wakeups, started, |agg| {
+        let cpu = thread_cpu_ns().saturating_sub(cpu_before);
+        agg.set_cost(cpu, cpu, spy.memory().calls() - calls_before);
+    })
+}
+
+fn finish(
+    mut rec: Recording,
+    stats: Stats,
+    before: Stats,
+    wakeups: u64,
+    started: Instant,
+    cost: impl FnOnce(&mut Aggregator),
+) -> Profile {
+    cost(&mut rec.agg);
+    rec.agg.set_kernel_cost(KernelCost {
+        bpf_run_ns: stats.run_ns.saturating_sub(before.run_ns),
+        bpf_runs: stats.runs.saturating_sub(before.runs),
+        wakeups,
+    });
+    rec.agg.note(
+        "sampled in the kernel (BPF): each sample is a thread on a CPU, so this is a CPU \
+         profile; threads that sleep or wait are not sampled, and no_gvl marks C code or \
+         system calls running without the GVL"
+            .into(),
+    );
+    if rec.truncated > 0 {
+        rec.agg.note(format!(
+            "{} samples had stacks deeper than {MAX_FRAMES} frames: their innermost \
+             {MAX_FRAMES} are kept, and a [truncated] frame stands for the rest",
+            rec.truncated
+        ));
+    }
+    let unknown = stats.unknown_thread.saturating_sub(before.unknown_thread);
+    if unknown > 0 {
+        rec.agg.note(format!(
+            "{unknown} ticks came on native threads that run no Ruby (C extensions' threads, \
+             Ruby's timer thread) or on Ruby threads started since the last refresh: not \
+             recorded"
+        ));
+    }
+    let lost = stats.ring_full.saturating_sub(before.ring_full);
+    if lost > 0 {
+        rec.agg
+            .note(format!("{lost} samples lost: the ring buffer was full"));
+        rec.agg.errors("ring buffer full", lost);
+    }
+    rec.agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+/// Points the program's thread map at the Ruby threads of now; false when the process is
+/// gone.
+fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut Recording) -> bool {
+    let list = match spy.thread_infos() {
+        Ok(list) => list,
+        Err(
+            crate::Error::ProcessExited { .. }
+            | crate::Error::NoSuchProcess { .. }
+            | crate::Error::ProcessReplaced { .. },
+        ) => return false,
+        Err(_) => return true, // the list moved while read: next time
+    };
+    let map: Vec<(u32, u64)> = list
+        .iter()
+        .filter(|(_, info)| info.tid > 0)
+        .map(|(thread, info)| (info.tid as u32, *thread))
+        .collect();
+    if let Err(e) = bpf.set_threads(&map) {
+        rec.agg
+            .note(format!("the thread map could not be updated: {e}"));
+    }
+    rec.threads = list.into_iter().collect();
+    true
+}
+
+fn drain<M: Memory>(
+    spy: &mut Spy<M>,
+    bpf: &mut BpfSampler,
+    config: &RecordConfig,
+    rec: &mut Recording,
+) {
+    bpf.drain(|r: &Record| {
+        let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start));
+        rec.agg.tick_at(at);
+        let Some(info) = rec.threads.get(&r.captured.thread).cloned() else {
+            rec.agg.error("thread not in the thread list");
+            return;
+        };
+        if r.unreadable {
+            rec.agg.error("thread context did not read");
+            return;
+        }
+        match spy.resolve_captured(info, &r.captured) {
+            Ok(t) => {
+                if config.on_cpu && !t.state.on_cpu() {
+                    return;
+                }
+                rec.truncated += u64::from(r.captured.truncated);
+                rec.agg
+                    .add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
+            }
+            Err(reason) => rec.agg.error(reason),
+        }
+    });
+}
+
+fn note_exit(agg: &mut Aggregator, pid: i32, started: Instant) {
+    agg.note(format!(
+        "process {pid} exited after {:.1} s; the samples taken until then are kept",
+        started.elapsed().as_secs_f64()
+    ));
+}
+
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

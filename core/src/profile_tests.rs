@@ -1,0 +1,72 @@
+//! Tests of profile.rs (kept apart to keep that file short).
+use super::*;
+
+#[test]
+fn split_by_and_filtered_keep_each_part_with_its_own_timeline() {
+    let p = crate::output::fixture::profile();
+    let parts = p.split_by(|s| s.thread);
+    assert_eq!(parts.iter().map(|(t, _)| *t).collect::<Vec<_>>(), [0, 1, 2]);
+    assert_eq!(parts.iter().map(|(_, q)| q.samples).sum::<u64>(), p.samples);
+    for (thread, part) in &parts {
+        assert!(part.stacks.iter().all(|s| s.thread == *thread));
+        assert_eq!(part.timeline.len() as u64, part.samples);
+        part.timeline.check(part.stacks.len()).unwrap();
+        let alone = p.filtered(|s| s.thread == *thread);
+        assert_eq!(&alone, part);
+    }
+}
+
+#[test]
+fn with_tag_names_every_sample_and_keeps_tags_already_there() {
+    let p = crate::output::fixture::profile();
+    let mut tagged_before = p.clone();
+    tagged_before.tag_sets = vec![Vec::new(), vec![("example".into(), "other".into())]];
+    tagged_before.stacks[0].tags = 1;
+    let t = tagged_before.with_tag("example", "mine");
+    assert_eq!(t.tag_sets[0], Vec::<(String, String)>::new()); // index 0 stays the empty set
+    assert_eq!(t.tag_value(&t.stacks[0], "example"), Some("other"));
+    for s in &t.stacks[1..] {
+        assert_eq!(t.tag_value(s, "example"), Some("mine"));
+    }
+    assert_eq!(t.samples, p.samples);
+    // A hand-built profile without tag sets gets them.
+    let bare = Profile {
+        tag_sets: Vec::new(),
+        ..p
+    };
+    let t = bare.with_tag("k", "v");
+    assert!(t.stacks.iter().all(|s| t.tag_value(s, "k") == Some("v")));
+}
+
+#[test]
+fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
+    let main = ThreadInfo {
+        pid: 1,
+        tid: 1,
+        name: None,
+        ruby_thread: 0x10,
+        main: true,
+    };
+    let mut agg = Aggregator::new(1, "3.1.2", 99.0, 0);
+    let a = [
+        frame("Kernel#sleep", "a.rb", 3, true),
+        frame("<main>", "a.rb", 3, false),
+    ];
+    let b = [
+        frame("Foo#bar", "a.rb", 7, false),
+        frame("<main>", "a.rb", 9, false),
+    ];
+    for i in 0..10_000 {
+        agg.add(&main, ThreadState::Blocked, &a);
+        if i % 2 == 0 {
+            agg.add(&main, ThreadState::Running, &b);
+        }
+    }
+    let p = agg.finish(1);
+    assert_eq!(p.samples, 15_000);
+    assert_eq!(p.stacks.len(), 2);
+    assert_eq!(p.frames.len(), 4);
+    assert_eq!(p.threads.len(), 1);
+    assert_eq!(p.stacks[0].count, 10_000);
+    assert_eq!(p.stacks[1].state, ThreadState::Running);
+}

@@ -1,0 +1,86 @@
+//! Which sampler a recording runs: the user-space one, or the BPF one (crate::bpf) when
+//! `RecordConfig::bpf` asks for it and the target allows it.
+#[cfg(not(feature = "bpf"))]
+use crate::error::Error;
+use crate::error::Result;
+use crate::sampler::RecordConfig;
+use crate::spy::Spy;
+
+/// The in-kernel sampler of a recording, when it has one.
+#[cfg(feature = "bpf")]
+pub(crate) type InKernel = crate::bpf::BpfSampler;
+/// A build without the `bpf` feature has no in-kernel sampler.
+#[cfg(not(feature = "bpf"))]
+pub(crate) type InKernel = std::convert::Infallible;
+
+/// The sampler a recording runs, and what its profile should say about the choice.
+#[derive(Default)]
+pub(crate) struct Mode {
+    pub(crate) kernel: Option<InKernel>,
+    pub(crate) notes: Vec<String>,
+}
+
+/// Loads the BPF sampler when the recording asks for it. A target whose Ruby threads take
+/// turns on shared native threads (M:N, `RUBY_MN_THREADS=1`) is recorded in user space
+/// instead, with a note: the program finds a Ruby thread by its native thread.
+pub(crate) fn kernel_mode(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
+    if !config.bpf {
+        return Ok(Mode::default());
+    }
+    if let Some(why) = mn_threads(spy) {
+        return Ok(Mode {
+            kernel: None,
+            notes: vec![format!(
+                "recorded by the user-space sampler, not in the kernel: {why}, and the BPF \
+                 sampler finds a Ruby thread by the native thread it runs on"
+            )],
+        });
+    }
+    start(spy, config)
+}
+
+#[cfg(feature = "bpf")]
+fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
+    let layout = spy.capture_layout();
+    let kernel = crate::bpf::BpfSampler::start(spy.pid(), config.rate_hz, &layout)?;
+    Ok(Mode {
+        kernel: Some(kernel),
+        notes: Vec::new(),
+    })
+}
+
+#[cfg(not(feature = "bpf"))]
+fn start(_: &mut Spy, _: &RecordConfig) -> Result<Mode> {
+    Err(Error::BpfUnavailable(
+        "this build of rbspy_ext has no BPF sampler (it was built without clang or libelf, \
+         as the precompiled gem is): install clang, libelf-dev and zlib1g-dev and build the \
+         gem from source (gem install rbspy_ext --platform ruby), or record without --bpf"
+            .into(),
+    ))
+}
+
+/// Why the target's threads are M:N, if they are: it was started with `RUBY_MN_THREADS=1`
+/// (Ruby 3.3+), or two Ruby threads share a native thread id.
+fn mn_threads(spy: &mut Spy) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{}/environ", spy.pid())).unwrap_or_default();
+    let minor = spy
+        .version()
+        .split('.')
+        .take(2)
+        .collect::<Vec<_>>()
+        .join(".");
+    let mn_capable = !matches!(minor.as_str(), "2.7" | "3.0" | "3.1" | "3.2");
+    if mn_capable
+        && environ
+            .split(|b| *b == 0)
+            .any(|v| v == b"RUBY_MN_THREADS=1")
+    {
+        return Some("the process runs M:N threads (RUBY_MN_THREADS=1)".into());
+    }
+    let threads = spy.threads().ok()?;
+    let mut tids: Vec<i64> = threads.iter().map(|t| t.tid).filter(|t| *t > 0).collect();
+    let n = tids.len();
+    tids.sort_unstable();
+    tids.dedup();
+    (tids.len() != n).then(|| "two of the process's Ruby threads share a native thread".into())
+}

@@ -1,0 +1,164 @@
+//! Stacks captured elsewhere: the BPF sampler (crate::bpf) copies a thread's control
+//! frames, value stack, GVL owner, GC flags and tag table in one pass on the CPU the thread
+//! ran on, and this turns that copy into a [`SampledThread`] through the same walker,
+//! caches and memo as a snapshot. Only what describes code (iseqs, method entries, names) is
+//! read from the target afterwards; nothing of the thread's own state is.
+//!
+//! A child module of `spy` so that it shares the walker's private machinery.
+use super::batch::gc_state;
+use super::tags::Decoder;
+use super::walker::Plan;
+use super::{Attempt, Frame, Memory, SampledThread, Spy};
+use crate::profile::{ThreadInfo, ThreadState};
+use std::sync::Arc;
+
+/// One thread at one tick, as the BPF sampler copied it (crate::bpf::record).
+#[derive(Debug, Clone, Copy)]
+pub struct Captured<'a> {
+    /// The `rb_thread_t *` the sampler's thread map gave for the interrupted native thread.
+    pub thread: u64,
+    /// `ec->vm_stack`, `ec->vm_stack_size`, `ec->cfp`.
+    pub head: [u64; 3],
+    pub gvl_owner: u64,
+    pub gc_flags: u32,
+    /// Control frames from `cfp` outwards.
+    pub frames: &'a [u8],
+    /// The value stack from `values_from`.
+    pub values_from: u64,
+    pub values: &'a [u8],
+    /// The thread's `ruby_profiler_state` table (0: none) and its words as copied (empty
+    /// when it was not copied).
+    pub tag_table: u64,
+    pub tag_words: &'a [u8],
+    /// The stack was deeper than the sampler copies: its outermost frames are missing.
+    pub truncated: bool,
+}
+
+/// What the BPF sampler needs of the target's layout and addresses, loaded into the
+/// program as read-only globals (core/bpf/sampler.bpf.c).
+#[derive(Debug, Clone, Copy)]
+pub struct CaptureLayout {
+    pub thread_ec: u64,
+    pub ec_vm_stack: u64,
+    pub cfp_size: u64,
+    pub cfp_sp: u64,
+    pub cfp_ep: u64,
+    pub gvl_owner: u64,
+    /// `&rb_objspace.flags`, 0 when not known.
+    pub gc_flags: u64,
+    /// The offset of `ruby_profiler_state` from the thread pointer, once rbspy_ext is
+    /// loaded in the target.
+    pub tag_offset: Option<i64>,
+}
+
+/// The frame that ends a stack the sampler had to cut.
+pub const TRUNCATED_LABEL: &str = "[truncated]";
+
+impl<M: Memory> Spy<M> {
+    /// The target's layout and addresses as the BPF sampler needs them.
+    pub fn capture_layout(&mut self) -> CaptureLayout {
+        let l = self.target.layout;
+        let objspace = self.sampler.objspace(&self.target);
+        CaptureLayout {
+            thread_ec: l.thread_ec as u64,
+            ec_vm_stack: l.ec_vm_stack as u64,
+            cfp_size: l.cfp_size as u64,
+            cfp_sp: l.cfp_sp as u64,
+            cfp_ep: l.cfp_ep as u64,
+            gvl_owner: self.target.gvl_owner,
+            gc_flags: if crate::objects::is_heap_object(objspace) {
+                crate::memory::field(objspace, l.objspace_flags)
+            } else {
+                0
+            },
+            tag_offset: self.tags.offset(&self.target),
+        }
+    }
+
+    /// The Ruby threads as last read (re-read when older than 100 ms), by `rb_thread_t *`.
+    pub fn thread_infos(&mut self) -> crate::Result<Vec<(u64, Arc<ThreadInfo>)>> {
+        self.fresh_thread_list()?;
+        Ok(self.sampler.threads.clone())
+    }
+
+    /// One captured thread as a sample: its state from the GVL owner and GC flags copied
+    /// with it, its frames through the walker, its tags decoded from the copied table.
+    /// `Err` gives why it could not be resolved (a drop reason, as `sample_threads` has).
+    pub fn resolve_captured(
+        &mut self,
+        info: Arc<ThreadInfo>,
+        c: &Captured,
+    ) -> std::result::Result<SampledThread, &'static str> {
+        let state = if c.thread == c.gvl_owner {
+            gc_state(c.gc_flags)
+        } else {
+            ThreadState::NoGvl
+        };
+        let [vm_stack, _, cfp] = c.head;
+        let cfp_size = self.target.layout.cfp_size;
+        if vm_stack == 0 || c.frames.is_empty() {
+            return Err("no Ruby stack when sampled");
+        }
+        let plan = Plan {
+            vm_stack,
+            cfp,
+            count: (c.frames.len() / cfp_size) as u64,
+            guess: 0,
+            values_from: c.values_from,
+            captured: true,
+        };
+        let usable = c.frames.len() - c.frames.len() % cfp_size;
+        let stack = match self.resolve(plan, &c.frames[..usable], c.values) {
+            Ok(stack) => stack,
+            Err(Attempt::Fatal(_)) => return Err("read failed"),
+            Err(Attempt::Changed(_)) => {
+                // Something cached may be what no longer holds (an escaped environment).
+                self.forget_envs();
+                self.cache.validated_at = None;
+                return Err("captured stack did not resolve");
+            }
+        };
+        let (frames, token) = if c.truncated {
+            let mut frames = stack.frames.to_vec();
+            frames.push(truncated_frame());
+            // Tokens are counted up from 1; the top bit names the cut variant of a stack.
+            (frames.into(), stack.token | 1 << 63)
+        } else {
+            (stack.frames, stack.token)
+        };
+        let tags = self.captured_tags(c);
+        Ok(SampledThread {
+            info,
+            state,
+            frames,
+            stack_token: token,
+            tags,
+        })
+    }
+
+    /// The tags of a captured table. Its words were copied in the same pass as the stack;
+    /// String values are read now, which the extension's 10 ms grace period does not cover
+    /// when the ring is drained later than that (docs/bpf.md says so).
+    fn captured_tags(&mut self, c: &Captured) -> super::Tags {
+        if c.tag_table == 0 || c.tag_words.is_empty() {
+            return super::Tags::default();
+        }
+        let mut d = Decoder {
+            target: &self.target,
+            cache: &mut self.cache,
+        };
+        d.decode(c.tag_words).unwrap_or_default()
+    }
+}
+
+fn truncated_frame() -> Frame {
+    let label: Arc<str> = TRUNCATED_LABEL.into();
+    Frame {
+        label: label.clone(),
+        base_label: label,
+        path: "".into(),
+        absolute_path: None,
+        lineno: 0,
+        c_function: false,
+    }
+}
