@@ -30,8 +30,8 @@ struct task_struct {
     struct thread_struct thread;
 } __attribute__((preserve_access_index));
 
-/* The interrupted thread's thread pointer (x86-64: %fs base; glibc's pthread_self()). On
- * other architectures user space sets tag_offset to 0 and this is not called. */
+/* The interrupted thread's thread pointer (x86-64: %fs base; glibc's pthread_self()). Other
+ * architectures are not supported yet: there it is 0, which finds no thread. */
 static __always_inline __u64 thread_pointer(void)
 {
 #if defined(__TARGET_ARCH_x86)
@@ -54,11 +54,13 @@ const volatile __u64 gc_flags_addr = 0;
 /* Offset of ruby_profiler_state from the thread pointer; 0: the target has no tags. */
 const volatile __s64 tag_offset = 0;
 
-/* Native thread id -> rb_thread_t *, filled by user space from the thread list. */
+/* Thread pointer (glibc's pthread_t) -> rb_thread_t *, filled by user space from the thread
+ * list. Keyed by thread pointer rather than tid: every Ruby from 2.7 on keeps the pthread_t
+ * of its threads (Ruby 2.7 keeps no tid). */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, MAX_THREADS);
-    __type(key, __u32);
+    __type(key, __u64);
     __type(value, __u64);
 } threads SEC(".maps");
 
@@ -93,14 +95,16 @@ static __always_inline void count(__u32 which)
         *n += 1;
 }
 
+/* The name `bpftool prog show` lists (core/src/bpf/mod.rs, PROGRAM). */
 SEC("perf_event")
-int sample(void *ctx)
+int rbspy_sample(void *ctx)
 {
     __u64 id = bpf_get_current_pid_tgid();
     if ((id >> 32) != target_tgid)
         return 0;
     __u32 tid = (__u32)id;
-    __u64 *thread = bpf_map_lookup_elem(&threads, &tid);
+    __u64 tp = thread_pointer();
+    __u64 *thread = bpf_map_lookup_elem(&threads, &tp);
     if (!thread) {
         count(COUNT_UNKNOWN_THREAD);
         return 0;
@@ -182,7 +186,6 @@ int sample(void *ctx)
      * slots in one read, copied into the record (a table may be freed 10 ms after it is
      * unpublished, long before user space reads the ring). */
     if (tag_offset) {
-        __u64 tp = thread_pointer();
         __u64 table = 0;
         bpf_probe_read_user(&table, 8, (void *)(tp + tag_offset));
         h->tag_table = table;

@@ -160,6 +160,9 @@ impl Recorder {
     /// that is not kept, so that the first tick is as quick as every other.
     pub fn start(pid: i32, config: RecordConfig) -> Result<Recorder> {
         config.validate()?;
+        // Said before attaching: attaching may fail for a reason of its own (ptrace rules)
+        // that would hide why --bpf cannot work.
+        crate::sampler_mode::preflight(&config)?;
         let own = pid as u32 == std::process::id()
             && config.spy.force_version.is_none()
             && !config.spy.scan_for_vm;

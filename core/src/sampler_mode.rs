@@ -39,6 +39,17 @@ pub(crate) fn kernel_mode(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> 
     start(spy, config)
 }
 
+/// Why the BPF sampler cannot run here, told before anything is attached or loaded.
+pub(crate) fn preflight(config: &RecordConfig) -> Result<()> {
+    if !config.bpf {
+        return Ok(());
+    }
+    #[cfg(feature = "bpf")]
+    return crate::bpf::preflight();
+    #[cfg(not(feature = "bpf"))]
+    return Err(no_bpf());
+}
+
 #[cfg(feature = "bpf")]
 fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
     let layout = spy.capture_layout();
@@ -51,12 +62,17 @@ fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
 
 #[cfg(not(feature = "bpf"))]
 fn start(_: &mut Spy, _: &RecordConfig) -> Result<Mode> {
-    Err(Error::BpfUnavailable(
+    Err(no_bpf())
+}
+
+#[cfg(not(feature = "bpf"))]
+fn no_bpf() -> Error {
+    Error::BpfUnavailable(
         "this build of rbspy_ext has no BPF sampler (it was built without clang or libelf, \
          as the precompiled gem is): install clang, libelf-dev and zlib1g-dev and build the \
          gem from source (gem install rbspy_ext --platform ruby), or record without --bpf"
             .into(),
-    ))
+    )
 }
 
 /// Why the target's threads are M:N, if they are: it was started with `RUBY_MN_THREADS=1`

@@ -25,6 +25,8 @@ use std::time::Duration;
 /// The program, compiled by build.rs from core/bpf/sampler.bpf.c.
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sampler.bpf.o"));
 
+/// The program's name, as `bpftool prog show` lists it while a recording runs.
+pub const PROGRAM: &str = "rbspy_sample";
 /// How often the recorder drains the ring buffer: 20 wake-ups a second whatever the rate.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
 /// Deepest stack copied, in frames (see `MAX_FRAME_BYTES` in core/bpf/sampler.h); deeper
@@ -61,15 +63,14 @@ pub struct BpfSampler {
     received: Arc<Mutex<Vec<u8>>>,
     /// Keeps `kernel.bpf_stats_enabled` on while it is open.
     _stats: Option<OwnedFd>,
-    /// Native thread ids in the program's thread map.
-    tids: FxHashSet<u32>,
+    /// Thread pointers in the program's thread map.
+    tids: FxHashSet<u64>,
 }
 
 impl BpfSampler {
     /// Loads the program for process `pid` with its layout, and attaches it to a CPU-clock
     /// event on every online CPU at `rate_hz`. Every failure says what to do.
     pub fn start(pid: i32, rate_hz: f64, layout: &CaptureLayout) -> Result<BpfSampler> {
-        preflight()?;
         let mut open = ObjectBuilder::default()
             .open_memory(OBJECT)
             .map_err(|e| unavailable(format!("libbpf could not open the program: {e}")))?;
@@ -102,15 +103,15 @@ impl BpfSampler {
         })
     }
 
-    /// Makes the program's thread map hold exactly these (native tid, `rb_thread_t *`).
-    pub fn set_threads(&mut self, threads: &[(u32, u64)]) -> Result<()> {
+    /// Makes the program's thread map hold exactly these (thread pointer, `rb_thread_t *`).
+    pub fn set_threads(&mut self, threads: &[(u64, u64)]) -> Result<()> {
         let map = self.map("threads")?;
-        let now: FxHashSet<u32> = threads.iter().map(|(tid, _)| *tid).collect();
+        let now: FxHashSet<u64> = threads.iter().map(|(tp, _)| *tp).collect();
         for gone in self.tids.difference(&now) {
             let _ = map.delete(&gone.to_ne_bytes());
         }
-        for (tid, thread) in threads {
-            map.update(&tid.to_ne_bytes(), &thread.to_ne_bytes(), MapFlags::ANY)
+        for (tp, thread) in threads {
+            map.update(&tp.to_ne_bytes(), &thread.to_ne_bytes(), MapFlags::ANY)
                 .map_err(|e| unavailable(format!("updating the thread map: {e}")))?;
         }
         self.tids = now;
@@ -148,7 +149,7 @@ impl BpfSampler {
     /// The program's cost so far and what it could not record.
     pub fn stats(&self) -> Stats {
         let mut s = Stats::default();
-        if let Some(prog) = self.object.progs().find(|p| p.name() == "sample") {
+        if let Some(prog) = self.object.progs().find(|p| p.name() == PROGRAM) {
             let mut info = libbpf_sys::bpf_prog_info::default();
             let mut len = std::mem::size_of_val(&info) as u32;
             // SAFETY: the kernel writes at most `len` bytes of prog info into `info`.
@@ -196,7 +197,7 @@ fn unavailable(reason: String) -> Error {
 }
 
 /// What can be told before libbpf tries: privilege and BTF.
-fn preflight() -> Result<()> {
+pub(crate) fn preflight() -> Result<()> {
     if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
         return Err(unavailable(
             "this kernel has no BTF (/sys/kernel/btf/vmlinux is missing; it needs \
@@ -315,8 +316,8 @@ fn enable_stats() -> Option<OwnedFd> {
 fn attach(object: &libbpf_rs::Object, rate_hz: f64) -> Result<Vec<libbpf_rs::Link>> {
     let prog = object
         .progs_mut()
-        .find(|p| p.name() == "sample")
-        .ok_or_else(|| unavailable("the object has no program `sample`".into()))?;
+        .find(|p| p.name() == PROGRAM)
+        .ok_or_else(|| unavailable("the object has no sampling program".into()))?;
     let period_ns = (1e9 / rate_hz).round().max(1.0) as u64;
     let mut links = Vec::new();
     for cpu in online_cpus() {

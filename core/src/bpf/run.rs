@@ -149,7 +149,7 @@ fn finish(
 /// Points the program's thread map at the Ruby threads of now; false when the process is
 /// gone.
 fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut Recording) -> bool {
-    let list = match spy.thread_infos() {
+    let list = match spy.capture_threads() {
         Ok(list) => list,
         Err(
             crate::Error::ProcessExited { .. }
@@ -158,16 +158,15 @@ fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut 
         ) => return false,
         Err(_) => return true, // the list moved while read: next time
     };
-    let map: Vec<(u32, u64)> = list
+    let map: Vec<(u64, u64)> = list
         .iter()
-        .filter(|(_, info)| info.tid > 0)
-        .map(|(thread, info)| (info.tid as u32, *thread))
+        .filter_map(|(thread, _, tp)| Some(((*tp)?, *thread)))
         .collect();
     if let Err(e) = bpf.set_threads(&map) {
         rec.agg
             .note(format!("the thread map could not be updated: {e}"));
     }
-    rec.threads = list.into_iter().collect();
+    rec.threads = list.into_iter().map(|(t, info, _)| (t, info)).collect();
     true
 }
 

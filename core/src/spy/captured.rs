@@ -75,10 +75,19 @@ impl<M: Memory> Spy<M> {
         }
     }
 
-    /// The Ruby threads as last read (re-read when older than 100 ms), by `rb_thread_t *`.
-    pub fn thread_infos(&mut self) -> crate::Result<Vec<(u64, Arc<ThreadInfo>)>> {
+    /// The Ruby threads as last read (re-read when older than 100 ms): each one's
+    /// `rb_thread_t *`, its description and its thread pointer (glibc's `pthread_t`, which
+    /// is what the BPF program finds it by), when it has one.
+    pub fn capture_threads(&mut self) -> crate::Result<Vec<(u64, Arc<ThreadInfo>, Option<u64>)>> {
         self.fresh_thread_list()?;
-        Ok(self.sampler.threads.clone())
+        let threads = self.sampler.threads.clone();
+        Ok(threads
+            .into_iter()
+            .map(|(thread, info)| {
+                let tp = self.tags.thread_pointer(&self.target, thread);
+                (thread, info, tp)
+            })
+            .collect())
     }
 
     /// One captured thread as a sample: its state from the GVL owner and GC flags copied

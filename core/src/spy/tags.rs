@@ -195,6 +195,15 @@ impl TagReader {
         Some(tp)
     }
 
+    /// The thread pointer of a Ruby thread now (its native thread read afresh on 3.2+).
+    pub(super) fn thread_pointer<M: Memory>(&mut self, t: &Target<M>, thread: u64) -> Option<u64> {
+        let nt = match t.layout.thread_nt {
+            Some(off) => t.mem.read_u64(field(thread, off)).ok()?,
+            None => 0,
+        };
+        self.thread_pointer_on(t, thread, nt)
+    }
+
     /// See [`Spy::thread_tags`]: everything read now, apart from any sample.
     fn thread_tags<M: Memory>(&mut self, d: &mut Decoder<M>, thread: u64) -> Tags {
         let t = d.target;

@@ -1,0 +1,195 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "etc"
+require "open3"
+require "tmpdir"
+
+# The in-kernel sampler (mode: :bpf, rubyspy record --bpf) against real Ruby processes: the
+# snapshot corpus's fixtures spinning where they would park (PARK_SPIN=1, spec/fixtures/lib/
+# park.rb), so the kernel samples them on a CPU, compared with Ruby's own caller_locations
+# and with the user-space sampler; tags; the depth cap; and the ways it fails. Needs root
+# (CAP_BPF and CAP_PERFMON); the matrix in script/test runs it against every chroot Ruby.
+RSpec.describe "the BPF sampler" do
+  include RubySpyTest::Recording
+
+  # The snapshot corpus (spec/snapshot_spec.rb), each spinning where it parks.
+  corpus = %w[nested_methods nested_blocks qualified_names class_body define_method eval_strings
+              required_method park_in_require park_in_rescue park_in_ensure fiber deep_recursion
+              long_method top_level_blocks yield_and_procs super_chain method_missing
+              anonymous_classes iterators c_calls_c]
+
+  before do
+    skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+  end
+
+  def exe = File.join(RubySpyTest::ROOT, "exe", "rubyspy")
+
+  def spinning(name, *args, env: {})
+    start_target(name, *args, env: { "PARK_SPIN" => "1" }.merge(env))
+  end
+
+  def record(pid, mode:, rate: 999, duration: 0.6)
+    RubySpy::Recorder.new(pid, rate: rate, duration: duration, mode: mode).start.wait.stop
+  end
+
+  # [samples whose frames are exactly +expected+, all samples] of a profile's stacks.
+  def exact_share(profile, expected, version)
+    stacks = profile.stacks
+    exact = stacks.select { |s| RubySpyTest::FrameComparison.problems(s[:frames], expected, version).empty? }
+    [exact.sum { |s| s[:samples] }, stacks.sum { |s| s[:samples] }]
+  end
+
+  def describe_stacks(profile, expected, version)
+    profile.stacks.max_by(3) { |s| s[:samples] }.map do |s|
+      "#{s[:samples]} samples:\n#{RubySpyTest::FrameComparison.side_by_side(s[:frames], expected, version)}"
+    end.join("\n")
+  end
+
+  # The programs loaded now whose name is ours.
+  def our_programs
+    out, = Open3.capture2e("bpftool", "prog", "show")
+    out.lines.grep(/name rbspy_sample\b/)
+  end
+
+  describe "on the snapshot corpus" do
+    corpus.each do |name|
+      it "gives Ruby's own stack, lines included, for >= 99 % of samples, as the user-space sampler does (#{name})" do
+        target = spinning(name)
+        version = target.ruby_version
+        bpf = record(target.pid, mode: :bpf)
+        exact, total = exact_share(bpf, target.frames, version)
+        # 0.6 s at 999 Hz of a thread that never leaves the CPU: ~600 samples.
+        expect(total).to be >= 0.9 * 0.6 * 999 * 0.9, "#{total} samples; errors #{bpf.errors}"
+        expect(exact).to be >= 0.99 * total, describe_stacks(bpf, target.frames, version)
+        expect(bpf.errors.values.sum).to be <= 0.01 * total, bpf.errors.inspect
+
+        user = record(target.pid, mode: :user, rate: 499, duration: 0.3)
+        top = ->(p) { p.stacks.max_by { |s| s[:samples] }[:frames].map(&:to_s) }
+        expect(top.(bpf)).to eq(top.(user))
+        expect(target.health_problems).to eq([])
+      end
+    end
+  end
+
+  it "samples a CPU-bound thread at the requested rate, as running, and reports what it cost" do
+    target = spinning("nested_methods")
+    profile = record(target.pid, mode: :bpf, rate: 999, duration: 1.0)
+    # One thread on one CPU at a time: each tick of its CPU is a sample.
+    expect(profile.samples).to be >= 0.9 * 999
+    expect(profile.threads.sum { |t| t[:states]["running"].to_i }).to eq(profile.samples)
+    cost = profile.cost
+    expect(cost[:bpf_runs]).to be >= profile.samples
+    expect(cost[:bpf_per_run_us]).to be_between(0.01, 100)
+    expect(cost[:bpf_per_tick_us]).to be > 0
+    # One wake-up per 50 ms drain, not one per sample.
+    expect(cost[:wakeups]).to be_between(10, 40)
+    expect(profile.notes.join).to include("sampled in the kernel")
+    expect(profile.render(:summary)).to include("Profiler cost (BPF)")
+  end
+
+  it "tags each sample with the tags of the fiber running, as the user-space sampler does" do
+    skip "the extension is not built for #{RubySpyTest::TargetRuby.current}" unless RubySpyTest::TargetRuby.current.extension?
+
+    target = spinning("tagged")
+    bpf = record(target.pid, mode: :bpf)
+    user = record(target.pid, mode: :user, rate: 499, duration: 0.3)
+    expected = target.info["tags"].transform_keys(&:to_sym)
+    running = ->(p) { p.tags.reject { |t| t[:tags].empty? }.map { |t| t[:tags] } }
+    expect(running.(bpf)).to eq([expected]), bpf.tags.inspect
+    expect(running.(user)).to include(expected)
+    # Every BPF sample is of the tagged main thread (the worker sleeps): all carry the tags.
+    expect(bpf.tags.find { |t| t[:tags] == expected }[:samples]).to eq(bpf.samples)
+  end
+
+  it "keeps the innermost 512 frames of a deeper stack and marks the cut" do
+    target = spinning("deep_spin", "600")
+    profile = record(target.pid, mode: :bpf, duration: 0.4)
+    stacks = profile.stacks
+    expect(stacks).not_to be_empty
+    stacks.each do |s|
+      expect(s[:frames].size).to eq(513)
+      expect(s[:frames].last.label).to eq("[truncated]")
+    end
+    top = stacks.max_by { |s| s[:samples] }
+    problems = RubySpyTest::FrameComparison.problems(top[:frames].first(512), target.frames.first(512),
+                                                     target.ruby_version)
+    expect(problems).to eq([])
+    expect(profile.notes.join).to include("deeper than 512 frames")
+  end
+
+  it "records a target that exits, keeps its samples, and leaves no program behind" do
+    target = start_target("exits_soon", "0.5")
+    profile = nil
+    Timeout.timeout(10) { profile = record(target.pid, mode: :bpf, duration: 5) }
+    expect(profile.duration).to be < 2.5
+    expect(profile.samples).to be > 100
+    expect(profile.notes.join).to include("exited")
+    expect(our_programs).to eq([])
+  end
+
+  it "writes a pprof profile that go tool pprof reads, from rubyspy record --bpf, and unloads on Ctrl-C" do
+    target = spinning("nested_methods")
+    Dir.mktmpdir("rubyspy-bpf") do |dir|
+      out = File.join(dir, "p.pb.gz")
+      cmd = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "--rate", "999",
+             "--format", "pprof", "-o", out]
+      Open3.popen3(*cmd, chdir: RubySpyTest::ROOT) do |_in, _out, err, wait|
+        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
+        sleep 0.1 until !our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+        expect(our_programs.size).to eq(1)
+        sleep 0.5
+        Process.kill(:INT, wait.pid)
+        expect(wait.value.exitstatus).to eq(0), err.read
+      end
+      expect(our_programs).to eq([])
+      expect(pprof_functions(out)).to include("Object#level6", "Park.spin")
+    end
+  end
+
+  describe "failing with a reason" do
+    it "says what privilege is missing when run as nobody, before attaching" do
+      target = spinning("nested_methods")
+      nobody = Etc.getpwnam("nobody")
+      out = File.join(Dir.mktmpdir("rubyspy-nobody").tap { |d| File.chmod(0o777, d) }, "p.svg")
+      cmd = ["setpriv", "--reuid=#{nobody.uid}", "--regid=#{nobody.gid}", "--clear-groups",
+             RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-d", "1", "-o", out]
+      _, err, status = Open3.capture3(*cmd, chdir: RubySpyTest::ROOT)
+      expect(File.exist?(out)).to be(false)
+      expect(status.exitstatus).to eq(1), err
+      expect(err).to include("BPF sampler cannot run").and include("CAP_BPF").and include("uid #{nobody.uid}")
+      expect(err.lines.size).to eq(1), err
+    end
+
+    it "raises RubySpy::BpfUnavailable from Ruby for the same reason" do
+      nobody = Etc.getpwnam("nobody")
+      script = <<~RUBY
+        require "rbspy_ext"
+        begin
+          RubySpy::Recorder.new(#{Process.pid}, mode: :bpf, duration: 1).start
+        rescue RubySpy::BpfUnavailable => e
+          puts "BpfUnavailable: \#{e.message}"
+        end
+      RUBY
+      out, status = Open3.capture2e("setpriv", "--reuid=#{nobody.uid}", "--regid=#{nobody.gid}", "--clear-groups",
+                                    RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"), "-e", script)
+      expect(status.exitstatus).to eq(0), out
+      expect(out).to start_with("BpfUnavailable: the BPF sampler cannot run: loading a BPF program needs root")
+    end
+
+    it "rejects a mode it does not know" do
+      expect { RubySpy::Recorder.new(Process.pid, mode: :ebpf) }.to raise_error(ArgumentError, /mode must be :user or :bpf/)
+    end
+  end
+
+  it "records an M:N target in user space and says so" do
+    skip "M:N threads need Ruby 3.3+" unless version_at_least?(RubySpyTest::TargetRuby.current.version.to_s, 3, 3)
+
+    target = start_target("busy_main", env: { "RUBY_MN_THREADS" => "1" })
+    profile = record(target.pid, mode: :bpf, rate: 199, duration: 0.5)
+    expect(profile.notes.join).to include("recorded by the user-space sampler").and include("RUBY_MN_THREADS=1")
+    expect(profile.samples).to be > 0
+    expect(profile.cost).not_to have_key(:bpf_runs)
+  end
+end
