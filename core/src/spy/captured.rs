@@ -51,6 +51,9 @@ pub struct CaptureLayout {
     pub tag_offset: Option<i64>,
 }
 
+/// A Ruby thread as the BPF sampler finds it: `rb_thread_t *`, description, thread pointer.
+pub type CaptureThread = (u64, Arc<ThreadInfo>, Option<u64>);
+
 /// The frame that ends a stack the sampler had to cut.
 pub const TRUNCATED_LABEL: &str = "[truncated]";
 
@@ -78,7 +81,7 @@ impl<M: Memory> Spy<M> {
     /// The Ruby threads as last read (re-read when older than 100 ms): each one's
     /// `rb_thread_t *`, its description and its thread pointer (glibc's `pthread_t`, which
     /// is what the BPF program finds it by), when it has one.
-    pub fn capture_threads(&mut self) -> crate::Result<Vec<(u64, Arc<ThreadInfo>, Option<u64>)>> {
+    pub fn capture_threads(&mut self) -> crate::Result<Vec<CaptureThread>> {
         self.fresh_thread_list()?;
         let threads = self.sampler.threads.clone();
         Ok(threads
