@@ -105,10 +105,6 @@ int rbspy_sample(void *ctx)
     __u32 tid = (__u32)id;
     __u64 tp = thread_pointer();
     __u64 *thread = bpf_map_lookup_elem(&threads, &tp);
-    if (!thread) {
-        count(COUNT_UNKNOWN_THREAD);
-        return 0;
-    }
     __u32 cpu = bpf_get_smp_processor_id();
     struct record *r = bpf_map_lookup_elem(&scratch, &cpu);
     if (!r)
@@ -116,6 +112,16 @@ int rbspy_sample(void *ctx)
     struct header *h = &r->h;
     h->time_ns = bpf_ktime_get_ns();
     h->tid = tid;
+    if (!thread) {
+        /* A native thread that runs no Ruby, or a Ruby thread started since user space last
+         * filled the map: the header tells user space which, through its tid. */
+        count(COUNT_UNKNOWN_THREAD);
+        __builtin_memset((char *)h + 16, 0, sizeof(*h) - 16);
+        h->flags = FLAG_UNKNOWN;
+        if (bpf_ringbuf_output(&events, h, sizeof(*h), BPF_RB_NO_WAKEUP))
+            count(COUNT_RING_FULL);
+        return 0;
+    }
     h->flags = 0;
     h->thread = *thread;
     h->ec = 0;

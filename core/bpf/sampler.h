@@ -18,6 +18,7 @@
 #define FLAG_UNREADABLE 2 /* the context or its frames did not read */
 #define FLAG_VALUES_CUT 4 /* the value stack was longer than MAX_VALUE_BYTES */
 #define FLAG_TAGS_CUT 8   /* a tag table larger than MAX_TAG_SLOTS */
+#define FLAG_UNKNOWN 16   /* a thread of the target not in the thread map: a header alone */
 
 #define COUNT_UNKNOWN_THREAD 0
 #define COUNT_RING_FULL 1

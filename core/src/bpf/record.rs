@@ -8,6 +8,7 @@ use crate::spy::Captured;
 const FLAG_TRUNCATED: u32 = 1;
 const FLAG_UNREADABLE: u32 = 2;
 const FLAG_TAGS_CUT: u32 = 8;
+const FLAG_UNKNOWN: u32 = 16;
 
 /// One thread of the target at one tick, borrowed from the drained ring.
 #[derive(Debug, Clone, Copy)]
@@ -19,6 +20,8 @@ pub struct Record<'a> {
     pub unreadable: bool,
     /// The tag table was larger than the program copies.
     pub tags_cut: bool,
+    /// A thread of the target the program's map does not know: a header alone.
+    pub unknown: bool,
     pub captured: Captured<'a>,
 }
 
@@ -43,6 +46,7 @@ impl<'a> Record<'a> {
             tid: h.tid,
             unreadable: h.flags & FLAG_UNREADABLE != 0,
             tags_cut: h.flags & FLAG_TAGS_CUT != 0,
+            unknown: h.flags & FLAG_UNKNOWN != 0,
             captured: Captured {
                 thread: h.thread,
                 head: h.head,

@@ -8,13 +8,15 @@ use crate::memory::Memory;
 use crate::profile::{Aggregator, Profile, ThreadInfo};
 use crate::sampler::{refresh_live, thread_cpu_ns, unix_ns, Progress, RecordConfig};
 use crate::spy::Spy;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How often the thread map follows the thread list when nothing says it changed.
 const REFRESH_EVERY: Duration = Duration::from_millis(500);
+/// The soonest a refresh follows another when a thread the map does not know was sampled.
+const REFRESH_SOONEST: Duration = Duration::from_millis(100);
 
 /// What one recording keeps between drains.
 struct Recording {
@@ -23,6 +25,12 @@ struct Recording {
     /// CLOCK_MONOTONIC at the start, to place records on the timeline.
     mono_start: u64,
     truncated: u64,
+    /// Ticks of threads the map did not know, and the tids among them seen since the last
+    /// refresh: a new one asks for a refresh (it may be a new Ruby thread); one seen before
+    /// is a native thread that runs no Ruby, and does not ask again.
+    unknown: u64,
+    unknown_tids: FxHashSet<u32>,
+    refresh_wanted: bool,
 }
 
 pub(crate) fn run<M: Memory>(
@@ -39,6 +47,9 @@ pub(crate) fn run<M: Memory>(
         threads: FxHashMap::default(),
         mono_start: monotonic_ns(),
         truncated: 0,
+        unknown: 0,
+        unknown_tids: FxHashSet::default(),
+        refresh_wanted: false,
     };
     for n in notes {
         rec.agg.note(n);
@@ -51,7 +62,6 @@ pub(crate) fn run<M: Memory>(
     let cpu_before = thread_cpu_ns();
     let stats_before = bpf.stats();
     let mut refreshed: Option<Instant> = None;
-    let mut unknown_seen = stats_before.unknown_thread;
     let mut wakeups = 0u64;
     loop {
         let now = Instant::now();
@@ -59,8 +69,13 @@ pub(crate) fn run<M: Memory>(
         if stop.load(Ordering::Relaxed) || over {
             break;
         }
-        if refreshed.is_none_or(|t| t.elapsed() >= REFRESH_EVERY) {
+        let due = refreshed.is_none_or(|t| {
+            t.elapsed() >= REFRESH_EVERY || (rec.refresh_wanted && t.elapsed() >= REFRESH_SOONEST)
+        });
+        if due {
             refreshed = Some(Instant::now());
+            rec.refresh_wanted = false;
+            rec.unknown_tids.clear();
             if !refresh_threads(spy, &mut bpf, &mut rec) {
                 note_exit(&mut rec.agg, pid, started);
                 break;
@@ -73,21 +88,12 @@ pub(crate) fn run<M: Memory>(
         std::thread::sleep(left.min(DRAIN_EVERY));
         wakeups += 1;
         drain(spy, &mut bpf, &config, &mut rec);
-        let unknown = bpf.stats().unknown_thread;
-        if unknown != unknown_seen {
-            unknown_seen = unknown;
-            refreshed = None; // a thread started since the last refresh, maybe a Ruby one
-        }
         if let Ok(mut p) = progress.lock() {
             p.elapsed = started.elapsed();
             p.ticks = rec.agg.profile().ticks;
             p.samples = rec.agg.profile().samples;
         }
-        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            drain(spy, &mut bpf, &config, &mut rec);
-            note_exit(&mut rec.agg, pid, started);
-            break;
-        }
+        // A target that exits is seen by the next refresh (its memory no longer reads).
     }
     drain(spy, &mut bpf, &config, &mut rec);
     let stats = bpf.stats();
@@ -129,7 +135,7 @@ fn finish(
             rec.truncated
         ));
     }
-    let unknown = stats.unknown_thread.saturating_sub(before.unknown_thread);
+    let unknown = rec.unknown;
     if unknown > 0 {
         rec.agg.note(format!(
             "{unknown} ticks came on native threads that run no Ruby (C extensions' threads, \
@@ -177,6 +183,11 @@ fn drain<M: Memory>(
     rec: &mut Recording,
 ) {
     bpf.drain(|r: &Record| {
+        if r.unknown {
+            rec.unknown += 1;
+            rec.refresh_wanted |= rec.unknown_tids.insert(r.tid);
+            return;
+        }
         let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start));
         rec.agg.tick_at(at);
         let Some(info) = rec.threads.get(&r.captured.thread).cloned() else {

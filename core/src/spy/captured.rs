@@ -153,7 +153,10 @@ impl<M: Memory> Spy<M> {
     /// when the ring is drained later than that (docs/bpf.md says so).
     fn captured_tags(&mut self, c: &Captured) -> super::Tags {
         if c.tag_table == 0 || c.tag_words.is_empty() {
-            return super::Tags::default();
+            // One empty set for every sample without tags (a new Arc would be an allocation).
+            static NONE: std::sync::LazyLock<super::Tags> =
+                std::sync::LazyLock::new(Default::default);
+            return NONE.clone();
         }
         let mut d = Decoder {
             target: &self.target,

@@ -59,6 +59,9 @@ pub(super) struct Cache {
     pub(super) not_methods: rustc_hash::FxHashSet<u64>,
     /// When cached iseqs and method entries were last all read again.
     pub(super) validated_at: Option<std::time::Instant>,
+    /// A cached iseq or method entry was found changed since the last full validation: the
+    /// memo's stacks may rest on it.
+    pub(super) changed: bool,
     /// The arena of the one read that validates them, reused from sample to sample.
     pub(super) reads: ReadBatch,
 }
@@ -81,9 +84,13 @@ impl<M: Memory> Spy<M> {
             .validated_at
             .is_none_or(|t| t.elapsed() >= REVALIDATE);
         let (iseq_addrs, candidates, me_addrs) = self.to_validate(frames, wanted, full);
-        if full {
-            self.cache.not_methods.clear();
-        }
+        // Read again on a full validation; one that has become a method entry since is a
+        // change (an address reused).
+        let were_not_methods = if full {
+            std::mem::take(&mut self.cache.not_methods)
+        } else {
+            Default::default()
+        };
         let head_len = l.me_owner.max(l.me_def).max(l.svar_cref_or_me) + 8;
         // The cache's batch, out of `self` while its bytes are borrowed.
         let mut reads = std::mem::take(&mut self.cache.reads);
@@ -105,6 +112,7 @@ impl<M: Memory> Spy<M> {
             .and_then(|()| self.method_entries(&me_addrs, &reads, &me_spans));
         self.cache.reads = reads;
         let mut mes = read?;
+        self.cache.changed |= mes.keys().any(|a| were_not_methods.contains(a));
         for addr in &me_addrs {
             if !mes.contains_key(addr) {
                 self.cache.not_methods.insert(*addr);
@@ -117,7 +125,13 @@ impl<M: Memory> Spy<M> {
         }
         if full {
             self.cache.validated_at = Some(std::time::Instant::now());
-            self.memo.invalidate();
+            // Stacks resolved from caches that held are resolved again to the same frames
+            // (other stacks' iseqs are trusted on their pc either way, memo or not): only a
+            // change starts a new epoch. Re-resolving every stack every 100 ms would cost
+            // a full resolution per distinct pc, which at 1 kHz was most of a sample's cost.
+            if std::mem::take(&mut self.cache.changed) {
+                self.memo.invalidate();
+            }
         }
         Ok(mes)
     }
@@ -183,6 +197,7 @@ impl<M: Memory> Spy<M> {
                     && word(bbuf, l.body_iseq_encoded) == info.encoded
             });
             if !valid {
+                self.cache.changed |= self.cache.iseqs.contains_key(addr);
                 self.cache.iseqs.remove(addr);
                 let info = self.load_iseq(body)?;
                 self.cache.iseqs.insert(*addr, info);
@@ -444,7 +459,10 @@ impl<M: Memory> Spy<M> {
                 .cloned();
             let info = match cached {
                 Some(info) => info,
-                None => self.load_method(def, owner)?,
+                None => {
+                    self.cache.changed |= self.cache.methods.contains_key(addr);
+                    self.load_method(def, owner)?
+                }
             };
             self.cache.methods.insert(*addr, info.clone());
             out.insert(*addr, info);
