@@ -1,6 +1,8 @@
 # frozen_string_literal: true
 
-# Shared by the benchmarks: where rbspy (the tool compared against) comes from.
+# Shared by the benchmarks: where rbspy (the tool compared against) comes from, and the
+# CPU-bound target with its slowdown under a profiler.
+require "tmpdir"
 
 # The rbspy binary: $RBSPY, or one installed from crates.io into the cache on first use.
 def rbspy_binary
@@ -16,3 +18,43 @@ def rbspy_binary
   bin
 end
 
+# Runs the CPU-bound target (fixtures_cpu_target.rb) for +seconds+, yielding its pid once it
+# runs; returns [its iterations per second, what the block returned].
+def run_target(seconds)
+  Dir.mktmpdir do |dir|
+    out = File.join(dir, "rate")
+    pid = Process.spawn(RbConfig.ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s)
+    sleep 0.01 until File.exist?("#{out}.ready")
+    result = yield pid
+    Process.wait(pid)
+    [Float(File.read(out)), result]
+  ensure
+    Process.kill(:KILL, pid) rescue nil
+    Process.wait(pid) rescue nil
+  end
+end
+
+def children_cpu
+  t = Process.times
+  t.cutime + t.cstime
+end
+
+# The target's slowdown under a profiler: alone and profiled runs alternate (A P A P ... A),
+# each profiled run is compared with the mean of the alone runs on either side of it, and the
+# median of those ratios is reported, so that the drifting speed of a shared VM cancels out as
+# far as it can. Returns the slowdown and the last profiled run's result.
+ROUNDS = Integer(ENV.fetch("ROUNDS", 3))
+def profiled(seconds, label)
+  alone = [run_target(seconds) { nil }.first]
+  seen = []
+  result = nil
+  ROUNDS.times do
+    rate, result = run_target(seconds) { |pid| yield pid }
+    seen << rate
+    alone << run_target(seconds) { nil }.first
+  end
+  ratios = seen.each_with_index.map { |r, i| 1 - r / ((alone[i] + alone[i + 1]) / 2) }.sort
+  puts format("%s: target alone %s, profiled %s iterations/s", label,
+              alone.map { |x| x.round.to_s }.join(" "), seen.map { |x| x.round.to_s }.join(" "))
+  [ratios[ratios.size / 2], result]
+end

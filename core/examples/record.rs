@@ -3,6 +3,11 @@
 //! `process_vm_readv` calls per tick. Handy under `perf record` to see where a tick goes.
 //! With `RBSPY_BPF=1` it records with the BPF sampler (as root) and prints its kernel cost.
 //!
+//! `... --example record -- interrupt PID [RATE] [PAIRS]` (root): what a tick costs the code
+//! it interrupts, apart from the program's own run time: a loop pinned to CPU 0, with and
+//! without the BPF sampler loaded (for PID's layout) but filtering for a process that does
+//! not exist, so every tick interrupts and runs a program that returns at once (bench/bpf.rb).
+//!
 //! `... --example record -- idle [RATE] [SECONDS]`: the same timer loop without sampling, to
 //! show what merely waking up at that rate costs on this machine.
 //!
@@ -77,9 +82,65 @@ fn idle_timerfd(rate: f64, seconds: f64) {
     }
 }
 
+/// Iterations per second of a loop that does nothing else, over `window`.
+fn spin(window: Duration) -> f64 {
+    let started = Instant::now();
+    let mut n = 0u64;
+    while started.elapsed() < window {
+        for _ in 0..1000 {
+            n = std::hint::black_box(n + 1);
+        }
+    }
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+/// What one CPU-clock tick running the sampler's program, returning at once, costs the code
+/// it interrupts: a loop pinned to CPU 0 runs windows without the program, with it (loaded
+/// for a pid no process has, on the same events as a recording), and without again; the
+/// median slowdown of `pairs` such windows, over `rate` ticks a second.
+fn interrupt_cost(pid: i32, rate: f64, pairs: usize) {
+    let mut spy = rbspy_ext_core::Spy::attach(pid).expect("attaching to learn the layout");
+    let layout = spy.capture_layout();
+    // SAFETY: a CPU set we own, for the calling thread (0).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+    let window = Duration::from_millis(300);
+    let mut slowdowns = Vec::new();
+    let mut runs = 0;
+    for _ in 0..pairs {
+        let before = spin(window);
+        // pid_max is at most 2^22: no process has this one.
+        let bpf = rbspy_ext_core::bpf::BpfSampler::start(i32::MAX, rate, &layout)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let with = spin(window);
+        runs += bpf.stats().runs;
+        drop(bpf);
+        let after = spin(window);
+        slowdowns.push(1.0 - with / ((before + after) / 2.0));
+    }
+    slowdowns.sort_by(f64::total_cmp);
+    let median = slowdowns[slowdowns.len() / 2];
+    println!(
+        "interrupt: {:.3}% slower with the empty program ({runs} runs), {:.2} us per tick \
+         (median of {pairs}: {:?})",
+        100.0 * median,
+        median * 1e6 / rate,
+        slowdowns.iter().map(|s| (s * 1e4).round() / 100.0).collect::<Vec<_>>()
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str);
+    if mode == Some("interrupt") {
+        let pid: i32 = args[2].parse().expect("usage: record interrupt PID [RATE] [PAIRS]");
+        let rate: f64 = args.get(3).and_then(|r| r.parse().ok()).unwrap_or(1000.0);
+        let pairs: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(11);
+        return interrupt_cost(pid, rate, pairs);
+    }
     if mode == Some("idle") || mode == Some("idle-timerfd") {
         let rate: f64 = args.get(2).and_then(|r| r.parse().ok()).unwrap_or(1000.0);
         let seconds: f64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5.0);
