@@ -148,6 +148,22 @@ RSpec.describe "the BPF sampler" do
     end
   end
 
+  it "leaves no program behind when the recording process is killed outright" do
+    target = spinning("nested_methods")
+    pid = Process.spawn(RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-f", "collapsed",
+                        "-o", File::NULL, chdir: RubySpyTest::ROOT, out: File::NULL, err: File::NULL)
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
+    sleep 0.1 until !our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+    expect(our_programs.size).to eq(1)
+    Process.kill(:KILL, pid)
+    Process.wait(pid)
+    # The kernel frees a program once its last descriptor closes, with the process's files.
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
+    sleep 0.1 until our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+    expect(our_programs).to eq([])
+    expect(target.health_problems).to eq([])
+  end
+
   describe "failing with a reason" do
     it "says what privilege is missing when run as nobody, before attaching" do
       target = spinning("nested_methods")

@@ -128,7 +128,10 @@ fn interrupt_cost(pid: i32, rate: f64, pairs: usize) {
          (median of {pairs}: {:?})",
         100.0 * median,
         median * 1e6 / rate,
-        slowdowns.iter().map(|s| (s * 1e4).round() / 100.0).collect::<Vec<_>>()
+        slowdowns
+            .iter()
+            .map(|s| (s * 1e4).round() / 100.0)
+            .collect::<Vec<_>>()
     );
 }
 
@@ -136,7 +139,9 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str);
     if mode == Some("interrupt") {
-        let pid: i32 = args[2].parse().expect("usage: record interrupt PID [RATE] [PAIRS]");
+        let pid: i32 = args[2]
+            .parse()
+            .expect("usage: record interrupt PID [RATE] [PAIRS]");
         let rate: f64 = args.get(3).and_then(|r| r.parse().ok()).unwrap_or(1000.0);
         let pairs: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(11);
         return interrupt_cost(pid, rate, pairs);

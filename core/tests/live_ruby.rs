@@ -242,3 +242,49 @@ fn scanning_for_the_vm_finds_the_one_the_symbol_names() {
     assert_eq!(by_scan.vm_address(), by_symbol.vm_address());
     assert_eq!(by_scan.snapshot().unwrap(), by_symbol.snapshot().unwrap());
 }
+
+/// The BPF sampler through the core alone (root only: it loads a BPF program; the specs in
+/// spec/bpf_sampler_spec.rb compare it with Ruby's own backtraces on the whole corpus).
+#[cfg(feature = "bpf")]
+#[test]
+fn the_bpf_sampler_resolves_a_busy_target_to_its_own_frames() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: loading a BPF program needs root");
+        return;
+    }
+    use rbspy_ext_core::sampler::{RecordConfig, Recorder};
+    let target = Target::spawn("busy.rb", &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/busy.rb");
+    let config = RecordConfig {
+        rate_hz: 999.0,
+        duration: Some(Duration::from_millis(500)),
+        bpf: true,
+        ..RecordConfig::default()
+    };
+    let recorder = Recorder::start(target.pid(), config).expect("the BPF sampler starts as root");
+    while !recorder.finished() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let p = recorder.stop();
+    // 0.5 s of a thread that never leaves the CPU, at 999 Hz.
+    assert!(
+        p.samples > 400,
+        "{} samples, errors {:?}",
+        p.samples,
+        p.errors
+    );
+    let kernel = p.kernel.expect("a BPF recording reports its kernel cost");
+    assert!(kernel.bpf_runs >= p.samples && kernel.bpf_run_ns > 0);
+    for s in &p.stacks {
+        let frames: Vec<_> = s.frames.iter().map(|i| &p.frames[*i as usize]).collect();
+        assert!(frames.iter().any(|f| &*f.label == "<main>"), "{frames:?}");
+        for f in frames
+            .iter()
+            .filter(|f| !f.c_function && !f.path.starts_with("<internal:"))
+        {
+            assert_eq!(Path::new(&*f.path), script.as_path(), "{f:?}");
+            assert!((1..=7).contains(&f.lineno), "{f:?}");
+        }
+    }
+}

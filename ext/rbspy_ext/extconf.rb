@@ -249,9 +249,11 @@ File.write("Makefile", <<~MAKE)
 
   all: $(DLLIB)
 
-  # Always ask cargo: it knows whether anything changed, make does not.
+  # Always ask cargo: it knows whether anything changed, make does not. Without this make's
+  # MAKEFLAGS: RubyGems runs `make DESTDIR=`, and the empty DESTDIR would reach the make that
+  # libbpf-sys runs to build libbpf (for the BPF sampler), whose install step then fails.
   $(DLLIB): FORCE
-  \t$(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext #{features}
+  \tenv -u MAKEFLAGS -u MFLAGS -u MAKELEVEL $(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext #{features}
   \tcp -f $(RUSTLIB) $@
 
   install: all
