@@ -194,8 +194,10 @@ RSpec.describe "the BPF sampler" do
       expect(out).to start_with("BpfUnavailable: the BPF sampler cannot run: loading a BPF program needs root")
     end
 
-    it "rejects a mode it does not know" do
+    it "rejects a mode it does not know, and subprocesses with the BPF sampler" do
       expect { RubySpy::Recorder.new(Process.pid, mode: :ebpf) }.to raise_error(ArgumentError, /mode must be :user or :bpf/)
+      recorder = RubySpy::Recorder.new(Process.pid, mode: :bpf, subprocesses: true)
+      expect { recorder.start }.to raise_error(ArgumentError, /records one process/)
     end
   end
 

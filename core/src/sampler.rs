@@ -70,6 +70,11 @@ impl RecordConfig {
         if self.duration == Some(Duration::ZERO) {
             return Err(Error::InvalidArgument("duration must be positive".into()));
         }
+        if self.bpf && self.subprocesses {
+            return Err(Error::InvalidArgument(
+                "the BPF sampler records one process: record child processes without it".into(),
+            ));
+        }
         Ok(())
     }
 }

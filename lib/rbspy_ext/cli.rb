@@ -269,7 +269,7 @@ module RubySpy
       opts.on("--per-thread", "a root per thread (speedscope: a profile per thread)") { view[:per_thread] = true }
       opts.on("--lines", "a frame per line executing, not per function") { view[:lines] = true }
       opts.on("--idle", "keep the samples of blocked threads (sleep, IO, locks)") { view[:idle] = true }
-      opts.on("--state", "a root per thread state (running, waiting_for_gvl, blocked, gc_*)") { view[:state] = true }
+      opts.on("--state", "a root per thread state (running, waiting_for_gvl, blocked, gc_*, no_gvl with --bpf)") { view[:state] = true }
       opts.on("--by-tag KEY", "a root per value of this tag (speedscope: a profile per value)") { |v| view[:tag] = v }
     end
 
