@@ -103,6 +103,27 @@ RSpec.describe "the BPF sampler" do
     expect(bpf.tags.find { |t| t[:tags] == expected }[:samples]).to eq(bpf.samples)
   end
 
+  it "never gives a sample tags it did not run under, while tables of Strings are replaced every few microseconds" do
+    skip "the extension is not built for #{RubySpyTest::TargetRuby.current}" unless RubySpyTest::TargetRuby.current.extension?
+
+    target = start_target("tag_churn")
+    valid = target.info.fetch("sets").map { |set| set.to_h { |k, v| [k.to_sym, v.to_s] } } + [{}]
+    profile = record(target.pid, mode: :bpf, rate: 999, duration: 1.5)
+    seen = profile.tags.map { |t| t[:tags] }
+    expect(seen - valid).to eq([]), "tag sets never set: #{(seen - valid).inspect}"
+    expect(seen & valid[0..2]).not_to be_empty
+    # The fixture spends most of its time between tag blocks; the user-space sampler says how
+    # much is inside. Draining within the window a replaced table's Strings live keeps the
+    # tags of all but a few samples (the first drain, 50 ms after the start, loses some, and
+    # the notes count them).
+    share = ->(p) { p.tags.reject { |t| t[:tags].empty? }.sum { |t| t[:samples] }.fdiv(p.samples) }
+    user = record(target.pid, mode: :user, rate: 999, duration: 1.5)
+    expect(share.(profile)).to be >= 0.5 * share.(user), "#{profile.tags.inspect}\nuser-space: #{user.tags.inspect}"
+    lost = profile.notes.join[/(\d+) samples were recorded without their tags/, 1].to_i
+    expect(lost).to be <= 0.05 * profile.samples, profile.notes.inspect
+    expect(profile.cost[:wakeups]).to be > 100
+  end
+
   it "keeps the innermost 512 frames of a deeper stack and marks the cut" do
     target = spinning("deep_spin", "600")
     profile = record(target.pid, mode: :bpf, duration: 0.4)

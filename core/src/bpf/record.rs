@@ -58,6 +58,8 @@ impl<'a> Record<'a> {
                 tag_table: h.tag_table,
                 tag_words: &raw[values_end..tags_end],
                 truncated: h.flags & FLAG_TRUNCATED != 0,
+                // Set by the reader, which knows when it reads it.
+                age: std::time::Duration::ZERO,
             },
         })
     }

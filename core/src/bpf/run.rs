@@ -15,6 +15,11 @@ use std::time::{Duration, Instant};
 
 /// How often the thread map follows the thread list when nothing says it changed.
 const REFRESH_EVERY: Duration = Duration::from_millis(500);
+/// The drain period while tags are being lost to later drains: within the 8 ms in which a
+/// copied table's objects are sure to be alive (spy/tags.rs, `TABLE_WINDOW`).
+const DRAIN_FOR_TAGS: Duration = Duration::from_millis(6);
+/// How long the short period lasts after the last drain that lost tags.
+const KEEP_DRAINING_FOR_TAGS: Duration = Duration::from_secs(2);
 /// The soonest a refresh follows another when a thread the map does not know was sampled.
 const REFRESH_SOONEST: Duration = Duration::from_millis(100);
 
@@ -31,6 +36,10 @@ struct Recording {
     unknown: u64,
     unknown_tids: FxHashSet<u32>,
     refresh_wanted: bool,
+    /// Samples whose tags were left out (`Spy::captured_tags_expired`), and until when to
+    /// drain every `DRAIN_FOR_TAGS` since a drain last left some out.
+    expired_tags: u64,
+    tags_expiring: Option<Instant>,
 }
 
 pub(crate) fn run<M: Memory>(
@@ -50,6 +59,8 @@ pub(crate) fn run<M: Memory>(
         unknown: 0,
         unknown_tids: FxHashSet::default(),
         refresh_wanted: false,
+        expired_tags: 0,
+        tags_expiring: None,
     };
     for n in notes {
         rec.agg.note(n);
@@ -61,6 +72,7 @@ pub(crate) fn run<M: Memory>(
     let calls_before = spy.memory().calls();
     let cpu_before = thread_cpu_ns();
     let stats_before = bpf.stats();
+    let expired_before = spy.captured_tags_expired();
     let mut refreshed: Option<Instant> = None;
     let mut wakeups = 0u64;
     loop {
@@ -82,12 +94,23 @@ pub(crate) fn run<M: Memory>(
             }
             refresh_live(progress, &rec.agg, config.live);
         }
+        // While samples lose their tags to a late drain (tables of objects replaced faster
+        // than the drain period), drain within the window their values live.
+        let period = if rec.tags_expiring.is_some_and(|until| now < until) {
+            DRAIN_FOR_TAGS
+        } else {
+            DRAIN_EVERY
+        };
         let left = config
             .duration
-            .map_or(DRAIN_EVERY, |d| d.saturating_sub(now - started));
-        std::thread::sleep(left.min(DRAIN_EVERY));
+            .map_or(period, |d| d.saturating_sub(now - started));
+        std::thread::sleep(left.min(period));
         wakeups += 1;
+        let expired = spy.captured_tags_expired();
         drain(spy, &mut bpf, &config, &mut rec);
+        if spy.captured_tags_expired() > expired {
+            rec.tags_expiring = Some(Instant::now() + KEEP_DRAINING_FOR_TAGS);
+        }
         if let Ok(mut p) = progress.lock() {
             p.elapsed = started.elapsed();
             p.ticks = rec.agg.profile().ticks;
@@ -96,6 +119,7 @@ pub(crate) fn run<M: Memory>(
         // A target that exits is seen by the next refresh (its memory no longer reads).
     }
     drain(spy, &mut bpf, &config, &mut rec);
+    rec.expired_tags = spy.captured_tags_expired() - expired_before;
     let stats = bpf.stats();
     // Detach and unload before the profile is handed over.
     drop(bpf);
@@ -133,6 +157,14 @@ fn finish(
             "{} samples had stacks deeper than {MAX_FRAMES} frames: their innermost \
              {MAX_FRAMES} are kept, and a [truncated] frame stands for the rest",
             rec.truncated
+        ));
+    }
+    if rec.expired_tags > 0 {
+        rec.agg.note(format!(
+            "{} samples were recorded without their tags: their table held objects \
+             (Strings...) and was no longer published when the recorder read it, so the \
+             objects may have been freed",
+            rec.expired_tags
         ));
     }
     let unknown = rec.unknown;
@@ -182,6 +214,7 @@ fn drain<M: Memory>(
     config: &RecordConfig,
     rec: &mut Recording,
 ) {
+    spy.begin_captured_batch();
     bpf.drain(|r: &Record| {
         if r.unknown {
             rec.unknown += 1;
@@ -198,7 +231,9 @@ fn drain<M: Memory>(
             rec.agg.error("thread context did not read");
             return;
         }
-        match spy.resolve_captured(info, &r.captured) {
+        let mut captured = r.captured;
+        captured.age = Duration::from_nanos(monotonic_ns().saturating_sub(r.time_ns));
+        match spy.resolve_captured(info, &captured) {
             Ok(t) => {
                 if config.on_cpu && !t.state.on_cpu() {
                     return;

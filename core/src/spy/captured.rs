@@ -6,9 +6,10 @@
 //!
 //! A child module of `spy` so that it shares the walker's private machinery.
 use super::batch::gc_state;
-use super::tags::Decoder;
+use super::tags::{Decoder, TABLE_WINDOW};
 use super::walker::Plan;
-use super::{Attempt, Frame, Memory, SampledThread, Spy};
+use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
+use crate::objects::is_heap_object;
 use crate::profile::{ThreadInfo, ThreadState};
 use std::sync::Arc;
 
@@ -32,6 +33,8 @@ pub struct Captured<'a> {
     pub tag_words: &'a [u8],
     /// The stack was deeper than the sampler copies: its outermost frames are missing.
     pub truncated: bool,
+    /// How long ago it was copied.
+    pub age: std::time::Duration,
 }
 
 /// What the BPF sampler needs of the target's layout and addresses, loaded into the
@@ -148,14 +151,39 @@ impl<M: Memory> Spy<M> {
         })
     }
 
-    /// The tags of a captured table. Its words were copied in the same pass as the stack;
-    /// String values are read now, which the extension's 10 ms grace period does not cover
-    /// when the ring is drained later than that (docs/bpf.md says so).
+    /// Starts a batch of captured samples (one drain of the BPF sampler's ring): which table
+    /// each thread publishes is read again, once, when a sample needs it.
+    pub fn begin_captured_batch(&mut self) {
+        self.tags.published_now.clear();
+    }
+
+    /// Captured samples whose tags were left out because their table's values may have been
+    /// freed before they were read (see `captured_tags`).
+    pub fn captured_tags_expired(&self) -> u64 {
+        self.tags.expired
+    }
+
+    /// The tags of a captured table. Its words (IDs and VALUEs) were copied in the same pass
+    /// as the stack, but what an object value says (a String's text) is read now, up to a
+    /// drain period later. The extension keeps a table's values alive only while it is
+    /// published and 10 ms after: so a table with object values is decoded only within
+    /// `TABLE_WINDOW` of its copy, or while its thread still publishes it; otherwise the
+    /// sample gets no tags (counted), never the text of whatever took the freed object's
+    /// place. Immediates (Integers, static Symbols, true, false, nil) need no such care.
     fn captured_tags(&mut self, c: &Captured) -> super::Tags {
-        if c.tag_table == 0 || c.tag_words.is_empty() {
-            // One empty set for every sample without tags (a new Arc would be an allocation).
-            static NONE: std::sync::LazyLock<super::Tags> =
-                std::sync::LazyLock::new(Default::default);
+        // One empty set for every sample without tags (a new Arc would be an allocation).
+        static NONE: std::sync::LazyLock<super::Tags> = std::sync::LazyLock::new(Default::default);
+        if c.tag_table == 0 || c.tag_words.len() < 16 {
+            return NONE.clone();
+        }
+        let objects = c.tag_words[16..]
+            .chunks_exact(16)
+            .any(|p| word(p, 0) != 0 && is_heap_object(word(p, 8)));
+        if objects
+            && c.age > TABLE_WINDOW
+            && self.tags.published_table(&self.target, c.thread) != Some(c.tag_table)
+        {
+            self.tags.expired += 1;
             return NONE.clone();
         }
         let mut d = Decoder {

@@ -33,7 +33,7 @@ const FIRST_SLOTS: usize = 8;
 /// its pointer is the one that was published, never freed memory. A sample takes well under
 /// a millisecond; one whose reader was held up longer (descheduled) gets no tags for that
 /// thread rather than doubtful ones.
-const TABLE_WINDOW: Duration = Duration::from_millis(8);
+pub(super) const TABLE_WINDOW: Duration = Duration::from_millis(8);
 /// How long the extension keeps a table alive after it stops publishing it, at the least
 /// (docs/profiler-state.md).
 const UNPUBLISHED_ALIVE: Duration = Duration::from_millis(10);
@@ -52,6 +52,10 @@ pub(super) struct TagReader {
     /// By Ruby thread: the table its pointer held at the last sample, that table's bytes
     /// and their decoding (see `sampled_tags`).
     last: rustc_hash::FxHashMap<u64, LastTable>,
+    /// By Ruby thread: the table it publishes now, read once per batch of captured samples
+    /// (spy/captured.rs), and how many captured tables were no longer published.
+    pub(super) published_now: rustc_hash::FxHashMap<u64, u64>,
+    pub(super) expired: u64,
 }
 
 #[derive(Debug)]
@@ -202,6 +206,19 @@ impl TagReader {
             None => 0,
         };
         self.thread_pointer_on(t, thread, nt)
+    }
+
+    /// The table Ruby thread `thread` publishes now (0: none), read once per batch of
+    /// captured samples; None when it cannot be read.
+    pub(super) fn published_table<M: Memory>(&mut self, t: &Target<M>, thread: u64) -> Option<u64> {
+        if let Some(table) = self.published_now.get(&thread) {
+            return Some(*table);
+        }
+        let offset = self.offset?;
+        let tp = self.thread_pointer(t, thread)?;
+        let table = t.mem.read_u64(tp.wrapping_add_signed(offset)).ok()?;
+        self.published_now.insert(thread, table);
+        Some(table)
     }
 
     /// See [`Spy::thread_tags`]: everything read now, apart from any sample.
