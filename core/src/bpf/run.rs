@@ -51,23 +51,7 @@ pub(crate) fn run<M: Memory>(
     progress: &Mutex<Progress>,
 ) -> Profile {
     let pid = spy.pid();
-    let mut rec = Recording {
-        agg: Aggregator::new(pid, spy.version(), config.rate_hz, unix_ns()),
-        threads: FxHashMap::default(),
-        mono_start: monotonic_ns(),
-        truncated: 0,
-        unknown: 0,
-        unknown_tids: FxHashSet::default(),
-        refresh_wanted: false,
-        expired_tags: 0,
-        tags_expiring: None,
-    };
-    for n in notes {
-        rec.agg.note(n);
-    }
-    if let Some(w) = spy.warning() {
-        rec.agg.note(w.to_string());
-    }
+    let mut rec = Recording::new(spy, &config, notes);
     let started = Instant::now();
     let calls_before = spy.memory().calls();
     let cpu_before = thread_cpu_ns();
@@ -94,17 +78,8 @@ pub(crate) fn run<M: Memory>(
             }
             refresh_live(progress, &rec.agg, config.live);
         }
-        // While samples lose their tags to a late drain (tables of objects replaced faster
-        // than the drain period), drain within the window their values live.
-        let period = if rec.tags_expiring.is_some_and(|until| now < until) {
-            DRAIN_FOR_TAGS
-        } else {
-            DRAIN_EVERY
-        };
-        let left = config
-            .duration
-            .map_or(period, |d| d.saturating_sub(now - started));
-        std::thread::sleep(left.min(period));
+        let left = config.duration.map(|d| d.saturating_sub(now - started));
+        std::thread::sleep(rec.period(now, left));
         wakeups += 1;
         let expired = spy.captured_tags_expired();
         drain(spy, &mut bpf, &config, &mut rec);
@@ -130,6 +105,39 @@ pub(crate) fn run<M: Memory>(
         let cpu = thread_cpu_ns().saturating_sub(cpu_before);
         agg.set_cost(cpu, cpu, spy.memory().calls() - calls_before);
     })
+}
+
+impl Recording {
+    fn new<M: Memory>(spy: &Spy<M>, config: &RecordConfig, notes: Vec<String>) -> Recording {
+        let mut agg = Aggregator::new(spy.pid(), spy.version(), config.rate_hz, unix_ns());
+        notes
+            .into_iter()
+            .chain(spy.warning().map(str::to_string))
+            .for_each(|n| agg.note(n));
+        Recording {
+            agg,
+            threads: FxHashMap::default(),
+            mono_start: monotonic_ns(),
+            truncated: 0,
+            unknown: 0,
+            unknown_tids: FxHashSet::default(),
+            refresh_wanted: false,
+            expired_tags: 0,
+            tags_expiring: None,
+        }
+    }
+
+    /// How long to sleep before the next drain (at most `left` of the recording). While
+    /// samples lose their tags to a late drain (tables of objects replaced faster than the
+    /// drain period), drain within the window their values live.
+    fn period(&self, now: Instant, left: Option<Duration>) -> Duration {
+        let period = if self.tags_expiring.is_some_and(|until| now < until) {
+            DRAIN_FOR_TAGS
+        } else {
+            DRAIN_EVERY
+        };
+        left.map_or(period, |l| l.min(period))
+    }
 }
 
 fn finish(
