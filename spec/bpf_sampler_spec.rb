@@ -140,6 +140,22 @@ RSpec.describe "the BPF sampler" do
     expect(profile.notes.join).to include("deeper than 512 frames")
   end
 
+  it "cuts a stack whose value stack is longer than it copies at the first frame it misses, and marks the cut" do
+    target = spinning("deep_spin", "400", "wide")
+    profile = record(target.pid, mode: :bpf, duration: 0.4)
+    total = profile.stacks.sum { |s| s[:samples] }
+    expect(total).to be > 100, profile.errors.inspect
+    expect(profile.errors.values.sum).to be <= 0.01 * total, profile.errors.inspect
+    top = profile.stacks.max_by { |s| s[:samples] }
+    kept = top[:frames][0..-2]
+    expect(top[:frames].last.label).to eq("[truncated]")
+    # 400 levels of 40 locals do not fit in 128 KiB of value stack; the innermost levels do.
+    expect(kept.size).to be_between(100, 399)
+    problems = RubySpyTest::FrameComparison.problems(kept, target.frames.first(kept.size), target.ruby_version)
+    expect(problems).to eq([])
+    expect(profile.notes.join).to include("value stack longer than the BPF sampler copies")
+  end
+
   it "records a target that exits, keeps its samples, and leaves no program behind" do
     target = start_target("exits_soon", "0.5")
     profile = nil
@@ -183,6 +199,29 @@ RSpec.describe "the BPF sampler" do
     sleep 0.1 until our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
     expect(our_programs).to eq([])
     expect(target.health_problems).to eq([])
+  end
+
+  it "finds the target when the profiler runs in a PID namespace of its own, as in a container" do
+    Dir.mktmpdir("rubyspy-pidns") do |dir|
+      out = File.join(dir, "out.txt")
+      script = <<~RUBY
+        def spin_in_namespace(seconds)
+          deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + seconds
+          x = 0
+          x += 1 while Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
+          x
+        end
+        spin_in_namespace(1.5)
+      RUBY
+      # Inside, the command's pid is 2; the kernel knows it by another.
+      cmd = ["unshare", "--pid", "--fork", "--mount-proc", RbConfig.ruby, exe, "record", "--bpf", "--rate", "499",
+             "--format", "collapsed", "--output", out, "--", RbConfig.ruby, "-e", script]
+      _, err, status = Open3.capture3(*cmd, chdir: RubySpyTest::ROOT)
+      expect(status.exitstatus).to eq(0), err
+      lines = File.readlines(out)
+      expect(lines.sum { |l| l.split.last.to_i }).to be > 0.8 * 1.5 * 499 * 0.8, err
+      expect(lines.join).to include("spin_in_namespace")
+    end
   end
 
   describe "failing with a reason" do

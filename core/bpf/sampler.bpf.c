@@ -43,6 +43,9 @@ static __always_inline __u64 thread_pointer(void)
 }
 
 const volatile __u32 target_tgid = 0;
+/* The PID namespace target_tgid is a pid of (the loader's): its device and inode. */
+const volatile __u64 pidns_dev = 0;
+const volatile __u64 pidns_ino = 0;
 const volatile __u64 thread_ec = 0;
 const volatile __u64 ec_vm_stack = 0; /* vm_stack, vm_stack_size and cfp follow it */
 const volatile __u64 cfp_size = 64;
@@ -61,7 +64,7 @@ struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, MAX_THREADS);
     __type(key, __u64);
-    __type(value, __u64);
+    __type(value, struct ruby_thread);
 } threads SEC(".maps");
 
 /* One record buffer per CPU (a per-CPU array value is limited to 32 KB; this is a plain
@@ -99,12 +102,17 @@ static __always_inline void count(__u32 which)
 SEC("perf_event")
 int rbspy_sample(void *ctx)
 {
-    __u64 id = bpf_get_current_pid_tgid();
-    if ((id >> 32) != target_tgid)
+    /* Pids as the loader sees them, which in a container differ from the kernel's own. */
+    struct bpf_pidns_info ns = {0, 0};
+    if (bpf_get_ns_current_pid_tgid(pidns_dev, pidns_ino, &ns, sizeof ns) || ns.tgid != target_tgid)
         return 0;
-    __u32 tid = (__u32)id;
+    __u32 tid = ns.pid;
     __u64 tp = thread_pointer();
-    __u64 *thread = bpf_map_lookup_elem(&threads, &tp);
+    struct ruby_thread *thread = bpf_map_lookup_elem(&threads, &tp);
+    /* glibc reuses a finished thread's stack, and with it its thread pointer: a new thread
+     * may have a dead one's until user space refreshes the map. The tid tells them apart. */
+    if (thread && thread->tid && thread->tid != tid)
+        thread = 0;
     __u32 cpu = bpf_get_smp_processor_id();
     struct record *r = bpf_map_lookup_elem(&scratch, &cpu);
     if (!r)
@@ -123,7 +131,7 @@ int rbspy_sample(void *ctx)
         return 0;
     }
     h->flags = 0;
-    h->thread = *thread;
+    h->thread = thread->thread;
     h->ec = 0;
     h->head[0] = h->head[1] = h->head[2] = 0;
     h->gvl_owner = 0;

@@ -7,8 +7,9 @@
 /* Bytes of control frames copied: 512 frames of 64 bytes (the depth cap user space states
  * is max_frame_bytes / cfp_size, at most this). A power of two: indexes are masked by it. */
 #define MAX_FRAME_BYTES (512 * 64)
-/* Bytes of value stack copied, from just above the innermost frame's environment down. */
-#define MAX_VALUE_BYTES (32 * 1024)
+/* Bytes of value stack copied, from just above the innermost frame's environment down: 512
+ * frames of up to 32 words (receiver, arguments, locals, environment). */
+#define MAX_VALUE_BYTES (128 * 1024)
 /* Slots of a tag table copied (a table of 64 slots holds up to 32 tags). */
 #define MAX_TAG_SLOTS 64
 #define MAX_TAG_BYTES ((2 + 2 * MAX_TAG_SLOTS) * 8)
@@ -38,6 +39,13 @@ struct header {
     __u32 value_bytes;  /* data[frame_bytes..+value_bytes) */
     __u32 tag_words;    /* the table's words (size, capacity, pairs) after the values */
     __u64 tag_table;    /* the ruby_profiler_state pointer */
+};
+
+/* A Ruby thread in the program's thread map. */
+struct ruby_thread {
+    __u64 thread; /* rb_thread_t * */
+    __u32 tid;    /* its native tid, 0 when the Ruby version keeps none (2.7) */
+    __u32 pad;
 };
 
 struct record {

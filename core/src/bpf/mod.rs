@@ -103,18 +103,26 @@ impl BpfSampler {
         })
     }
 
-    /// Makes the program's thread map hold exactly these (thread pointer, `rb_thread_t *`).
-    pub fn set_threads(&mut self, threads: &[(u64, u64)]) -> Result<()> {
-        let map = self.map("threads")?;
-        let now: FxHashSet<u64> = threads.iter().map(|(tp, _)| *tp).collect();
+    /// Makes the program's thread map hold exactly these (thread pointer, `rb_thread_t *`,
+    /// native tid or 0).
+    pub fn set_threads(&mut self, threads: &[(u64, u64, u32)]) -> Result<()> {
+        // The map borrows the object, apart from the set of what it holds.
+        let map = find_map(&self.object, "threads")?;
+        let now: FxHashSet<u64> = threads.iter().map(|(tp, _, _)| *tp).collect();
         for gone in self.tids.difference(&now) {
             let _ = map.delete(&gone.to_ne_bytes());
         }
-        for (tp, thread) in threads {
-            map.update(&tp.to_ne_bytes(), &thread.to_ne_bytes(), MapFlags::ANY)
+        // Whatever fails below, the map holds no more than `now` and what was there.
+        self.tids.retain(|tp| now.contains(tp));
+        for (tp, thread, tid) in threads {
+            // struct ruby_thread in core/bpf/sampler.h.
+            let mut value = [0u8; 16];
+            value[..8].copy_from_slice(&thread.to_ne_bytes());
+            value[8..12].copy_from_slice(&tid.to_ne_bytes());
+            map.update(&tp.to_ne_bytes(), &value, MapFlags::ANY)
                 .map_err(|e| unavailable(format!("updating the thread map: {e}")))?;
+            self.tids.insert(*tp);
         }
-        self.tids = now;
         Ok(())
     }
 
@@ -185,11 +193,15 @@ impl BpfSampler {
     }
 
     fn map(&self, name: &str) -> Result<libbpf_rs::Map<'_>> {
-        self.object
-            .maps()
-            .find(|m| m.name() == name)
-            .ok_or_else(|| unavailable(format!("the program has no map {name}")))
+        find_map(&self.object, name)
     }
+}
+
+fn find_map<'a>(object: &'a libbpf_rs::Object, name: &str) -> Result<libbpf_rs::Map<'a>> {
+    object
+        .maps()
+        .find(|m| m.name() == name)
+        .ok_or_else(|| unavailable(format!("the program has no map {name}")))
 }
 
 fn unavailable(reason: String) -> Error {
@@ -249,6 +261,9 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         let p = data.as_mut_ptr() as *mut Rodata;
         let mut r = std::ptr::read_unaligned(p);
         r.target_tgid = pid as u32;
+        let (dev, ino) = pid_namespace()?;
+        r.pidns_dev = dev;
+        r.pidns_ino = ino;
         r.thread_ec = l.thread_ec;
         r.ec_vm_stack = l.ec_vm_stack;
         r.cfp_size = l.cfp_size;
@@ -266,6 +281,15 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         std::ptr::write_unaligned(p, r);
     }
     Ok(())
+}
+
+/// The device and inode of this process's PID namespace, in which the target's pid is
+/// given.
+fn pid_namespace() -> Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata("/proc/self/ns/pid")
+        .map_err(|e| unavailable(format!("reading /proc/self/ns/pid: {e}")))?;
+    Ok((ns.dev(), ns.ino()))
 }
 
 /// Loads the program, with the verifier's last words in the error when it refuses it.

@@ -70,12 +70,12 @@ mod tests {
     use super::*;
 
     /// The record's header is what core/bpf/sampler.h says (96 bytes), and the record
-    /// holds 512 frames of 64 bytes, 32 KiB of value stack and a table of 64 slots.
+    /// holds 512 frames of 64 bytes, 128 KiB of value stack and a table of 64 slots.
     #[test]
     fn layout_matches_the_program() {
         assert_eq!(std::mem::size_of::<Header>(), 96);
         let record = std::mem::size_of::<super::super::skel::types::record>();
-        assert_eq!(record, 96 + 512 * 64 + 32 * 1024 + (2 + 2 * 64) * 8);
+        assert_eq!(record, 96 + 512 * 64 + 128 * 1024 + (2 + 2 * 64) * 8);
     }
 
     #[test]

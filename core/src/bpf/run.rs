@@ -7,7 +7,7 @@ use crate::cost::KernelCost;
 use crate::memory::Memory;
 use crate::profile::{Aggregator, Profile, ThreadInfo};
 use crate::sampler::{refresh_live, thread_cpu_ns, unix_ns, Progress, RecordConfig};
-use crate::spy::Spy;
+use crate::spy::{Spy, TRUNCATED_LABEL};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +36,11 @@ struct Recording {
     unknown: u64,
     unknown_tids: FxHashSet<u32>,
     refresh_wanted: bool,
+    /// The time of the last sample on the timeline.
+    last_at: Duration,
+    /// Samples whose tag table was larger than the program copies, and whose value stack was.
+    tags_cut: u64,
+    values_cut: u64,
     /// Samples whose tags were left out (`Spy::captured_tags_expired`), and until when to
     /// drain every `DRAIN_FOR_TAGS` since a drain last left some out.
     expired_tags: u64,
@@ -71,7 +76,10 @@ pub(crate) fn run<M: Memory>(
         if due {
             refreshed = Some(Instant::now());
             rec.refresh_wanted = false;
-            rec.unknown_tids.clear();
+            // Tids still unknown after this refresh run no Ruby: they do not ask again.
+            if rec.unknown_tids.len() > 4096 {
+                rec.unknown_tids.clear();
+            }
             if !refresh_threads(spy, &mut bpf, &mut rec) {
                 note_exit(&mut rec.agg, pid, started);
                 break;
@@ -122,6 +130,9 @@ impl Recording {
             unknown: 0,
             unknown_tids: FxHashSet::default(),
             refresh_wanted: false,
+            last_at: Duration::ZERO,
+            tags_cut: 0,
+            values_cut: 0,
             expired_tags: 0,
             tags_expiring: None,
         }
@@ -175,6 +186,20 @@ fn finish(
             rec.expired_tags
         ));
     }
+    if rec.values_cut > 0 {
+        rec.agg.note(format!(
+            "{} samples had a value stack longer than the BPF sampler copies (128 KiB): their \
+             frames whose locals it missed are cut, and a [truncated] frame stands for them",
+            rec.values_cut
+        ));
+    }
+    if rec.tags_cut > 0 {
+        rec.agg.note(format!(
+            "{} samples were recorded without their tags: their table had more than 64 slots \
+             (32 tags), more than the BPF sampler copies",
+            rec.tags_cut
+        ));
+    }
     let unknown = rec.unknown;
     if unknown > 0 {
         rec.agg.note(format!(
@@ -204,9 +229,9 @@ fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut 
         ) => return false,
         Err(_) => return true, // the list moved while read: next time
     };
-    let map: Vec<(u64, u64)> = list
+    let map: Vec<(u64, u64, u32)> = list
         .iter()
-        .filter_map(|(thread, _, tp)| Some(((*tp)?, *thread)))
+        .filter_map(|(thread, info, tp)| Some(((*tp)?, *thread, info.tid.max(0) as u32)))
         .collect();
     if let Err(e) = bpf.set_threads(&map) {
         rec.agg
@@ -229,7 +254,10 @@ fn drain<M: Memory>(
             rec.refresh_wanted |= rec.unknown_tids.insert(r.tid);
             return;
         }
-        let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start));
+        // A record enters the ring when its program ends, so one that started earlier on
+        // another CPU can follow a later one: the timeline's times never go back.
+        let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start)).max(rec.last_at);
+        rec.last_at = at;
         rec.agg.tick_at(at);
         let Some(info) = rec.threads.get(&r.captured.thread).cloned() else {
             rec.agg.error("thread not in the thread list");
@@ -239,14 +267,21 @@ fn drain<M: Memory>(
             rec.agg.error("thread context did not read");
             return;
         }
+        rec.tags_cut += u64::from(r.tags_cut);
         let mut captured = r.captured;
         captured.age = Duration::from_nanos(monotonic_ns().saturating_sub(r.time_ns));
         match spy.resolve_captured(info, &captured) {
-            Ok(t) => {
+            Ok(None) => {}
+            Ok(Some(t)) => {
                 if config.on_cpu && !t.state.on_cpu() {
                     return;
                 }
                 rec.truncated += u64::from(r.captured.truncated);
+                let cut = t
+                    .frames
+                    .last()
+                    .is_some_and(|f| &*f.label == TRUNCATED_LABEL);
+                rec.values_cut += u64::from(cut && !r.captured.truncated);
                 rec.agg
                     .add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
             }

@@ -98,12 +98,14 @@ impl<M: Memory> Spy<M> {
 
     /// One captured thread as a sample: its state from the GVL owner and GC flags copied
     /// with it, its frames through the walker, its tags decoded from the copied table.
-    /// `Err` gives why it could not be resolved (a drop reason, as `sample_threads` has).
+    /// `Ok(None)` for a thread with no Ruby stack yet (or any more), which is not a dropped
+    /// sample; `Err` gives why it could not be resolved (a drop reason, as `sample_threads`
+    /// has).
     pub fn resolve_captured(
         &mut self,
         info: Arc<ThreadInfo>,
         c: &Captured,
-    ) -> std::result::Result<SampledThread, &'static str> {
+    ) -> std::result::Result<Option<SampledThread>, &'static str> {
         let state = if c.thread == c.gvl_owner {
             gc_state(c.gc_flags)
         } else {
@@ -112,20 +114,37 @@ impl<M: Memory> Spy<M> {
         let [vm_stack, _, cfp] = c.head;
         let cfp_size = self.target.layout.cfp_size;
         if vm_stack == 0 || c.frames.is_empty() {
-            return Err("no Ruby stack when sampled");
+            return Ok(None);
+        }
+        if c.values.is_empty() {
+            return Err("value stack did not read");
+        }
+        // A value stack longer than the copy: the frames whose environments lie below it
+        // are cut, like frames past the depth cap.
+        let cut = c.values_from > vm_stack;
+        let usable = if cut {
+            self.frames_with_values(c)
+        } else {
+            c.frames.len() - c.frames.len() % cfp_size
+        };
+        if usable == 0 {
+            return Err("value stack deeper than the copy");
         }
         let plan = Plan {
             vm_stack,
             cfp,
-            count: (c.frames.len() / cfp_size) as u64,
+            count: (usable / cfp_size) as u64,
             guess: 0,
             values_from: c.values_from,
             captured: true,
         };
-        let usable = c.frames.len() - c.frames.len() % cfp_size;
         let stack = match self.resolve(plan, &c.frames[..usable], c.values) {
             Ok(stack) => stack,
             Err(Attempt::Fatal(_)) => return Err("read failed"),
+            Err(Attempt::Changed(_)) if cut => {
+                // A block reaching an environment below the copy: nothing cached is in doubt.
+                return Err("value stack deeper than the copy");
+            }
             Err(Attempt::Changed(_)) => {
                 // Something cached may be what no longer holds (an escaped environment).
                 self.forget_envs();
@@ -133,7 +152,8 @@ impl<M: Memory> Spy<M> {
                 return Err("captured stack did not resolve");
             }
         };
-        let (frames, token) = if c.truncated {
+        let (frames, token) = if c.truncated || usable < c.frames.len() - c.frames.len() % cfp_size
+        {
             let mut frames = stack.frames.to_vec();
             frames.push(truncated_frame());
             // Tokens are counted up from 1; the top bit names the cut variant of a stack.
@@ -142,13 +162,34 @@ impl<M: Memory> Spy<M> {
             (stack.frames, stack.token)
         };
         let tags = self.captured_tags(c);
-        Ok(SampledThread {
+        Ok(Some(SampledThread {
             info,
             state,
             frames,
             stack_token: token,
             tags,
-        })
+        }))
+    }
+
+    /// Bytes of `c.frames` whose environments lie in the copied value stack or off the
+    /// stack (escaped to the heap), innermost first: the frames a cut copy can resolve.
+    fn frames_with_values(&self, c: &Captured) -> usize {
+        let l = self.target.layout;
+        let below = c.head[0]..c.values_from.saturating_add(16);
+        c.frames
+            .chunks_exact(l.cfp_size)
+            .take_while(|f| !below.contains(&word(f, l.cfp_ep)))
+            .count()
+            * l.cfp_size
+    }
+
+    /// Whether the thread publishes the copied table now, with the same words: then the
+    /// objects it holds are alive (a freed table's address may hold a new one).
+    fn still_published(&mut self, c: &Captured) -> bool {
+        let Some((table, words)) = self.tags.published_table(&self.target, c.thread) else {
+            return false;
+        };
+        *table == c.tag_table && words.as_slice() == c.tag_words
     }
 
     /// Starts a batch of captured samples (one drain of the BPF sampler's ring): which table
@@ -179,10 +220,7 @@ impl<M: Memory> Spy<M> {
         let objects = c.tag_words[16..]
             .chunks_exact(16)
             .any(|p| word(p, 0) != 0 && is_heap_object(word(p, 8)));
-        if objects
-            && c.age > TABLE_WINDOW
-            && self.tags.published_table(&self.target, c.thread) != Some(c.tag_table)
-        {
+        if objects && c.age > TABLE_WINDOW && !self.still_published(c) {
             self.tags.expired += 1;
             return NONE.clone();
         }

@@ -54,7 +54,7 @@ pub(super) struct TagReader {
     last: rustc_hash::FxHashMap<u64, LastTable>,
     /// By Ruby thread: the table it publishes now, read once per batch of captured samples
     /// (spy/captured.rs), and how many captured tables were no longer published.
-    pub(super) published_now: rustc_hash::FxHashMap<u64, u64>,
+    pub(super) published_now: rustc_hash::FxHashMap<u64, (u64, Vec<u8>)>,
     pub(super) expired: u64,
 }
 
@@ -208,17 +208,30 @@ impl TagReader {
         self.thread_pointer_on(t, thread, nt)
     }
 
-    /// The table Ruby thread `thread` publishes now (0: none), read once per batch of
-    /// captured samples; None when it cannot be read.
-    pub(super) fn published_table<M: Memory>(&mut self, t: &Target<M>, thread: u64) -> Option<u64> {
-        if let Some(table) = self.published_now.get(&thread) {
-            return Some(*table);
+    /// The table Ruby thread `thread` publishes now (0: none) and its words (header and
+    /// slots), read once per batch of captured samples; None when it cannot be read.
+    pub(super) fn published_table<M: Memory>(
+        &mut self,
+        t: &Target<M>,
+        thread: u64,
+    ) -> Option<&(u64, Vec<u8>)> {
+        if !self.published_now.contains_key(&thread) {
+            let offset = self.offset?;
+            let tp = self.thread_pointer(t, thread)?;
+            let table = t.mem.read_u64(tp.wrapping_add_signed(offset)).ok()?;
+            let words = if table == 0 {
+                Vec::new()
+            } else {
+                let capacity = t
+                    .mem
+                    .read_u64(table.wrapping_add(8))
+                    .ok()?
+                    .min(MAX_CAPACITY);
+                t.mem.read_vec(table, 16 + 16 * capacity as usize).ok()?
+            };
+            self.published_now.insert(thread, (table, words));
         }
-        let offset = self.offset?;
-        let tp = self.thread_pointer(t, thread)?;
-        let table = t.mem.read_u64(tp.wrapping_add_signed(offset)).ok()?;
-        self.published_now.insert(thread, table);
-        Some(table)
+        self.published_now.get(&thread)
     }
 
     /// See [`Spy::thread_tags`]: everything read now, apart from any sample.

@@ -410,7 +410,8 @@ impl<M: Memory> Spy<M> {
         if let Some(s) = envs.on_stack(ep) {
             return Ok(s);
         }
-        if (envs.floor..envs.base).contains(&ep) {
+        // Slots that start below the copy, when it was cut short of the stack's start.
+        if envs.base != envs.floor && ep >= envs.floor && ep < envs.base.saturating_add(16) {
             // On this stack but below what was copied of it (a captured stack whose value
             // stack was cut): read now it would be another moment's, and cached as if on
             // the heap it would outlive its frame.
