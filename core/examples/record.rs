@@ -14,18 +14,9 @@
 //! `... --example record -- idle-timerfd [RATE] [SECONDS]`: the same, woken by a periodic timerfd
 //! whose timer the kernel re-arms in its interrupt: shows whether the cost of a wake-up depends
 //! on how the sleep is asked for (on the Firecracker VM this was measured on, it does not).
+use rbspy_ext_core::cost::thread_cpu_ns;
 use rbspy_ext_core::sampler::{RecordConfig, Recorder, Timer};
 use std::time::{Duration, Instant};
-
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec, which we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
 
 /// Wakes up at `rate` for `seconds` (the same jittered timer as the sampler), doing nothing.
 fn idle(rate: f64, seconds: f64) {
@@ -83,6 +74,7 @@ fn idle_timerfd(rate: f64, seconds: f64) {
 }
 
 /// Iterations per second of a loop that does nothing else, over `window`.
+#[cfg(feature = "bpf")]
 fn spin(window: Duration) -> f64 {
     let started = Instant::now();
     let mut n = 0u64;
@@ -94,6 +86,7 @@ fn spin(window: Duration) -> f64 {
     n as f64 / started.elapsed().as_secs_f64()
 }
 
+#[cfg(feature = "bpf")]
 /// What one CPU-clock tick running the sampler's program, returning at once, costs the code
 /// it interrupts: a loop pinned to CPU 0 runs windows without the program, with it (loaded
 /// for a pid no process has, on the same events as a recording), and without again; the
@@ -138,6 +131,7 @@ fn interrupt_cost(pid: i32, rate: f64, pairs: usize) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mode = args.get(1).map(String::as_str);
+    #[cfg(feature = "bpf")]
     if mode == Some("interrupt") {
         let pid: i32 = args[2]
             .parse()

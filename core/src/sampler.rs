@@ -1,6 +1,7 @@
 //! The recorder: a native thread that samples a process at a jittered rate and aggregates
 //! what it sees into a [`Profile`]. It never touches Ruby (it may run inside the process it
 //! profiles, whose threads keep running) and never sends signals.
+use crate::cost::thread_cpu_ns;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
 use crate::output::FunctionKey;
@@ -382,11 +383,7 @@ fn run<M: Memory>(
     progress: &Mutex<Progress>,
 ) -> Profile {
     let pid = spy.pid();
-    let mut agg = Aggregator::new(pid, spy.version(), config.rate_hz, unix_ns());
-    notes
-        .into_iter()
-        .chain(spy.warning().map(str::to_string))
-        .for_each(|n| agg.note(n));
+    let mut agg = new_aggregator(spy, &config, notes);
     let started = Instant::now();
     // A kept spy (`OWN_SPY`) counts its calls since it attached: this recording's are the rest.
     let calls_before = spy.memory().calls();
@@ -456,6 +453,20 @@ fn run<M: Memory>(
 
 /// Refreshes what a live display reads: the top functions, and with `live` the profile so
 /// far.
+/// A recording's aggregator, with the notes it starts with and the spy's warning.
+pub(crate) fn new_aggregator<M: Memory>(
+    spy: &Spy<M>,
+    config: &RecordConfig,
+    notes: Vec<String>,
+) -> Aggregator {
+    let mut agg = Aggregator::new(spy.pid(), spy.version(), config.rate_hz, unix_ns());
+    notes
+        .into_iter()
+        .chain(spy.warning().map(str::to_string))
+        .for_each(|n| agg.note(n));
+    agg
+}
+
 pub(crate) fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
     if let Ok(mut p) = progress.lock() {
         p.top = top_functions(agg.profile());
@@ -539,21 +550,6 @@ impl Children {
     /// Every child's `process_vm_readv` calls so far.
     fn calls(&self) -> u64 {
         self.ended_calls + self.spies.iter().map(|c| c.memory().calls()).sum::<u64>()
-    }
-}
-
-/// CPU time used by the calling thread so far.
-pub(crate) fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec, which we own.
-    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
-    if ok {
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-    } else {
-        0
     }
 }
 

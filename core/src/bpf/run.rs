@@ -3,10 +3,10 @@
 //! thread list every `REFRESH_EVERY`, and sooner when the program saw a thread it did not
 //! know.
 use super::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
-use crate::cost::KernelCost;
+use crate::cost::{clock_ns, thread_cpu_ns, KernelCost};
 use crate::memory::Memory;
 use crate::profile::{Aggregator, Profile, ThreadInfo};
-use crate::sampler::{refresh_live, thread_cpu_ns, unix_ns, Progress, RecordConfig};
+use crate::sampler::{new_aggregator, refresh_live, Progress, RecordConfig};
 use crate::spy::{Spy, TRUNCATED_LABEL};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -117,13 +117,8 @@ pub(crate) fn run<M: Memory>(
 
 impl Recording {
     fn new<M: Memory>(spy: &Spy<M>, config: &RecordConfig, notes: Vec<String>) -> Recording {
-        let mut agg = Aggregator::new(spy.pid(), spy.version(), config.rate_hz, unix_ns());
-        notes
-            .into_iter()
-            .chain(spy.warning().map(str::to_string))
-            .for_each(|n| agg.note(n));
         Recording {
-            agg,
+            agg: new_aggregator(spy, config, notes),
             threads: FxHashMap::default(),
             mono_start: monotonic_ns(),
             truncated: 0,
@@ -248,6 +243,8 @@ fn drain<M: Memory>(
     rec: &mut Recording,
 ) {
     spy.begin_captured_batch();
+    // Every record of a drain was taken before it began: their ages are counted from then.
+    let now = monotonic_ns();
     bpf.drain(|r: &Record| {
         if r.unknown {
             rec.unknown += 1;
@@ -269,7 +266,7 @@ fn drain<M: Memory>(
         }
         rec.tags_cut += u64::from(r.tags_cut);
         let mut captured = r.captured;
-        captured.age = Duration::from_nanos(monotonic_ns().saturating_sub(r.time_ns));
+        captured.age = Duration::from_nanos(now.saturating_sub(r.time_ns));
         match spy.resolve_captured(info, &captured) {
             Ok(None) => {}
             Ok(Some(t)) => {
@@ -299,11 +296,5 @@ fn note_exit(agg: &mut Aggregator, pid: i32, started: Instant) {
 
 /// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
 fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec, which we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    clock_ns(libc::CLOCK_MONOTONIC)
 }

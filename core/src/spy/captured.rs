@@ -122,10 +122,11 @@ impl<M: Memory> Spy<M> {
         // A value stack longer than the copy: the frames whose environments lie below it
         // are cut, like frames past the depth cap.
         let cut = c.values_from > vm_stack;
+        let whole = c.frames.len() - c.frames.len() % cfp_size;
         let usable = if cut {
             self.frames_with_values(c)
         } else {
-            c.frames.len() - c.frames.len() % cfp_size
+            whole
         };
         if usable == 0 {
             return Err("value stack deeper than the copy");
@@ -152,8 +153,7 @@ impl<M: Memory> Spy<M> {
                 return Err("captured stack did not resolve");
             }
         };
-        let (frames, token) = if c.truncated || usable < c.frames.len() - c.frames.len() % cfp_size
-        {
+        let (frames, token) = if c.truncated || usable < whole {
             let mut frames = stack.frames.to_vec();
             frames.push(truncated_frame());
             // Tokens are counted up from 1; the top bit names the cut variant of a stack.
