@@ -23,8 +23,8 @@ RSpec.describe "RubySpy version handling" do
     expect(handle.snapshot).to eq(RubySpy.snapshot(target.pid))
   end
 
-  [["1.9.3", /1\.9\.3.*known layouts: .*2\.7\.4/],
-   ["5.0.0", /5\.0\.0.*known layouts/],
+  [["1.9.3", /1\.9\.3.*supported: Ruby 2\.7\.0 to 4\.\d+\.\d+, and newer patch releases/],
+   ["5.0.0", /5\.0\.0.*supported: Ruby 2\.7\.0 to/],
    ["banana", /banana.*not a MAJOR\.MINOR\.PATCH version/],
    ["3.1", /not a MAJOR\.MINOR\.PATCH version/]].each do |version, message|
     it "raises UnsupportedVersion for force_version: #{version.inspect}, naming it" do

@@ -1,8 +1,10 @@
 /*
  * Prints one `Layout` (bindings/src/lib.rs) as Rust source, measured with offsetof/sizeof
  * against the real internal headers of one Ruby release. Built by script/generate-bindings
- * with -I pointing at a Ruby source tree (Debian source package) and its configured
- * config.h; LAYOUT_NAME names the layout.
+ * with -I pointing at a Ruby source tree (a Debian source package, or an upstream tree of
+ * ../shared/rubies with its generated headers made by the script) and its configured
+ * config.h; LAYOUT_NAME names the layout, OBJSPACE_FLAGS is measured by the script (see
+ * objspace_flags below).
  *
  * Why C and not hand-typed numbers: the compiler resolves every #if (USE_RVARGC,
  * SIZEOF_SERIAL_T, VM_DEBUG_BP_CHECK...) exactly as the Ruby build did.
@@ -20,6 +22,9 @@
 #include "ractor_core.h"
 #else
 #include "internal.h"
+#endif
+#if RV == 302
+#include "shape.h"
 #endif
 #include "symbol.h"
 #include <stddef.h>
@@ -39,6 +44,31 @@ struct probe_st_table_entry {
     st_data_t key;
     st_data_t record;
 };
+#if RV >= 400
+/* 4.0 moved rb_symbols_t from symbol.h into symbol.c (the symbol table became a concurrent
+ * set) and renamed `last_id` to `next_id`: one past the last serial, where last_id was the
+ * last serial itself. Copied, and checked against symbol.c by script/generate-bindings. */
+typedef struct {
+    rb_atomic_t next_id;
+    VALUE sym_set;
+
+    VALUE ids;
+} rb_symbols_t;
+#define SYMBOLS_LAST_ID next_id
+#if RV >= 401
+/* 4.1: symbol.c's entry of one ID in a chunk (checked against symbol.c by the script). */
+#include "darray.h"
+struct probe_sym_id_entry {
+    VALUE sym;
+    VALUE str;
+};
+#endif
+#else
+#define SYMBOLS_LAST_ID last_id
+#endif
+#ifndef OBJSPACE_FLAGS
+#error "OBJSPACE_FLAGS: the offset of flags in struct rb_objspace, measured by the script"
+#endif
 
 #define U(name, value) printf("    " #name ": %lu,\n", (unsigned long)(value))
 #define X(name, value) printf("    " #name ": 0x%lx,\n", (unsigned long)(value))
@@ -143,18 +173,15 @@ int main(void) {
     OFF(thread_gvl_wait_node, rb_thread_t, native_thread_data.node.gvl);
     SOMEOFF(thread_unblock_func, rb_thread_t, unblock.func);
 #endif
-    /* The GC's flags: rb_objspace is private to gc.c (gc/default/default.c in 3.4+). It
-     * starts with malloc_params (two size_t: MALLOC_ALLOCATED_SIZE is 0 in every Debian
-     * build), then, from 3.4, gc_config (one bool), then flags (unsigned ints: at 20 after the bool). */
+    /* The GC's flags: rb_objspace is private to gc.c (gc/default/default.c in 3.4+, which
+     * gc.c includes), so the script measures offsetof(rb_objspace_t, flags) by compiling
+     * gc.c itself, and checks there that `mode` and `during_gc` are its bits 0-1 and 5. */
 #if RV >= 304
     OFF(vm_objspace, rb_vm_t, gc.objspace);
-    printf("    // from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)\n");
-    U(objspace_flags, 20);
 #else
     OFF(vm_objspace, rb_vm_t, objspace);
-    printf("    // from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)\n");
-    U(objspace_flags, 16);
 #endif
+    U(objspace_flags, OBJSPACE_FLAGS);
     OFF(ec_vm_stack, rb_execution_context_t, vm_stack);
     OFF(ec_vm_stack_size, rb_execution_context_t, vm_stack_size);
     OFF(ec_cfp, rb_execution_context_t, cfp);
@@ -162,7 +189,13 @@ int main(void) {
     U(cfp_size, sizeof(rb_control_frame_t));
     OFF(cfp_pc, rb_control_frame_t, pc);
     OFF(cfp_sp, rb_control_frame_t, sp);
+#if RV >= 401
+    /* 4.1 renamed it: under ZJIT a frame whose `jit_return` is set keeps its iseq and pc in
+     * a JITFrame (zjit.h, CFP_ISEQ/CFP_PC) and `_iseq` may be stale. */
+    OFF(cfp_iseq, rb_control_frame_t, _iseq);
+#else
     OFF(cfp_iseq, rb_control_frame_t, iseq);
+#endif
     OFF(cfp_self, rb_control_frame_t, self);
     OFF(cfp_ep, rb_control_frame_t, ep);
     OFF(iseq_body, rb_iseq_t, body);
@@ -288,6 +321,18 @@ int main(void) {
     SOMEOFF(classext_classpath, rb_classext_t, classpath);
     BITS(classext_permanent_classpath, rb_classext_t, permanent_classpath, 1);
     SOMEOFF(classext_attached_object, rb_classext_t, as.singleton_class.attached_object);
+#elif RV == 302
+    /* USE_RVARGC: the class extension is embedded right after the RClass
+     * (RCLASS_EXT_EMBEDDED), with no iv_tbl: ivars are in iv_ptr, indexed by shape. */
+#if !RCLASS_EXT_EMBEDDED
+#error "3.2 without RCLASS_EXT_EMBEDDED (USE_RVARGC): RClass.ptr, not handled here"
+#endif
+    NONE(rclass_ext_ptr);
+    SOME(rclass_ext_inline, sizeof(struct RClass));
+    NONE(classext_iv_tbl);
+    NONE(classext_classpath);
+    NONE(classext_permanent_classpath);
+    NONE(classext_attached_object);
 #else
     SOMEOFF(rclass_ext_ptr, struct RClass, ptr);
     NONE(rclass_ext_inline);
@@ -296,19 +341,59 @@ int main(void) {
     NONE(classext_permanent_classpath);
     NONE(classext_attached_object);
 #endif
+#if RV == 302
+    SOMEOFF(classext_iv_ptr, rb_classext_t, iv_ptr);
+    SOMEOFF(vm_shape_list, rb_vm_t, shape_list);
+    SOMEOFF(vm_next_shape_id, rb_vm_t, next_shape_id);
+    U(shape_flag_shift, SHAPE_FLAG_SHIFT);
+    U(shape_size, sizeof(rb_shape_t));
+    OFF(shape_edge_name, rb_shape_t, edge_name);
+    OFF(shape_next_iv_index, rb_shape_t, next_iv_index);
+    OFF(shape_type, rb_shape_t, type);
+    OFF(shape_parent_id, rb_shape_t, parent_id);
+    U(shape_type_ivar, SHAPE_IVAR);
+    X(shape_invalid_id, INVALID_SHAPE_ID);
+#else
+    /* Only 3.2 finds class ivars through shapes (3.3 has classpath fields). */
+    NONE(classext_iv_ptr);
+    NONE(vm_shape_list);
+    NONE(vm_next_shape_id);
+    U(shape_flag_shift, 0);
+    U(shape_size, 0);
+    U(shape_edge_name, 0);
+    U(shape_next_iv_index, 0);
+    U(shape_type, 0);
+    U(shape_parent_id, 0);
+    U(shape_type_ivar, 0);
+    X(shape_invalid_id, 0);
+#endif
     OFF(st_table_entries_start, st_table, entries_start);
     OFF(st_table_entries_bound, st_table, entries_bound);
     OFF(st_table_entries, st_table, entries);
     U(st_table_entry_size, sizeof(struct probe_st_table_entry));
     OFF(st_table_entry_key, struct probe_st_table_entry, key);
     OFF(st_table_entry_record, struct probe_st_table_entry, record);
-    OFF(symbols_last_id, rb_symbols_t, last_id);
+#if RV >= 400
+    printf("    // from symbol.c: rb_symbols_t (private); 4.0+: `next_id`, one past the last serial\n");
+#endif
+    OFF(symbols_last_id, rb_symbols_t, SYMBOLS_LAST_ID);
     OFF(symbols_ids, rb_symbols_t, ids);
     U(symbols_size, sizeof(rb_symbols_t));
     U(id_scope_shift, RUBY_ID_SCOPE_SHIFT);
     U(last_op_id, tLAST_OP_ID);
     U(id_entry_unit, 512);
     U(id_entry_size, 2);
+#if RV >= 401
+    /* 4.1: each chunk of `ids` is a T_DATA wrapping an rb_darray of struct sym_id_entry
+     * {sym, str} (symbol.c), no longer an Array of ID_ENTRY_SIZE VALUEs per ID, str first. */
+    SOMEOFF(id_chunk_data, struct RTypedData, data);
+    U(id_chunk_header, sizeof(rb_darray_meta_t));
+    U(id_entry_str, offsetof(struct probe_sym_id_entry, str) / sizeof(VALUE));
+#else
+    NONE(id_chunk_data);
+    U(id_chunk_header, 0);
+    U(id_entry_str, 0); /* ID_ENTRY_STR */
+#endif
     printf("}\n");
     return 0;
 }

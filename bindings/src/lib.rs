@@ -193,10 +193,11 @@ pub struct Layout {
     pub rsymbol_fstr: usize,
 
     // Classes. Before 3.3 a class's name is its `__classpath__` instance variable and a
-    // singleton's object its `__attached__` one, both in the iv_tbl (an st_table) of the
-    // class extension, which `RClass.ptr` points to. From 3.3 the extension follows the
-    // RClass in the same slot and has `classpath`, `permanent_classpath` and
-    // `attached_object` fields.
+    // singleton's object its `__attached__` one: before 3.2 both in the iv_tbl (an
+    // st_table) of the class extension, which `RClass.ptr` points to; in 3.2 in an ivar
+    // array indexed through object shapes (see `classext_iv_ptr` below), the extension
+    // following the RClass in the same slot. From 3.3 the extension (after the RClass too)
+    // has `classpath`, `permanent_classpath` and `attached_object` fields.
     pub rclass_ext_ptr: Option<usize>,
     pub rclass_ext_inline: Option<usize>,
     pub classext_iv_tbl: Option<usize>,
@@ -204,6 +205,36 @@ pub struct Layout {
     /// (byte offset, bit mask) of the `permanent_classpath` bitfield.
     pub classext_permanent_classpath: Option<(usize, u8)>,
     pub classext_attached_object: Option<usize>,
+    // Ruby 3.2 only: object shapes. A class's instance variables (`__classpath__`,
+    // `__attached__` among them) are a flat VALUE array, `iv_ptr` of the class extension
+    // (which follows the RClass, `rclass_ext_inline`); which ivar sits at which index is
+    // kept by the class's shape, a node of a tree in `vm->shape_list`: walking from the
+    // class's shape to the root through `parent_id`, each SHAPE_IVAR node names one ivar
+    // (`edge_name`) at index `next_iv_index - 1`. 3.3 gave classes `classpath` and
+    // `attached_object` fields (above), so every other layout has None and zeros here.
+    /// Offset of `iv_ptr` (a `VALUE *`) in `rb_classext_t`.
+    pub classext_iv_ptr: Option<usize>,
+    /// Offset of `shape_list` (an `rb_shape_t *` array indexed by shape id) in `rb_vm_t`.
+    pub vm_shape_list: Option<usize>,
+    /// Offset of `next_shape_id` (a u32: one past the highest shape id) in `rb_vm_t`.
+    pub vm_next_shape_id: Option<usize>,
+    /// `SHAPE_FLAG_SHIFT`: an object's shape id is `RBasic.flags >> shape_flag_shift`
+    /// (32 bits wide).
+    pub shape_flag_shift: u32,
+    /// `sizeof(rb_shape_t)`, the stride of `shape_list`.
+    pub shape_size: usize,
+    /// `rb_shape_t.edge_name`: the ivar's ID (a SHAPE_IVAR shape).
+    pub shape_edge_name: usize,
+    /// `rb_shape_t.next_iv_index` (u32): ivars up to and including this shape's.
+    pub shape_next_iv_index: usize,
+    /// `rb_shape_t.type` (u8, enum shape_type).
+    pub shape_type: usize,
+    /// `rb_shape_t.parent_id` (u32).
+    pub shape_parent_id: usize,
+    /// `SHAPE_IVAR` of enum shape_type: a shape that adds one ivar.
+    pub shape_type_ivar: u64,
+    /// `INVALID_SHAPE_ID`, the root's parent.
+    pub shape_invalid_id: u64,
     pub st_table_entries_start: usize,
     pub st_table_entries_bound: usize,
     pub st_table_entries: usize,
@@ -219,6 +250,15 @@ pub struct Layout {
     pub last_op_id: u64,
     pub id_entry_unit: u64,
     pub id_entry_size: u64,
+    /// 4.1: each chunk of `ids` is a T_DATA (`RTypedData.data` at this offset) wrapping an
+    /// `rb_darray` of `struct sym_id_entry {sym, str}`; before, the chunk is an Array of
+    /// `id_entry_size` VALUEs per ID. None before 4.1.
+    pub id_chunk_data: Option<usize>,
+    /// 4.1: bytes of the darray's header (`rb_darray_meta_t`) before its entries; 0 before.
+    pub id_chunk_header: usize,
+    /// Which VALUE of an ID's entry is its name (a String): `ID_ENTRY_STR` (0) before 4.1,
+    /// `sym_id_entry.str` (1) in 4.1.
+    pub id_entry_str: u64,
 }
 
 impl Layout {
@@ -228,6 +268,21 @@ impl Layout {
     /// in vm_backtrace.c. Before 3.4 every clause has its own label and frame.
     pub fn labels_clauses_as_their_code(&self) -> bool {
         self.api_version >= 304
+    }
+
+    /// Backtraces show a method defined inside the VM in Ruby (an iseq whose path starts with
+    /// `<internal:`, such as `Kernel#loop` or, under YJIT, `Array#each`) the way they show a C
+    /// function: at its caller's path and line, replacing the C functions and internal methods
+    /// it called. Ruby 4.0's `is_internal_location` in vm_backtrace.c; 3.4 and older print
+    /// such frames at their own `<internal:...>` location.
+    pub fn locates_internal_frames_at_their_caller(&self) -> bool {
+        self.api_version >= 400
+    }
+
+    /// `symbols_last_id` is 4.0's `next_id`, one past the last ID serial, where before it was
+    /// `last_id`, the last serial itself.
+    pub fn symbols_count_next_id(&self) -> bool {
+        self.api_version >= 400
     }
 }
 
@@ -239,15 +294,23 @@ pub fn layout_for_version(version: &str) -> Option<&'static Layout> {
         .map(|(_, index)| &LAYOUTS[*index])
 }
 
-/// The layout of the newest known release of `major.minor`, for a patch release newer than
-/// the table (the caller warns). Layouts do not change within a minor series in practice.
-pub fn layout_for_minor(major: u32, minor: u32) -> Option<(&'static str, &'static Layout)> {
-    let prefix = format!("{major}.{minor}.");
-    VERSIONS
-        .iter()
-        .filter(|(v, _)| v.starts_with(&prefix))
-        .max_by_key(|(v, _)| v[prefix.len()..].parse::<u32>().unwrap_or(0))
-        .map(|(v, index)| (*v, &LAYOUTS[*index]))
+/// The oldest and the newest release in [`VERSIONS`], ordered by number (major, minor,
+/// patch: "3.2.10" is newer than "3.2.9"), e.g. for an error about an unsupported Ruby.
+pub fn supported_range() -> (&'static str, &'static str) {
+    numeric_range(VERSIONS.iter().map(|(v, _)| *v)).expect("VERSIONS is not empty")
+}
+
+/// The least and the greatest of `versions` by (major, minor, patch).
+fn numeric_range<'a>(
+    versions: impl Iterator<Item = &'a str> + Clone,
+) -> Option<(&'a str, &'a str)> {
+    fn key(version: &str) -> [u32; 3] {
+        let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+        [(); 3].map(|_| parts.next().unwrap_or(0))
+    }
+    let oldest = versions.clone().min_by_key(|v| key(v))?;
+    let newest = versions.max_by_key(|v| key(v))?;
+    Some((oldest, newest))
 }
 
 #[cfg(test)]
@@ -262,14 +325,48 @@ mod tests {
     }
 
     #[test]
-    fn ruby_3_1_2_is_known_and_minor_fallback_finds_it() {
+    fn ruby_3_1_2_is_known_and_1_8_7_is_not() {
         let layout = layout_for_version("3.1.2").expect("3.1.2 in the table");
         assert_eq!(layout.name, "3.1");
-        // The newest 3.1 (3.1.5+ moved `rb_vm_t.objspace`), which need not be 3.1.2's.
-        let (v, fallback) = layout_for_minor(3, 1).unwrap();
-        assert!(v.starts_with("3.1."));
-        assert_eq!(fallback.name, "3.1");
         assert!(layout_for_version("1.8.7").is_none());
+    }
+
+    #[test]
+    fn supported_range_orders_releases_by_number() {
+        let list = ["3.4.9", "3.4.12", "2.7.10", "2.7.8", "10.0.0", "4.1.0"];
+        assert_eq!(numeric_range(list.into_iter()), Some(("2.7.8", "10.0.0")));
+        assert_eq!(numeric_range(std::iter::empty()), None);
+
+        let (oldest, newest) = supported_range();
+        assert_eq!(oldest, "2.7.0");
+        assert_eq!(newest, "4.1.0");
+    }
+
+    #[test]
+    fn only_ruby_3_2_has_shape_fields() {
+        for l in LAYOUTS {
+            if l.api_version == 302 {
+                assert!(
+                    l.classext_iv_ptr.is_some() && l.vm_shape_list.is_some(),
+                    "{}",
+                    l.name
+                );
+                assert!(
+                    l.rclass_ext_inline.is_some() && l.shape_size > 0,
+                    "{}",
+                    l.name
+                );
+            } else {
+                assert_eq!(l.classext_iv_ptr, None, "{}", l.name);
+                assert_eq!(
+                    (l.vm_shape_list, l.vm_next_shape_id),
+                    (None, None),
+                    "{}",
+                    l.name
+                );
+                assert_eq!((l.shape_flag_shift, l.shape_size), (0, 0), "{}", l.name);
+            }
+        }
     }
 
     #[test]

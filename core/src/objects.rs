@@ -230,14 +230,14 @@ impl SymbolTable {
     /// `ids` shaped like a heap object), judged without reading anything. Used to find the
     /// table in a stripped libruby by scanning its writable data; `confirms` decides.
     pub fn candidate(l: &Layout, bytes: &[u8]) -> Option<(u64, u64)> {
-        let last_id = word32(bytes, l.symbols_last_id) as u64;
+        let last_id = last_serial(l, word32(bytes, l.symbols_last_id));
         let ids = word(bytes, l.symbols_ids);
         ((l.last_op_id..1 << 28).contains(&last_id) && is_heap_object(ids))
             .then_some((last_id, ids))
     }
 
     /// Whether `head` (`array_head_len` bytes read at a candidate's `ids`) is an Array with
-    /// exactly one chunk per `id_entry_unit` IDs up to `last_id`.
+    /// exactly one chunk per `id_entry_unit` IDs up to the serial `last_id`.
     pub fn confirms(l: &Layout, last_id: u64, head: &[u8]) -> bool {
         array_len(l, head) == Some(last_id / l.id_entry_unit + 1)
     }
@@ -254,17 +254,42 @@ impl SymbolTable {
         };
         let mut head = [0u8; 64];
         mem.read(self.addr, &mut head[..l.symbols_size])?;
-        let last_id = word32(&head, l.symbols_last_id) as u64;
+        let last_id = last_serial(l, word32(&head, l.symbols_last_id));
         if serial == 0 || serial > last_id {
             return Err(ObjectError::Shape("ID", id));
         }
         let ids = word(&head, l.symbols_ids);
         let chunk = read_array_entry(mem, l, ids, serial / l.id_entry_unit)?;
-        let str_value =
-            read_array_entry(mem, l, chunk, (serial % l.id_entry_unit) * l.id_entry_size)?;
+        let entry = (serial % l.id_entry_unit) * l.id_entry_size + l.id_entry_str;
+        let str_value = match l.id_chunk_data {
+            None => read_array_entry(mem, l, chunk, entry)?,
+            Some(data_at) => {
+                // 4.1: a T_DATA over an rb_darray {size, capa, entries...} of this chunk's IDs.
+                if !is_heap_object(chunk) {
+                    return Err(ObjectError::Shape("ID chunk", chunk));
+                }
+                let darray = mem.read_u64(field(chunk, data_at))?;
+                let size = mem.read_u64(darray)?;
+                if serial % l.id_entry_unit >= size.min(l.id_entry_unit) {
+                    return Err(ObjectError::Shape("ID chunk index", chunk));
+                }
+                let at = darray.wrapping_add(l.id_chunk_header as u64);
+                mem.read_u64(at.wrapping_add(entry.wrapping_mul(8)))?
+            }
+        };
         let name: Arc<str> = read_string(mem, l, str_value)?.into();
         self.names.insert(id, name.clone());
         Ok(name)
+    }
+}
+
+/// The last ID serial in use, from the symbol table's counter (4.0 counts the next one).
+fn last_serial(l: &Layout, counter: u32) -> u64 {
+    let counter = u64::from(counter);
+    if l.symbols_count_next_id() {
+        counter.saturating_sub(1)
+    } else {
+        counter
     }
 }
 
@@ -276,9 +301,20 @@ pub struct ClassNames {
     prefixes: FxHashMap<u64, Option<Arc<str>>>,
     /// class VALUE → its permanent name (`class_name`).
     names: FxHashMap<u64, Option<Arc<str>>>,
+    /// The target's `rb_vm_t`, which holds Ruby 3.2's shape tree (0 when unknown: class
+    /// names then resolve on the other Rubies only).
+    vm: u64,
 }
 
 impl ClassNames {
+    /// Names for the classes of the target whose VM is at `vm`.
+    pub fn for_vm(vm: u64) -> Self {
+        ClassNames {
+            vm,
+            ..Default::default()
+        }
+    }
+
     pub fn qualify<M: Memory>(
         &mut self,
         mem: &M,
@@ -289,8 +325,9 @@ impl ClassNames {
     ) -> String {
         // A class we cannot name (anonymous, or memory that does not read) gets the bare
         // method name, which is also what Ruby prints for anonymous owners.
+        let vm = self.vm;
         let prefix = self.prefixes.entry(owner).or_insert_with(|| {
-            method_prefix(mem, l, symbols, owner)
+            method_prefix(mem, l, symbols, vm, owner)
                 .ok()
                 .flatten()
                 .map(Arc::from)
@@ -311,10 +348,11 @@ impl ClassNames {
         symbols: &mut SymbolTable,
         class: u64,
     ) -> Option<Arc<str>> {
+        let vm = self.vm;
         self.names
             .entry(class)
             .or_insert_with(|| {
-                permanent_name(mem, l, symbols, class)
+                permanent_name(mem, l, symbols, vm, class)
                     .ok()
                     .flatten()
                     .map(Arc::from)
@@ -329,6 +367,7 @@ fn method_prefix<M: Memory>(
     mem: &M,
     l: &Layout,
     symbols: &mut SymbolTable,
+    vm: u64,
     owner: u64,
 ) -> ObjResult<Option<String>> {
     let flags = class_flags(mem, l, owner)?;
@@ -336,7 +375,7 @@ fn method_prefix<M: Memory>(
     if flags & l.fl_singleton != 0 {
         let attached = match l.classext_attached_object {
             Some(offset) => Some(mem.read_u64(field(class_ext(mem, l, owner)?, offset))?),
-            None => ivar(mem, l, symbols, owner, "__attached__")?,
+            None => ivar(mem, l, symbols, vm, owner, "__attached__")?,
         };
         let Some(attached) = attached else {
             return Ok(None);
@@ -344,9 +383,9 @@ fn method_prefix<M: Memory>(
         if class_flags(mem, l, attached)?.is_none() {
             return Ok(None);
         }
-        Ok(permanent_name(mem, l, symbols, attached)?.map(|n| format!("{n}.")))
+        Ok(permanent_name(mem, l, symbols, vm, attached)?.map(|n| format!("{n}.")))
     } else {
-        Ok(permanent_name(mem, l, symbols, owner)?.map(|n| format!("{n}#")))
+        Ok(permanent_name(mem, l, symbols, vm, owner)?.map(|n| format!("{n}#")))
     }
 }
 
@@ -376,6 +415,7 @@ fn permanent_name<M: Memory>(
     mem: &M,
     l: &Layout,
     symbols: &mut SymbolTable,
+    vm: u64,
     class: u64,
 ) -> ObjResult<Option<String>> {
     let path = match (l.classext_classpath, l.classext_permanent_classpath) {
@@ -388,7 +428,7 @@ fn permanent_name<M: Memory>(
             }
             Some(mem.read_u64(field(ext, offset))?)
         }
-        _ => ivar(mem, l, symbols, class, "__classpath__")?,
+        _ => ivar(mem, l, symbols, vm, class, "__classpath__")?,
     };
     match path {
         Some(path) if is_heap_object(path) => Ok(Some(read_string(mem, l, path)?)),
@@ -396,14 +436,19 @@ fn permanent_name<M: Memory>(
     }
 }
 
-/// Looks up a hidden instance variable of a class in its iv_tbl (an st_table keyed by ID).
+/// Looks up a hidden instance variable of a class: in its iv_tbl (an st_table keyed by ID)
+/// before 3.2, through its object shape in 3.2.
 fn ivar<M: Memory>(
     mem: &M,
     l: &Layout,
     symbols: &mut SymbolTable,
+    vm: u64,
     class: u64,
     name: &str,
 ) -> ObjResult<Option<u64>> {
+    if l.vm_shape_list.is_some() {
+        return shape_ivar(mem, l, symbols, vm, class, name);
+    }
     let Some(iv_tbl) = l.classext_iv_tbl else {
         return Ok(None);
     };
@@ -437,6 +482,67 @@ fn ivar<M: Memory>(
         }
     }
     Ok(None)
+}
+
+/// Ruby 3.2: a class's ivar through its shape (shape.c, `rb_shape_get_iv_index`). The shape
+/// id is in the class's flags; from that shape towards the root, the SHAPE_IVAR shape whose
+/// edge is `name` holds the ivar at index `next_iv_index - 1` of the class's `iv_ptr`. Every
+/// step must go to a smaller id (a parent is made before its children), so a walk over
+/// garbage ends after at most as many steps as the shape id.
+fn shape_ivar<M: Memory>(
+    mem: &M,
+    l: &Layout,
+    symbols: &mut SymbolTable,
+    vm: u64,
+    class: u64,
+    name: &str,
+) -> ObjResult<Option<u64>> {
+    let (Some(list_at), Some(next_at), Some(iv_ptr_at)) =
+        (l.vm_shape_list, l.vm_next_shape_id, l.classext_iv_ptr)
+    else {
+        return Ok(None);
+    };
+    if vm == 0 {
+        return Ok(None);
+    }
+    let list = mem.read_u64(field(vm, list_at))?;
+    let mut next = [0u8; 4];
+    mem.read(field(vm, next_at), &mut next)?;
+    let next = u64::from(u32::from_le_bytes(next));
+    let flags = mem.read_u64(field(class, l.rbasic_flags))?;
+    let start = (flags >> l.shape_flag_shift) & 0xffff_ffff;
+    if start >= next {
+        return Err(ObjectError::Shape("shape id", class));
+    }
+    let mut shape = vec![0u8; l.shape_size];
+    let mut id = start;
+    let mut ivars = None;
+    for _ in 0..MAX_IVARS * 4 {
+        let at = list.wrapping_add(id.wrapping_mul(l.shape_size as u64));
+        mem.read(at, &mut shape)?;
+        let parent = u64::from(word32(&shape, l.shape_parent_id));
+        let next_iv = u64::from(word32(&shape, l.shape_next_iv_index));
+        // The start shape's count bounds every index found below it.
+        let count = *ivars.get_or_insert(next_iv);
+        if parent == l.shape_invalid_id {
+            return Ok(None); // the root: no such ivar
+        }
+        if u64::from(shape[l.shape_type]) == l.shape_type_ivar {
+            let edge = word(&shape, l.shape_edge_name);
+            if symbols.name(mem, l, edge).is_ok_and(|n| &*n == name) {
+                if next_iv == 0 || next_iv > count {
+                    return Err(ObjectError::Shape("shape ivar index", class));
+                }
+                let values = mem.read_u64(field(class_ext(mem, l, class)?, iv_ptr_at))?;
+                return Ok(Some(mem.read_u64(values.wrapping_add((next_iv - 1) * 8))?));
+            }
+        }
+        if parent >= id {
+            return Err(ObjectError::Shape("shape tree", class));
+        }
+        id = parent;
+    }
+    Err(ObjectError::Shape("shape tree too deep", class))
 }
 
 #[cfg(test)]

@@ -166,7 +166,7 @@ pub struct RubyBinary {
     pub path: String,
     /// Added to an ELF virtual address to get the address in the target.
     pub bias: u64,
-    /// `.dynsym` entries the spy may use: (name, address in the target, size).
+    /// Symbols the spy may use, from `.dynsym` or `.symtab`: (name, address in the target, size).
     pub symbols: Vec<(String, u64, u64)>,
     /// Writable PT_LOAD segments in the target: (start, end).
     pub writable: Vec<(u64, u64)>,
@@ -182,7 +182,7 @@ impl RubyBinary {
     }
 }
 
-/// Symbols worth keeping from .dynsym (the ELF is parsed once at attach).
+/// Symbols worth keeping (the ELF is parsed once at attach).
 const WANTED: &[&str] = &[
     "ruby_version",
     "ruby_current_vm_ptr",
@@ -253,17 +253,26 @@ fn read_binary(pid: i32, maps: &[Mapping], path: &str, wanted: &[&str]) -> Resul
         .min()
         .unwrap_or(0);
     let bias = base_mapping.start.wrapping_sub(first_load);
-    let symbols: Vec<(String, u64, u64)> = elf
-        .dynsyms
-        .iter()
-        .filter(|s| s.st_value != 0)
-        .filter_map(|s| {
-            let name = elf.dynstrtab.get_at(s.st_name)?;
-            wanted
-                .contains(&name)
-                .then(|| (name.to_string(), bias.wrapping_add(s.st_value), s.st_size))
-        })
-        .collect();
+    // `.dynsym` first; then `.symtab` where the file still has one. A statically linked ruby
+    // (rbenv's and ruby-build's default) exports `ruby_version` but keeps
+    // `ruby_current_vm_ptr` and `ruby_global_symbols` hidden: only its `.symtab` has them.
+    let from = |syms: &goblin::elf::Symtab, strtab: &goblin::strtab::Strtab| {
+        syms.iter()
+            .filter(|s| s.st_value != 0)
+            .filter_map(|s| {
+                let name = strtab.get_at(s.st_name)?;
+                wanted
+                    .contains(&name)
+                    .then(|| (name.to_string(), bias.wrapping_add(s.st_value), s.st_size))
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut symbols: Vec<(String, u64, u64)> = from(&elf.dynsyms, &elf.dynstrtab);
+    for sym in from(&elf.syms, &elf.strtab) {
+        if !symbols.iter().any(|(n, _, _)| *n == sym.0) {
+            symbols.push(sym);
+        }
+    }
     let writable = elf
         .program_headers
         .iter()
@@ -306,6 +315,20 @@ pub fn find_ruby_binary(pid: i32, maps: &[Mapping]) -> Result<RubyBinary> {
         });
     }
     Ok(binary)
+}
+
+/// The address in the target of glibc's `_thread_db_pthread_tid`: libthread_db's descriptor
+/// of `struct pthread`'s `tid` field (three u32: bits, count, byte offset). glibc exports it
+/// from libc.so.6 since 2.34 (from libpthread's symbol table before, which Debian strips).
+/// Ruby before 3.1 keeps no native thread id, only the `pthread_t`, which on glibc is the
+/// address of that `struct pthread`.
+pub fn find_pthread_tid_descriptor(pid: i32, maps: &[Mapping]) -> Option<u64> {
+    const NAME: &str = "_thread_db_pthread_tid";
+    let libc = maps.iter().map(|m| m.path.as_str()).find(|p| {
+        let file = p.rsplit('/').next().unwrap_or(p);
+        file.starts_with("libc.so") || file.starts_with("libc-")
+    })?;
+    read_binary(pid, maps, libc, &[NAME]).ok()?.symbol(NAME)
 }
 
 /// Where an rbspy_ext extension the target has loaded (any mapped `rbspy_ext.so`) publishes

@@ -13,14 +13,10 @@ module RubySpyTest
     end
 
     # The label RubySpy gives an instance method +name+ of class +klass+ in a profile of a
-    # process running Ruby +version+. RubySpy qualifies labels itself on Ruby < 3.4 and
-    # Ruby >= 3.4 does it natively, so "Klass#name" on every version except 3.2.
-    def method_label_pattern(klass, name, version)
-      if version.to_s.start_with?("3.2.")
-        /(?:\b#{Regexp.escape(klass)}#)?#{Regexp.escape(name)}\b/
-      else
-        /\b#{Regexp.escape("#{klass}##{name}")}\b/
-      end
+    # process running Ruby +version+: "Klass#name" on every version (RubySpy qualifies labels
+    # itself before 3.4, 3.2's class names behind object shapes included).
+    def method_label_pattern(klass, name, _version)
+      /\b#{Regexp.escape("#{klass}##{name}")}\b/
     end
 
     # Folded stacks text -> [[stack, count], ...]; raises on a line that does not parse.

@@ -31,23 +31,29 @@ module RubySpyTest
     ["process #{pid} is gone"]
   end
 
-  # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside picks a
-  # Ruby built by script/rubies (NAME as in `script/rubies list`): `inside` runs it in its
-  # chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
-  # reader), `outside` runs the same binary on the host through the chroot's loader. Unset:
-  # the Ruby running the specs.
+  # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside[:JIT] picks a
+  # Ruby from script/rubies (NAME as in `script/rubies list`): `inside` runs a Debian Ruby in
+  # its chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
+  # reader), `outside` runs the same binary on the host through the chroot's loader, or an
+  # upstream Ruby as itself. JIT (yjit or zjit) turns that JIT on in every target (--yjit,
+  # --zjit). Unset: the Ruby running the specs.
   class TargetRuby
-    attr_reader :name, :mode, :root
+    JITS = %w[yjit zjit].freeze
+
+    attr_reader :name, :mode, :root, :jit
 
     def self.current
       @current ||= new(ENV["RUBYSPY_TARGET_RUBY"])
     end
 
     def initialize(spec)
-      @name, @mode = spec.to_s.split(":", 2) if spec && !spec.empty?
+      @name, @mode, @jit = spec.to_s.split(":", 3) if spec && !spec.empty?
       return unless @name
 
-      raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside" unless %w[inside outside].include?(@mode)
+      unless %w[inside outside].include?(@mode) && (@jit.nil? || JITS.include?(@jit))
+        raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside, " \
+                             "optionally followed by :#{JITS.join(' or :')}"
+      end
 
       line = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines
                .map(&:split).find { |fields| fields[0] == @name }
@@ -55,7 +61,20 @@ module RubySpyTest
 
       @root = line[2]
       @version = line[1]
+      @upstream = line[4] == "upstream"
+      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if @upstream && inside?
+
       sync_fixtures if inside?
+    end
+
+    # An upstream build (../shared/rubies), as opposed to a Debian one.
+    def upstream?
+      @upstream == true
+    end
+
+    # Whether the VM is in the executable rather than in libruby.so.
+    def static?
+      upstream? && Dir[File.join(@root, "lib", "libruby.so*")].empty?
     end
 
     # The target Ruby's version, as a Gem::Version.
@@ -78,14 +97,17 @@ module RubySpyTest
     end
 
     def to_s
-      host? ? "host Ruby #{RUBY_VERSION}" : "#{@name} (#{@mode})"
+      return "host Ruby #{RUBY_VERSION}" if host?
+
+      "#{@name} (#{[@mode, @jit].compact.join(', ')})"
     end
 
     # The command that runs `args` from the repository root.
     def command(*args)
       return [RbConfig.ruby, *args] if host?
 
-      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, "--", *args]
+      flags = @jit ? ["--#{@jit}"] : []
+      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, "--", *flags, *args]
     end
 
     # Where a path the target uses lives for the specs (inside a chroot: under its root).

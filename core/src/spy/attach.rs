@@ -3,12 +3,13 @@
 use super::*;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{Memory, ProcessMemory};
-use crate::objects::SymbolTable;
+use crate::objects::{ClassNames, SymbolTable};
 use crate::process::{
-    find_ruby_binary, heap_ranges, read_maps, Identity, Mapping, Replaced, RubyBinary,
+    find_pthread_tid_descriptor, find_ruby_binary, heap_ranges, read_maps, Identity, Mapping,
+    Replaced, RubyBinary,
 };
 use crate::vm::{check_vm, find_vm, VmRoots};
-use rbspy_ext_bindings::{layout_for_minor, layout_for_version, Layout};
+use rbspy_ext_bindings::{layout_for_version, Layout};
 
 /// What attaching to a process found, fixed for the spy's life: the process, its memory, the
 /// layout of its Ruby, and the VM's roots.
@@ -32,6 +33,9 @@ pub(super) struct Target<M: Memory> {
     pub(super) identity: Option<(Identity, std::time::Instant)>,
     /// Address of the list of every Ruby thread.
     pub(super) thread_list_head: u64,
+    /// Where glibc keeps a thread's tid in its `struct pthread`, for Rubies that record no
+    /// native thread id (before 3.1): see `pthread_tid_offset`.
+    pub(super) pthread_tid: Option<u64>,
 }
 
 impl Spy<ProcessMemory> {
@@ -63,8 +67,24 @@ impl Spy<ProcessMemory> {
             .force_version
             .clone()
             .unwrap_or_else(|| found.clone());
-        let (layout, warning) = resolve_layout(pid, &wanted)?;
-        let roots = find_roots(pid, &mem, layout, &binary, &maps, config, &found)?;
+        // The first candidate layout whose VM validates; an unknown patch release may have
+        // any of its minor series' layouts (4.0.6 moved fields that 4.0.5 had).
+        let mut first_error = None;
+        let mut chosen = None;
+        for (layout, warning) in resolve_layout(pid, &wanted)? {
+            match find_roots(pid, &mem, layout, &binary, &maps, config, &found) {
+                Ok(roots) => {
+                    chosen = Some((layout, warning, roots));
+                    break;
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let Some((layout, warning, roots)) = chosen else {
+            return Err(first_error.expect("resolve_layout gives at least one layout"));
+        };
         let mut spy = Spy::with_memory(
             pid,
             mem,
@@ -77,8 +97,47 @@ impl Spy<ProcessMemory> {
         spy.target.identity = identity.map(|i| (i, std::time::Instant::now()));
         spy.target.writable = binary.writable.clone();
         spy.target.heap = heap_ranges(&maps);
+        spy.target.pthread_tid = pthread_tid_offset(pid, &spy.target.mem, layout, &maps, &roots);
         Ok(spy)
     }
+}
+
+/// glibc's offset of `tid` in `struct pthread` on x86_64 since 2.x; used where libc does not
+/// export its libthread_db descriptor (glibc before 2.34).
+const GLIBC_PTHREAD_TID: u64 = 0x2d0;
+
+/// For a Ruby that keeps only each thread's `pthread_t` (2.7, 3.0), where glibc keeps the
+/// thread's tid in it. Trusted only when the main thread's reads back as the process id, so
+/// another libc (musl) or a target in a PID namespace of its own gives None (tid 0, as
+/// before) rather than a wrong id.
+fn pthread_tid_offset<M: Memory>(
+    pid: i32,
+    mem: &M,
+    l: &Layout,
+    maps: &[Mapping],
+    roots: &VmRoots,
+) -> Option<u64> {
+    let pthread = l
+        .thread_pthread
+        .filter(|_| l.thread_tid.is_none() && l.thread_nt.is_none())?;
+    let offset = match find_pthread_tid_descriptor(pid, maps) {
+        Some(addr) => {
+            let mut d = [0u8; 12];
+            mem.read(addr, &mut d).ok()?;
+            let (bits, count) = (crate::objects::word32(&d, 0), crate::objects::word32(&d, 4));
+            if bits != 32 || count != 1 {
+                return None;
+            }
+            u64::from(crate::objects::word32(&d, 8))
+        }
+        None => GLIBC_PTHREAD_TID,
+    };
+    let main = mem
+        .read_u64(crate::memory::field(roots.main_thread, pthread))
+        .ok()?;
+    let mut tid = [0u8; 4];
+    mem.read(main.wrapping_add(offset), &mut tid).ok()?;
+    (i32::from_le_bytes(tid) == pid).then_some(offset)
 }
 
 /// The VM and what hangs off it: through `ruby_current_vm_ptr` when libruby exports it, else
@@ -112,8 +171,11 @@ fn find_roots(
             })
         }
         None => {
-            // Stripped of the symbol (Debian's 3.3 and 3.4): scan libruby's data.
-            let heap = heap_ranges(maps);
+            // Stripped of the symbol (Debian's 3.3 and 3.4, a stripped static ruby): scan
+            // libruby's data. 4.1 allocates the VM, the main ractor and the main thread
+            // statically, in that data itself, rather than on the heap.
+            let mut heap = heap_ranges(maps);
+            heap.extend_from_slice(&binary.writable);
             let (vm, examined) = find_vm(mem, layout, &binary.writable, &heap);
             vm.ok_or_else(|| Error::NotRuby {
                 pid,
@@ -161,48 +223,70 @@ pub(super) fn memory_error(pid: i32, context: &'static str, e: MemoryError) -> E
     }
 }
 
-/// The layout for a version string, falling back to the newest known release of the same
-/// minor series (with a warning).
-pub(super) fn resolve_layout(pid: i32, version: &str) -> Result<(&'static Layout, Option<String>)> {
+/// The layouts to try for a version string: its own, or for an unknown patch release of a
+/// known minor series each distinct layout of that series, newest first (with a warning
+/// naming the release whose layout it is).
+pub(super) fn resolve_layout(
+    pid: i32,
+    version: &str,
+) -> Result<Vec<(&'static Layout, Option<String>)>> {
+    let not_a_version = || Error::UnsupportedVersion {
+        pid,
+        version: version.to_string(),
+        detail: "not a MAJOR.MINOR.PATCH version".into(),
+    };
     let parts: Vec<u32> = version
         .split('.')
         .map(|p| p.parse::<u32>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::UnsupportedVersion {
-            pid,
-            version: version.to_string(),
-            detail: "not a MAJOR.MINOR.PATCH version".into(),
-        })?;
+        .map_err(|_| not_a_version())?;
     if parts.len() != 3 {
+        return Err(not_a_version());
+    }
+    if let Some(layout) = layout_for_version(version) {
+        return Ok(vec![(layout, None)]);
+    }
+    let series = layouts_of_minor(parts[0], parts[1]);
+    if series.is_empty() {
+        let (oldest, newest) = rbspy_ext_bindings::supported_range();
         return Err(Error::UnsupportedVersion {
             pid,
             version: version.to_string(),
-            detail: "not a MAJOR.MINOR.PATCH version".into(),
+            detail: format!(
+                "supported: Ruby {oldest} to {newest}, and newer patch releases of those minor \
+                 series"
+            ),
         });
     }
-    if let Some(layout) = layout_for_version(version) {
-        return Ok((layout, None));
-    }
-    match layout_for_minor(parts[0], parts[1]) {
-        Some((known, layout)) => Ok((
-            layout,
-            Some(format!(
+    Ok(series
+        .into_iter()
+        .map(|(known, layout)| {
+            let warning = format!(
                 "Ruby {version} is newer than the layout table; using the layout of {known}"
-            )),
-        )),
-        None => Err(Error::UnsupportedVersion {
-            pid,
-            version: version.to_string(),
-            detail: format!(
-                "known layouts: {}",
-                rbspy_ext_bindings::VERSIONS
-                    .iter()
-                    .map(|(v, _)| *v)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }),
+            );
+            (layout, Some(warning))
+        })
+        .collect())
+}
+
+/// Each distinct layout of the releases `major.minor.*` in the table, with the newest
+/// release that has it, newest first.
+fn layouts_of_minor(major: u32, minor: u32) -> Vec<(&'static str, &'static Layout)> {
+    let prefix = format!("{major}.{minor}.");
+    let mut releases: Vec<(u32, &'static str, usize)> = rbspy_ext_bindings::VERSIONS
+        .iter()
+        .filter_map(|(v, index)| Some((v.strip_prefix(&prefix)?.parse().ok()?, *v, *index)))
+        .collect();
+    releases.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+    let mut out: Vec<(&'static str, &'static Layout)> = Vec::new();
+    let mut seen = Vec::new();
+    for (_, v, index) in releases {
+        if !seen.contains(&index) {
+            seen.push(index);
+            out.push((v, &rbspy_ext_bindings::LAYOUTS[index]));
+        }
     }
+    out
 }
 
 impl<M: Memory> Spy<M> {
@@ -230,9 +314,11 @@ impl<M: Memory> Spy<M> {
                 heap: Vec::new(),
                 identity: None,
                 thread_list_head: roots.thread_list,
+                pthread_tid: None,
             },
             cache: frames::Cache {
                 symbols: symbols.map(SymbolTable::new),
+                classes: ClassNames::for_vm(roots.vm),
                 ..Default::default()
             },
             walk: Default::default(),

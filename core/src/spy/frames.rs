@@ -365,6 +365,7 @@ impl<M: Memory> Spy<M> {
         // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
         // then leaves out (vm_backtrace.c, skip_next_frame).
         let merges_clauses = l.labels_clauses_as_their_code();
+        let hides_internal = l.locates_internal_frames_at_their_caller();
         let mut skip_next = false;
         for Wanted {
             index,
@@ -409,7 +410,26 @@ impl<M: Memory> Spy<M> {
                     "method frame without a method entry".into(),
                 ));
             }
-            let frame = self.iseq_frame(f, owner)?;
+            let is_method = info.is_method;
+            let mut frame = self.iseq_frame(f, owner)?;
+            if hides_internal && frame.path.starts_with(INTERNAL_PATH) {
+                // Ruby 4.0 shows a method written in Ruby inside the VM like a C function
+                // (vm_backtrace.c, is_internal_location): at its caller's location, and
+                // without the C functions and internal methods it called, which it replaces.
+                if let Some(&first) = pending_cfuncs.first() {
+                    out.truncate(first);
+                    pending_cfuncs.clear();
+                }
+                if !is_method {
+                    // A block of such a method is labelled as the method itself.
+                    if let Some((_, method)) = frame.label.rsplit_once(" in ") {
+                        frame.label = Arc::from(method);
+                    }
+                }
+                pending_cfuncs.push(out.len());
+                out.push(frame);
+                continue;
+            }
             // A C function reports the location of the Ruby frame that called it.
             for idx in pending_cfuncs.drain(..) {
                 out[idx].path = frame.path.clone();
@@ -588,6 +608,10 @@ impl<M: Memory> Spy<M> {
         })
     }
 }
+
+/// How the path of an iseq defined inside the VM (`<internal:kernel>`, `<internal:array>`,
+/// RubyGems' `<internal:.../kernel_require.rb>`) begins.
+const INTERNAL_PATH: &str = "<internal:";
 
 /// The imemo type of an object whose flags are given, if it is a T_IMEMO.
 pub(super) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {

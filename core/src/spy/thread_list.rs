@@ -55,7 +55,18 @@ impl<M: Memory> Spy<M> {
                 let nt = self.target.mem.read_u64(field(thread, nt)).unwrap_or(0);
                 is_heap_object(nt).then_some(field(nt, off))
             }
-            _ => None,
+            _ => match (l.thread_pthread, self.target.pthread_tid) {
+                // 2.7 and 3.0: the tid glibc keeps in the thread's `struct pthread`.
+                (Some(pthread), Some(off)) => {
+                    let p = self
+                        .target
+                        .mem
+                        .read_u64(field(thread, pthread))
+                        .unwrap_or(0);
+                    is_heap_object(p).then_some(p.wrapping_add(off))
+                }
+                _ => None,
+            },
         };
         let tid = tid_addr
             .and_then(|a| {

@@ -1,7 +1,7 @@
 //! Prints Ruby VM layouts (`struct Layout` of bindings/src/lib.rs) measured on the bindgen
-//! output of the rbspy-ruby-structs crate, for releases that have no Debian source package
-//! to run bindings/generator/layout_probe.c against (3.0, 3.2, 4.0). The text is the
-//! probe's, field for field, so it can go where the probe's output goes.
+//! output of the rbspy-ruby-structs crate, for releases whose source script/generate-bindings
+//! does not have to run bindings/generator/layout_probe.c against (most patch releases).
+//! The text is the probe's, field for field, so it can go where the probe's output goes.
 //!
 //!   cargo run --release -- 3.0.7 3.2.9 4.0.9     # one `Layout { ... }` per release
 //!   cargo run --release -- --check 3.1.2         # compare with bindings/src/generated.rs

@@ -55,12 +55,18 @@ macro_rules! since {
 // ---------------------------------------------------------------------------------------
 // Copies of definitions that rbspy-ruby-structs does not have. The probe copies the first
 // two as well (they have no header); the others the probe reads from headers the crate
-// lacks. All were checked against the 2.7.4, 3.1.2, 3.3.8 and 3.4.5 sources
-// (/tmp/rbcache/ruby-src), where they are identical unless said otherwise.
+// lacks. All were checked against the 2.7.4, 3.1.2, 3.3.8 and 3.4.5 sources (Debian's) and
+// the upstream 3.0.3, 3.2.11, 4.0.2 ones (../shared/rubies), which script/generate-bindings
+// measures with the probe, where they are identical unless said otherwise.
 
 /// gc.c, gc/default/default.c: where `flags` sits in the private `struct rb_objspace`.
-const FROM_GC_C: &str = "from gc.c: struct rb_objspace (private; same in 2.7.4-3.3.8)";
-const FROM_GC_DEFAULT_C: &str = "from gc/default/default.c: struct rb_objspace (private; same in 3.4.5)";
+/// The probe's value is measured by compiling gc.c; these are those measurements.
+const FROM_GC_C: &str = "from gc.c: struct rb_objspace (private; 16 in 2.7.4-3.3.8)";
+const FROM_GC_DEFAULT_C: &str =
+    "from gc/default/default.c: struct rb_objspace (private; 20 in 3.4.5)";
+/// 4.0 put `malloc_counters` (increase, oldmalloc_increase) before malloc_params.
+const FROM_GC_DEFAULT_C_4_0: &str =
+    "from gc/default/default.c: struct rb_objspace (private; 28 in 4.0.2: malloc_counters first)";
 
 /// iseq.c: `IMMEDIATE_TABLE_SIZE` of the succinct bit vector behind `succ_index_table`.
 const IMMEDIATE_TABLE_SIZE: u64 = 54;
@@ -92,6 +98,11 @@ const VM_ENV_FLAG_LOCAL: u64 = 0x0002;
 const FROM_VM_CORE_H: &str =
     "from vm_core.h: VM_FRAME_MAGIC_*, VM_ENV_FLAG_LOCAL (not emitted; same in 2.7.4-3.4.5)";
 
+const FROM_VM_CORE_H_JMPBUF: &str =
+    "from vm_core.h: rb_thread_t.name less the crate's extra root_jmpbuf bytes: rb_jmpbuf_t\n\
+     is void *[5] without RUBY_JMP_BUF, as in x86_64-linux config.h (Debian 2.7.4, upstream\n\
+     3.0.3); the crate's is a sigjmp_buf";
+
 /// symbol.h, 2.7 to 3.4: `rb_symbols_t`, the type of `ruby_global_symbols`.
 #[allow(dead_code)]
 #[repr(C)]
@@ -104,18 +115,19 @@ struct SymbolsWithStSym {
 const FROM_SYMBOL_H: &str =
     "from symbol.h: rb_symbols_t {last_id, str_sym, ids, dsymbol_fstr_hash} (same in 2.7.4-3.4.5)";
 
-/// symbol.c after the symbol table became a concurrent set (ruby/ruby master in 2025, so
-/// 4.0): `{ rb_id_serial_t last_id; VALUE sym_set; VALUE ids; }`, one word shorter.
+/// symbol.c from 4.0, the symbol table a concurrent set: `{ rb_atomic_t next_id; VALUE
+/// sym_set; VALUE ids; }`, one word shorter. `next_id` is one past the last serial (where
+/// `last_id` was the last serial); the probe measures it as `symbols_last_id`.
 #[allow(dead_code)]
 #[repr(C)]
 struct SymbolsWithSymSet {
-    last_id: u32,
+    next_id: u32,
     sym_set: usize,
     ids: usize,
 }
 const FROM_SYMBOL_C_4_0: &str =
-    "from ruby/ruby master symbol.c: rb_symbols_t {last_id, sym_set, ids}, the concurrent-set\n\
-     symbol table (not checked against 4.0 headers: none here)";
+    "from symbol.c: rb_symbols_t {next_id, sym_set, ids}, the concurrent-set symbol table\n\
+     (private; same in 4.0.2)";
 
 /// symbol.c: `ID_ENTRY_UNIT` and `ID_ENTRY_SIZE` (enum id_entry_type {STR, SYM, SIZE}).
 const ID_ENTRY_UNIT: u64 = 512;
@@ -185,9 +197,30 @@ struct RSymbol<RBasic> {
 const FROM_SYMBOL_H_RSYMBOL: &str =
     "from symbol.h: struct RSymbol {basic, hashval, fstr, id} (not in the crate; same in 2.7.4-3.4.5)";
 
-const CLASSES_3_2: &str =
-    "None: the crate has no class extension for 3.2, and 3.2's differs (inline after RClass,\n\
-     ivars by shape in iv_ptr, no iv_tbl nor classpath field): no field here applies";
+/// internal/class.h, 3.2 with USE_RVARGC (RCLASS_EXT_EMBEDDED): `struct RClass` without its
+/// `ptr`, the class extension following it, and that extension's first field. The crate has
+/// neither for 3.2 (RClass from 3.3 only, rb_classext_struct for 2.7 and 3.3+).
+#[allow(dead_code)]
+#[repr(C)]
+struct RClassEmbeddedExt<RBasic> {
+    basic: RBasic,
+    super_: usize,
+    m_tbl: *mut c_void,
+}
+#[allow(dead_code)]
+#[repr(C)]
+struct ClassextWithIvPtr {
+    iv_ptr: *mut usize,
+    const_tbl: *mut c_void,
+}
+const FROM_CLASS_H_3_2: &str =
+    "from internal/class.h (3.2, USE_RVARGC): struct RClass {basic, super, m_tbl}, followed by\n\
+     rb_classext_struct {iv_ptr, ...} (not in the crate for 3.2; as in 3.2.11)";
+
+/// shape.h, 3.2: `enum shape_type`, which bindgen did not emit (in no release).
+const SHAPE_IVAR: u64 = 1;
+const FROM_SHAPE_H: &str =
+    "from shape.h: enum shape_type {SHAPE_ROOT, SHAPE_IVAR, ...} (not in the crate)";
 
 /// The offset of the one bit a bindgen bitfield setter sets in a zeroed `T`, as
 /// `Some((byte, mask))` (the probe's ONE_BIT).
@@ -215,6 +248,25 @@ fn first_word<T>(set: impl FnOnce(&mut T)) -> u64 {
     set(&mut value);
     assert!(std::mem::size_of::<T>() >= 8);
     unsafe { std::ptr::read_unaligned(&value as *const T as *const u64) }
+}
+
+/// The shape fields of every layout but 3.2's, as the probe prints them.
+fn shapes_unused(l: &mut Layout) {
+    l.none("classext_iv_ptr");
+    l.none("vm_shape_list");
+    l.none("vm_next_shape_id");
+    for field in [
+        "shape_flag_shift",
+        "shape_size",
+        "shape_edge_name",
+        "shape_next_iv_index",
+        "shape_type",
+        "shape_parent_id",
+        "shape_type_ivar",
+    ] {
+        l.dec(field, 0);
+    }
+    l.hex("shape_invalid_id", 0);
 }
 
 /// The layout of one release: `$m` is its rbspy-ruby-structs module, `$rv` its RV.
@@ -263,7 +315,20 @@ macro_rules! layout {
             l.none("ractor_threads_set");
             l.dec("thread_list_node", offset_of!(r::rb_thread_t, vmlt_node));
         });
-        l.dec("thread_name", offset_of!(r::rb_thread_t, name));
+        since!($rv >= 301 {
+            l.dec("thread_name", offset_of!(r::rb_thread_t, name));
+        } else {
+            // 2.7 and 3.0 have `rb_jmpbuf_t root_jmpbuf` before `name`. The crate's bindgen
+            // saw RUBY_JMP_BUF = sigjmp_buf; x86_64-linux builds (Debian's 2.7.4, upstream
+            // 3.0.3) define no RUBY_JMP_BUF, so vm_core.h makes it `void *[5]`.
+            assert!(offset_of!(r::rb_thread_t, root_jmpbuf) < offset_of!(r::rb_thread_t, name));
+            let extra = size_of::<r::rb_jmpbuf_t>() - size_of::<[*mut c_void; 5]>();
+            l.transcribed(
+                "thread_name",
+                Val::Dec((offset_of!(r::rb_thread_t, name) - extra) as u64),
+                FROM_VM_CORE_H_JMPBUF,
+            );
+        });
         l.some_bit(
             "thread_status",
             one_bit::<r::rb_thread_t>(|t| t.set_status(3)),
@@ -309,7 +374,11 @@ macro_rules! layout {
         // The GC's flags; rb_objspace is private to gc.c (see layout_probe.c).
         since!($rv >= 304 {
             l.dec("vm_objspace", offset_of!(r::rb_vm_t, gc.objspace));
-            l.copied("objspace_flags", Val::Dec(20), FROM_GC_DEFAULT_C);
+            since!($rv >= 400 {
+                l.copied("objspace_flags", Val::Dec(28), FROM_GC_DEFAULT_C_4_0);
+            } else {
+                l.copied("objspace_flags", Val::Dec(20), FROM_GC_DEFAULT_C);
+            });
         } else {
             l.dec("vm_objspace", offset_of!(r::rb_vm_t, objspace));
             l.copied("objspace_flags", Val::Dec(16), FROM_GC_C);
@@ -554,16 +623,18 @@ macro_rules! layout {
             );
         } else {
             since!($rv >= 302 {
-                for field in [
-                    "rclass_ext_ptr",
+                // The extension follows the RClass; class ivars are in its iv_ptr, indexed
+                // by shape (below), with no iv_tbl nor classpath field.
+                l.none("rclass_ext_ptr");
+                l.copied(
                     "rclass_ext_inline",
-                    "classext_iv_tbl",
-                    "classext_classpath",
-                    "classext_permanent_classpath",
-                    "classext_attached_object",
-                ] {
-                    l.copied(field, Val::None, CLASSES_3_2);
-                }
+                    Val::Some(size_of::<RClassEmbeddedExt<r::RBasic>>() as u64),
+                    FROM_CLASS_H_3_2,
+                );
+                l.none("classext_iv_tbl");
+                l.none("classext_classpath");
+                l.none("classext_permanent_classpath");
+                l.none("classext_attached_object");
             } else {
                 l.copied(
                     "rclass_ext_ptr",
@@ -585,6 +656,35 @@ macro_rules! layout {
                 l.none("classext_attached_object");
             });
         });
+        // Object shapes: 3.2 finds a class's ivars by its shape (see layout_probe.c).
+        since!($rv >= 302 {
+            since!($rv >= 303 {
+                shapes_unused(&mut l);
+            } else {
+                type Shape = r::rb_shape_t;
+                l.copied(
+                    "classext_iv_ptr",
+                    Val::Some(offset_of!(ClassextWithIvPtr, iv_ptr) as u64),
+                    FROM_CLASS_H_3_2,
+                );
+                l.some("vm_shape_list", offset_of!(r::rb_vm_t, shape_list));
+                l.some("vm_next_shape_id", offset_of!(r::rb_vm_t, next_shape_id));
+                // shape.h builds both from the width of shape_id_t: SHAPE_ID_NUM_BITS, then
+                // SHAPE_FLAG_SHIFT = VALUE bits - SHAPE_ID_NUM_BITS and INVALID_SHAPE_ID =
+                // SHAPE_MASK = (1 << SHAPE_ID_NUM_BITS) - 1.
+                let id_bits = 8 * size_of::<r::shape_id_t>() as u32;
+                l.dec("shape_flag_shift", 8 * size_of::<r::VALUE>() as u32 - id_bits);
+                l.dec("shape_size", size_of::<Shape>());
+                l.dec("shape_edge_name", offset_of!(Shape, edge_name));
+                l.dec("shape_next_iv_index", offset_of!(Shape, next_iv_index));
+                l.dec("shape_type", offset_of!(Shape, type_));
+                l.dec("shape_parent_id", offset_of!(Shape, parent_id));
+                l.transcribed("shape_type_ivar", Val::Dec(SHAPE_IVAR), FROM_SHAPE_H);
+                l.hex("shape_invalid_id", (1u64 << id_bits) - 1);
+            });
+        } else {
+            shapes_unused(&mut l);
+        });
         l.dec("st_table_entries_start", offset_of!(r::st_table, entries_start));
         l.dec("st_table_entries_bound", offset_of!(r::st_table, entries_bound));
         l.dec("st_table_entries", offset_of!(r::st_table, entries));
@@ -600,7 +700,7 @@ macro_rules! layout {
         since!($rv >= 400 {
             type Symbols = SymbolsWithSymSet;
             let from = FROM_SYMBOL_C_4_0;
-            l.copied("symbols_last_id", Val::Dec(offset_of!(Symbols, last_id) as u64), from);
+            l.copied("symbols_last_id", Val::Dec(offset_of!(Symbols, next_id) as u64), from);
             l.copied("symbols_ids", Val::Dec(offset_of!(Symbols, ids) as u64), from);
             l.copied("symbols_size", Val::Dec(size_of::<Symbols>() as u64), from);
         } else {
@@ -614,6 +714,10 @@ macro_rules! layout {
         l.dec("last_op_id", r::ruby_method_ids_tLAST_OP_ID as u64);
         l.copied("id_entry_unit", Val::Dec(ID_ENTRY_UNIT), FROM_SYMBOL_C);
         l.copied("id_entry_size", Val::Dec(ID_ENTRY_SIZE), FROM_SYMBOL_C);
+        // Chunks of `ids` are Arrays before 4.1 (which no crate release is).
+        l.copied("id_chunk_data", Val::None, FROM_SYMBOL_C);
+        l.copied("id_chunk_header", Val::Dec(0), FROM_SYMBOL_C);
+        l.copied("id_entry_str", Val::Dec(0), FROM_SYMBOL_C);
         l
     }};
 }
