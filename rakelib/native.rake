@@ -6,10 +6,11 @@ require_relative "../lib/rbspy_ext/version"
 # The precompiled ("fat") platform gem: one library per Ruby series, as the rb-sys gems do.
 module NativeGem
   PLATFORM = "x86_64-linux"
-  # The Rubies it carries, as script/rubies names them (host: this machine's own Ruby). Every
-  # library is compiled and linked in the bullseye chroot, so none needs a glibc newer than
-  # bullseye's 2.31 (script/rubies, ext_one).
-  RUBIES = %w[bullseye host trixie sid].freeze
+  # The Rubies it carries, as script/rubies names them (host: this machine's own Ruby; 3.0,
+  # 3.2, 4.0: upstream builds, the series no Debian suite has). Every library is compiled and
+  # linked in the bullseye chroot, so none needs a glibc newer than bullseye's 2.31
+  # (script/rubies, ext_one). 4.1 stays source-gem only until 4.1.0 is released.
+  RUBIES = %w[bullseye 3.0 host 3.2 trixie sid 4.0].freeze
   # Every Ruby series there has been from the oldest to the newest we could carry: those
   # between them that we do not carry are the ones required_ruby_version must exclude.
   RUBY_SERIES = %w[2.7 3.0 3.1 3.2 3.3 3.4 4.0].freeze
@@ -50,7 +51,7 @@ module NativeGem
 end
 
 desc "Build pkg/rbspy_ext-VERSION-#{NativeGem::PLATFORM}.gem with a library for every Ruby " \
-     "series script/rubies has (2.7, 3.1, 3.3, 3.4; root, ~1 min each)"
+     "released series script/rubies has (2.7 to 4.0; root, ~1 min each)"
 task :native do
   stage = NativeGem::STAGE
   rm_rf stage

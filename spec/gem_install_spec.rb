@@ -118,6 +118,9 @@ RSpec.describe "installing rbspy_ext", :slow do
   end
 
   describe "the x86_64-linux platform gem" do
+    # Every released minor series from 2.7 to 4.0.
+    let(:series) { %w[2.7 3.0 3.1 3.2 3.3 3.4 4.0] }
+
     before(:context) do
       raise "#{platform_gem} is missing: run rake native (script/test does)" unless File.file?(platform_gem)
 
@@ -127,7 +130,7 @@ RSpec.describe "installing rbspy_ext", :slow do
 
     it "carries one library per Ruby series it can build for and nothing to compile" do
       libraries = @spec.files.grep(/\.so\z/)
-      expect(libraries).to contain_exactly(*%w[2.7 3.1 3.3 3.4].map { |s| "lib/rbspy_ext/#{s}/rbspy_ext.so" })
+      expect(libraries).to contain_exactly(*series.map { |s| "lib/rbspy_ext/#{s}/rbspy_ext.so" })
       expect(@spec.platform.to_s).to eq("x86_64-linux")
       expect(@spec.extensions).to be_empty
       expect(@spec.files.grep(%r{\A(?:ext|core|bindings)/|\ACargo\.})).to be_empty
@@ -136,8 +139,10 @@ RSpec.describe "installing rbspy_ext", :slow do
 
     it "admits exactly the Ruby series it carries" do
       requirement = @spec.required_ruby_version
-      admitted = %w[2.7.0 2.7.4 2.7.8 3.1.0 3.1.2 3.1.7 3.3.0 3.3.8 3.4.0 3.4.11]
-      refused = %w[2.6.10 3.0.0 3.0.7 3.2.0 3.2.9 3.2.10 3.5.0 4.0.0 4.0.9]
+      admitted = %w[2.7.0 2.7.4 2.7.8 3.0.0 3.0.7 3.1.0 3.1.2 3.1.7 3.2.0 3.2.11 3.3.0 3.3.8 3.4.0
+                    3.4.11 4.0.0 4.0.2 4.0.9]
+      # 4.1 is left to the source gem until 4.1.0 is released (its layout may still move).
+      refused = %w[2.6.10 4.1.0 4.1.0.dev 4.1.1 5.0.0]
       expect(admitted.reject { |v| requirement.satisfied_by?(Gem::Version.new(v)) }).to eq([])
       expect(refused.select { |v| requirement.satisfied_by?(Gem::Version.new(v)) }).to eq([])
     end
@@ -150,13 +155,13 @@ RSpec.describe "installing rbspy_ext", :slow do
           versions = out.scan(/Name: GLIBC_([\d.]+)/).flatten.map { |v| Gem::Version.new(v) }
           [File.basename(File.dirname(so)), versions.max]
         end
-        expect(needs.keys).to contain_exactly("2.7", "3.1", "3.3", "3.4")
+        expect(needs.keys).to contain_exactly(*series)
         expect(needs.values).to all(be <= Gem::Version.new("2.31"))
         puts "\nHighest glibc version needed: #{needs.map { |s, v| "#{s} GLIBC_#{v}" }.join(', ')}"
       end
     end
 
-    %w[host bullseye trixie sid].each do |name|
+    %w[host bullseye trixie sid 3.0 3.2 4.0].each do |name|
       it "installs without cargo or a C compiler, and snapshots a live process, on #{name}'s Ruby" do
         site = gi::Site.new(name)
         site_dir, host_dir = site.mktmpdir("rbspy-platform-")
@@ -186,6 +191,21 @@ RSpec.describe "installing rbspy_ext", :slow do
         ensure
           FileUtils.rm_rf(host_dir)
         end
+      end
+    end
+
+    it "is refused by 4.1-dev's RubyGems, which the source gem serves until 4.1.0 is released" do
+      site = gi::Site.new("4.1")
+      site_dir, host_dir = site.mktmpdir("rbspy-platform-")
+      begin
+        FileUtils.cp(platform_gem, host_dir)
+        status, out = gi.run(site.gem_install(File.join(site_dir, File.basename(platform_gem)),
+                                              File.join(site_dir, "gem_home")),
+                             log: File.join(host_dir, "install.log"), timeout: 120)
+        expect(status).not_to be_success
+        expect(out).to match(/requires Ruby version .*< 4\.1\.dev/)
+      ensure
+        FileUtils.rm_rf(host_dir)
       end
     end
 

@@ -57,15 +57,12 @@ RSpec.describe RubySpy::Recorder do
       expect(worker[:states]["running"].to_i).to be >= 0.9 * total(worker[:states]),
                                                   "worker: #{worker[:states].inspect}"
 
-      if version_at_least?(target.ruby_version, 3, 1)
-        expect(main[:tid]).to eq(target.pid)
-        expect(worker[:tid]).to be > 0
-        expect(worker[:tid]).not_to eq(target.pid)
-        # Written by the worker itself when the target can see /proc (not in a chroot).
-        expect(worker[:tid]).to eq(target.info["worker_tid"]) if target.info["worker_tid"]
-      else
-        expect([main[:tid], worker[:tid]]).to eq([0, 0]) # Ruby < 3.1 does not record it
-      end
+      # Ruby records the native id from 3.1; before, it comes from glibc's struct pthread.
+      expect(main[:tid]).to eq(target.pid)
+      expect(worker[:tid]).to be > 0
+      expect(worker[:tid]).not_to eq(target.pid)
+      # Written by the worker itself when the target can see /proc (not in a chroot).
+      expect(worker[:tid]).to eq(target.info["worker_tid"]) if target.info["worker_tid"]
 
       summary = profile.to_s
       expect(summary).to eq(profile.render(:summary))

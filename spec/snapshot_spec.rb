@@ -41,7 +41,6 @@ RSpec.describe "RubySpy.snapshot" do
     File.join("spec", "fixtures", "#{name}.rb")
   end
 
-  # True when the method is written in C in this Ruby (the one the fixtures run on).
   describe "matches Ruby's own backtrace_locations of the parked main thread" do
     parked_scenarios.each do |scenario, what|
       it "for #{what} (#{scenario})" do

@@ -99,12 +99,20 @@ module RubySpyTest
           raise "#{name} is not built (script/rubies build #{name})" unless line
 
           @version, @root, @ruby = line[1..3]
-          @gem = @ruby.sub(%r{/ruby(?=[\d.]+\z)}, "/gem")
+          @upstream = line[4] == "upstream"
+          # An upstream Ruby lives on the host, at its own prefix: nothing to chroot into.
+          @root = "/" if @upstream
+          @gem = @ruby.sub(%r{/ruby(?=[\d.]*\z)}, "/gem")
         end
       end
 
       def host?
         @name == "host"
+      end
+
+      # Runs on the host's filesystem (the host's Ruby, or an upstream build there).
+      def on_host?
+        host? || @upstream
       end
 
       def series
@@ -113,10 +121,10 @@ module RubySpyTest
 
       # A fresh directory, as [path seen by this site's Ruby, path seen by the specs].
       def mktmpdir(prefix)
-        base = host? ? Dir.tmpdir : File.join(@root, "tmp")
+        base = on_host? ? Dir.tmpdir : File.join(@root, "tmp")
         host_path = Dir.mktmpdir(prefix, base)
         FileUtils.chmod(0o755, host_path)
-        [host? ? host_path : host_path.delete_prefix(@root), host_path]
+        [on_host? ? host_path : host_path.delete_prefix(@root), host_path]
       end
 
       # +args+ run by this site's Ruby, with nothing from the host's environment but +env+
@@ -124,7 +132,7 @@ module RubySpyTest
       def ruby(*args, env: {})
         env = { "PATH" => "/nonexistent", "HOME" => "/tmp", "LC_ALL" => "C.UTF-8" }.merge(env)
         argv = ["/usr/bin/env", "-i", *env.map { |k, v| "#{k}=#{v}" }, @ruby, *args]
-        return argv if host?
+        return argv if on_host?
 
         ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
          'mount -t proc proc "$0/proc" && exec chroot "$0" "$@"', @root, *argv]
@@ -139,8 +147,8 @@ module RubySpyTest
       # A process of this site's Ruby that can be read from inside the site (its pid is the
       # Ruby's: script/rubies run execs).
       def spawn_target(script, truth)
-        cmd = if host?
-                [RbConfig.ruby, script, truth]
+        cmd = if on_host?
+                [host? ? RbConfig.ruby : @ruby, script, truth]
               else
                 [File.join(ROOT, "script", "rubies"), "run", @name, "inside", "--", script, truth]
               end

@@ -164,8 +164,8 @@ module RubySpyTest
     # Spawns and waits. With stdio: true the fixture's stdin and stdout are pipes to the
     # spec (#ping talks through them); otherwise both go to the log file. +env+ is added to
     # the fixture's environment (for settings Ruby reads at boot, like RUBY_MN_THREADS).
-    def self.start(name, *args, stdio: false, env: {})
-      target = new(name, *args, stdio: stdio, env: env)
+    def self.start(name, *args, stdio: false, env: {}, ruby: TargetRuby.current)
+      target = new(name, *args, stdio: stdio, env: env, ruby: ruby)
       target.spawn
       target.wait_until_ready
       target
@@ -174,7 +174,9 @@ module RubySpyTest
       raise
     end
 
-    def initialize(name, *args, stdio: false, env: {})
+    # +ruby+: what runs the fixture (a TargetRuby, or anything with #command and #mktmpdir).
+    def initialize(name, *args, stdio: false, env: {}, ruby: TargetRuby.current)
+      @ruby = ruby
       @name = name
       @args = args
       @stdio = stdio
@@ -189,7 +191,7 @@ module RubySpyTest
     def spawn
       raise ArgumentError, "no fixture #{script}" unless File.file?(File.join(ROOT, script))
 
-      ruby = TargetRuby.current
+      ruby = @ruby
       target_dir, @dir = ruby.mktmpdir("rbspy-#{name}-")
       @ready_path = File.join(@dir, "ready.json")
       target_ready_path = File.join(target_dir, "ready.json")
@@ -383,8 +385,8 @@ module RubySpyTest
   # Included into every example group (see spec_helper.rb). Targets started through these
   # helpers are killed and reaped after each example, pass or fail.
   module TargetHelpers
-    def start_target(name, *args, stdio: false, env: {})
-      target = Target.start(name, *args, stdio: stdio, env: env)
+    def start_target(name, *args, stdio: false, env: {}, ruby: TargetRuby.current)
+      target = Target.start(name, *args, stdio: stdio, env: env, ruby: ruby)
       running_targets << target
       target
     end
