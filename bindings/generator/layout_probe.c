@@ -39,6 +39,15 @@ struct succ_dict_block {
     uint64_t small_block_ranks;
     uint64_t bits[512/64];
 };
+#if RV >= 401
+/* zjit.h's JITFrame (defined there only when ZJIT is built; checked against zjit.h by the
+ * script). */
+struct probe_zjit_jit_frame {
+    const VALUE *pc;
+    const rb_iseq_t *iseq;
+    bool materialize_block_code;
+};
+#endif
 struct probe_st_table_entry {
     st_index_t hash; /* st_hash_t in st.c: same width */
     st_data_t key;
@@ -198,6 +207,17 @@ int main(void) {
 #endif
     OFF(cfp_self, rb_control_frame_t, self);
     OFF(cfp_ep, rb_control_frame_t, ep);
+#if RV >= 401
+    SOMEOFF(cfp_jit_return, rb_control_frame_t, jit_return);
+    OFF(zjit_frame_pc, struct probe_zjit_jit_frame, pc);
+    OFF(zjit_frame_iseq, struct probe_zjit_jit_frame, iseq);
+    X(zjit_return_c_frame, 0x1); /* ZJIT_JIT_RETURN_C_FRAME */
+#else
+    NONE(cfp_jit_return);
+    U(zjit_frame_pc, 0);
+    U(zjit_frame_iseq, 0);
+    X(zjit_return_c_frame, 0);
+#endif
     OFF(iseq_body, rb_iseq_t, body);
     OFF(body_type, struct rb_iseq_constant_body, type);
     OFF(body_iseq_size, struct rb_iseq_constant_body, iseq_size);

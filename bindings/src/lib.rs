@@ -85,6 +85,17 @@ pub struct Layout {
     pub cfp_iseq: usize,
     pub cfp_self: usize,
     pub cfp_ep: usize,
+    /// 4.1: `jit_return`. While ZJIT is on (`rb_zjit_entry` set) a frame whose `jit_return`
+    /// is set keeps its real iseq and pc in a JITFrame (zjit.h, `CFP_ISEQ`/`CFP_PC`), and
+    /// `cfp->_iseq` and `pc` may be stale: `jit_return` equal to `zjit_return_c_frame` marks
+    /// a C function's frame, any other value points just past a word holding the JITFrame's
+    /// address. None before 4.1 (4.0's ZJIT writes the frame itself).
+    pub cfp_jit_return: Option<usize>,
+    /// `pc` and `iseq` in a JITFrame.
+    pub zjit_frame_pc: usize,
+    pub zjit_frame_iseq: usize,
+    /// `ZJIT_JIT_RETURN_C_FRAME`.
+    pub zjit_return_c_frame: u64,
 
     // rb_iseq_t and rb_iseq_constant_body
     pub iseq_body: usize,

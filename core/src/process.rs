@@ -190,6 +190,8 @@ const WANTED: &[&str] = &[
     "ruby_single_main_ractor",
     "ruby_global_symbols",
     "ruby_api_version",
+    // 4.1: set while ZJIT is on (hidden: only a static ruby's `.symtab` has it).
+    "rb_zjit_entry",
 ];
 
 /// Opens the bytes of a mapped file as the target sees it. /proc/PID/map_files works across

@@ -36,6 +36,10 @@ pub(super) struct Target<M: Memory> {
     /// Where glibc keeps a thread's tid in its `struct pthread`, for Rubies that record no
     /// native thread id (before 3.1): see `pthread_tid_offset`.
     pub(super) pthread_tid: Option<u64>,
+    /// 4.1: the address of `rb_zjit_entry`, when the binary names it, and whether it was
+    /// last seen set (ZJIT on: frames may keep their iseq and pc in JITFrames) and when.
+    pub(super) zjit_entry: Option<u64>,
+    pub(super) zjit_on: Option<(bool, std::time::Instant)>,
 }
 
 impl Spy<ProcessMemory> {
@@ -98,6 +102,9 @@ impl Spy<ProcessMemory> {
         spy.target.writable = binary.writable.clone();
         spy.target.heap = heap_ranges(&maps);
         spy.target.pthread_tid = pthread_tid_offset(pid, &spy.target.mem, layout, &maps, &roots);
+        spy.target.zjit_entry = binary
+            .symbol("rb_zjit_entry")
+            .filter(|_| layout.cfp_jit_return.is_some());
         Ok(spy)
     }
 }
@@ -315,6 +322,8 @@ impl<M: Memory> Spy<M> {
                 identity: None,
                 thread_list_head: roots.thread_list,
                 pthread_tid: None,
+                zjit_entry: None,
+                zjit_on: None,
             },
             cache: frames::Cache {
                 symbols: symbols.map(SymbolTable::new),

@@ -1,5 +1,6 @@
 //! Raw frames → Frames: iseqs and method entries, read in batches and cached between
 //! validations, then labels, paths and line numbers the way Ruby prints them.
+use super::located::{Located, INTERNAL_PATH};
 use super::*;
 use crate::lines::LineTable;
 use crate::memory::{field, Memory, ReadBatch, Span};
@@ -360,8 +361,7 @@ impl<M: Memory> Spy<M> {
         mes: &FxHashMap<u64, MethodInfo>,
     ) -> std::result::Result<Vec<Frame>, Attempt> {
         let l = self.target.layout;
-        let mut out: Vec<Frame> = Vec::with_capacity(wanted.len());
-        let mut pending_cfuncs: Vec<usize> = Vec::new();
+        let mut out = Located::with_capacity(wanted.len());
         // Ruby 3.4 shows a rescue/ensure frame in place of the frame it belongs to, which it
         // then leaves out (vm_backtrace.c, skip_next_frame).
         let merges_clauses = l.labels_clauses_as_their_code();
@@ -381,8 +381,7 @@ impl<M: Memory> Spy<M> {
                     .filter(|m| m.def_type == l.method_type_cfunc)
                     .ok_or_else(|| Attempt::Changed("C frame without a C method entry".into()))?;
                 let (label, base_label) = self.cfunc_label(me.expect("checked"), info)?;
-                pending_cfuncs.push(out.len());
-                out.push(Frame {
+                out.push_cfunc(Frame {
                     base_label,
                     label,
                     path: Arc::from(""),
@@ -411,34 +410,14 @@ impl<M: Memory> Spy<M> {
                 ));
             }
             let is_method = info.is_method;
-            let mut frame = self.iseq_frame(f, owner)?;
+            let frame = self.iseq_frame(f, owner)?;
             if hides_internal && frame.path.starts_with(INTERNAL_PATH) {
-                // Ruby 4.0 shows a method written in Ruby inside the VM like a C function
-                // (vm_backtrace.c, is_internal_location): at its caller's location, and
-                // without the C functions and internal methods it called, which it replaces.
-                if let Some(&first) = pending_cfuncs.first() {
-                    out.truncate(first);
-                    pending_cfuncs.clear();
-                }
-                if !is_method {
-                    // A block of such a method is labelled as the method itself.
-                    if let Some((_, method)) = frame.label.rsplit_once(" in ") {
-                        frame.label = Arc::from(method);
-                    }
-                }
-                pending_cfuncs.push(out.len());
-                out.push(frame);
-                continue;
+                out.push_internal(frame, is_method);
+            } else {
+                out.push_ruby(frame);
             }
-            // A C function reports the location of the Ruby frame that called it.
-            for idx in pending_cfuncs.drain(..) {
-                out[idx].path = frame.path.clone();
-                out[idx].absolute_path = frame.absolute_path.clone();
-                out[idx].lineno = frame.lineno;
-            }
-            out.push(frame);
         }
-        Ok(out)
+        Ok(out.frames)
     }
 
     /// Third batched read: headers of every method entry the frames point at. Cached entries
@@ -608,10 +587,6 @@ impl<M: Memory> Spy<M> {
         })
     }
 }
-
-/// How the path of an iseq defined inside the VM (`<internal:kernel>`, `<internal:array>`,
-/// RubyGems' `<internal:.../kernel_require.rb>`) begins.
-const INTERNAL_PATH: &str = "<internal:";
 
 /// The imemo type of an object whose flags are given, if it is a T_IMEMO.
 pub(super) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {

@@ -306,6 +306,7 @@ impl<M: Memory> Spy<M> {
             iseq: word(c, l.cfp_iseq),
             ep: word(c, l.cfp_ep),
         }));
+        self.zjit_frames(cfps, frames)?;
         // Checked: a garbage ep near the top of the address space must not wrap around
         // into a plausible (or enormous) length.
         let needed = frames

@@ -164,6 +164,8 @@ const FROM_CLASS_H_CLASSEXT: &str =
 const QFALSE: u64 = 0x00;
 const QTRUE: u64 = 0x14;
 const QNIL_BEFORE_3_2: u64 = 0x08;
+/// zjit.h: 4.1's ZJIT keeps iseq and pc in a JITFrame; no release before has one.
+const FROM_ZJIT_H: &str = "from zjit.h: JITFrames are 4.1's (none before)";
 const QNIL: u64 = 0x04;
 const FIXNUM_FLAG: u64 = 0x01;
 const FLONUM_MASK: u64 = 0x03;
@@ -393,6 +395,11 @@ macro_rules! layout {
         l.dec("cfp_iseq", offset_of!(r::rb_control_frame_t, iseq));
         l.dec("cfp_self", offset_of!(r::rb_control_frame_t, self_));
         l.dec("cfp_ep", offset_of!(r::rb_control_frame_t, ep));
+        // ZJIT's JITFrames are 4.1's (no crate release has them).
+        l.copied("cfp_jit_return", Val::None, FROM_ZJIT_H);
+        l.copied("zjit_frame_pc", Val::Dec(0), FROM_ZJIT_H);
+        l.copied("zjit_frame_iseq", Val::Dec(0), FROM_ZJIT_H);
+        l.copied("zjit_return_c_frame", Val::Hex(0), FROM_ZJIT_H);
 
         // rb_iseq_t and its body (`type` is `type_`).
         type Body = r::rb_iseq_constant_body;

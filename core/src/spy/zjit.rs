@@ -1,0 +1,93 @@
+//! Ruby 4.1's ZJIT: a compiled frame keeps its iseq and pc in a JITFrame rather than in
+//! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`).
+use super::walker::RawFrame;
+use super::{Attempt, Memory, Spy};
+use crate::objects::word;
+
+impl<M: Memory> Spy<M> {
+    /// 4.1 under ZJIT: a frame whose `jit_return` is set takes its iseq and pc from its
+    /// JITFrame (zjit.h's `CFP_ISEQ`/`CFP_PC`), since ZJIT leaves `cfp->_iseq` and `pc`
+    /// unwritten. Two batched reads: the JITFrame addresses, then the JITFrames. A JITFrame
+    /// describes compiled code and does not change, so a captured stack (the BPF sampler)
+    /// is resolved the same way a moment later.
+    pub(super) fn zjit_frames(
+        &mut self,
+        cfps: &[u8],
+        frames: &mut [RawFrame],
+    ) -> std::result::Result<(), Attempt> {
+        let l = self.target.layout;
+        let Some(jit_return_at) = l.cfp_jit_return else {
+            return Ok(());
+        };
+        if !self.zjit_on() {
+            return Ok(());
+        }
+        let mut pending: Vec<(usize, u64)> = Vec::new();
+        for (i, c) in cfps.chunks_exact(l.cfp_size).enumerate() {
+            match word(c, jit_return_at) {
+                0 => {}
+                r if r == l.zjit_return_c_frame => {
+                    frames[i].iseq = 0;
+                    frames[i].pc = 0;
+                }
+                r => pending.push((i, r.wrapping_sub(8))),
+            }
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let slots: Vec<u64> = pending.iter().map(|(_, a)| *a).collect();
+        let records = self.read_words_each(&slots)?;
+        let size = l.zjit_frame_pc.max(l.zjit_frame_iseq) + 8;
+        let mut bufs = vec![0u8; size * records.len()];
+        {
+            let mut requests: Vec<(u64, &mut [u8])> = records
+                .iter()
+                .copied()
+                .zip(bufs.chunks_exact_mut(size))
+                .collect();
+            self.target
+                .mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading ZJIT frames"))?;
+        }
+        for ((i, _), b) in pending.iter().zip(bufs.chunks_exact(size)) {
+            frames[*i].pc = word(b, l.zjit_frame_pc);
+            frames[*i].iseq = word(b, l.zjit_frame_iseq);
+        }
+        Ok(())
+    }
+
+    /// Whether ZJIT is on in the target (`rb_zjit_entry` set). Once on it stays on; while
+    /// off it is looked at again every second (`RubyVM::ZJIT.enable` can turn it on late).
+    fn zjit_on(&mut self) -> bool {
+        let Some(entry) = self.target.zjit_entry else {
+            return false;
+        };
+        if let Some((on, at)) = self.target.zjit_on {
+            if on || at.elapsed() < std::time::Duration::from_secs(1) {
+                return on;
+            }
+        }
+        let on = self.target.mem.read_u64(entry).is_ok_and(|v| v != 0);
+        self.target.zjit_on = Some((on, std::time::Instant::now()));
+        on
+    }
+
+    /// The word at each address, in one batched read.
+    fn read_words_each(&self, addrs: &[u64]) -> std::result::Result<Vec<u64>, Attempt> {
+        let mut bufs = vec![[0u8; 8]; addrs.len()];
+        {
+            let mut requests: Vec<(u64, &mut [u8])> = addrs
+                .iter()
+                .copied()
+                .zip(bufs.iter_mut().map(|b| &mut b[..]))
+                .collect();
+            self.target
+                .mem
+                .read_many(&mut requests)
+                .map_err(self.moved("reading ZJIT frame slots"))?;
+        }
+        Ok(bufs.iter().map(|b| u64::from_le_bytes(*b)).collect())
+    }
+}
