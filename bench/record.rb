@@ -4,6 +4,7 @@
 #
 #   rake compile && ruby bench/record.rb [SECONDS]     # installs rbspy with cargo if missing
 #   ROUNDS=5 ruby bench/record.rb                       # more alone/profiled pairs
+#   TARGET_RUBY="/opt/srcrubies/4.0/bin/ruby --yjit" ruby bench/record.rb   # another target
 #
 # Prints, for 1 kHz and 10 kHz: samples taken vs requested, sampler CPU per sample (the
 # sampler thread's own CPU clock) and the part of it spent sampling (from wake-up to the end

@@ -3,6 +3,7 @@
 # Snapshot cost, rbspy_ext against rbspy, on one ~50-frame target in the same run.
 #
 #   rake compile && ruby bench/snapshot.rb          # installs rbspy with cargo if missing
+#   TARGET_RUBY="/opt/srcrubies/4.0/bin/ruby --yjit" ruby bench/snapshot.rb   # another target
 #
 # Prints: frames, cold RubySpy.snapshot (new handle each time), warm handle#snapshot, the
 # process_vm_readv calls per warm snapshot (counted by the memory source), and the wall
@@ -20,7 +21,7 @@ end
 def with_target(mode)
   Dir.mktmpdir do |dir|
     ready = File.join(dir, "ready")
-    pid = Process.spawn(RbConfig.ruby, File.join(__dir__, "fixtures_deep_stack.rb"), ready, mode)
+    pid = Process.spawn(*target_ruby, File.join(__dir__, "fixtures_deep_stack.rb"), ready, mode)
     deadline = Time.now + 20
     sleep 0.01 until File.exist?(ready) || Time.now > deadline
     abort "target never became ready" unless File.exist?(ready)

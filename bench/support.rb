@@ -18,12 +18,18 @@ def rbspy_binary
   bin
 end
 
+# The command that runs a target Ruby: $TARGET_RUBY (split on spaces, e.g.
+# "/opt/srcrubies/4.0/bin/ruby --yjit"), or the Ruby running the benchmark.
+def target_ruby
+  ENV["TARGET_RUBY"].to_s.split.then { |cmd| cmd.empty? ? [RbConfig.ruby] : cmd }
+end
+
 # Runs the CPU-bound target (fixtures_cpu_target.rb) for +seconds+, yielding its pid once it
 # runs; returns [its iterations per second, what the block returned].
 def run_target(seconds)
   Dir.mktmpdir do |dir|
     out = File.join(dir, "rate")
-    pid = Process.spawn(RbConfig.ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s)
+    pid = Process.spawn(*target_ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s)
     sleep 0.01 until File.exist?("#{out}.ready")
     result = yield pid
     Process.wait(pid)
