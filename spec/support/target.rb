@@ -61,20 +61,10 @@ module RubySpyTest
 
       @root = line[2]
       @version = line[1]
-      @upstream = line[4] == "upstream"
-      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if @upstream && inside?
+      upstream = line[4] == "upstream"
+      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if upstream && inside?
 
       sync_fixtures if inside?
-    end
-
-    # An upstream build (../shared/rubies), as opposed to a Debian one.
-    def upstream?
-      @upstream == true
-    end
-
-    # Whether the VM is in the executable rather than in libruby.so.
-    def static?
-      upstream? && Dir[File.join(@root, "lib", "libruby.so*")].empty?
     end
 
     # The target Ruby's version, as a Gem::Version.
