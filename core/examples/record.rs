@@ -15,7 +15,7 @@
 //! whose timer the kernel re-arms in its interrupt: shows whether the cost of a wake-up depends
 //! on how the sleep is asked for (on the Firecracker VM this was measured on, it does not).
 use rbspy_ext_core::cost::thread_cpu_ns;
-use rbspy_ext_core::sampler::{RecordConfig, Recorder, Timer};
+use rbspy_ext_core::record::{RecordConfig, Recorder, Timer};
 use std::time::{Duration, Instant};
 
 /// Wakes up at `rate` for `seconds` (the same jittered timer as the sampler), doing nothing.

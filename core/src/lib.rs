@@ -6,8 +6,10 @@
 //! - [`objects`]: Ruby strings, arrays, symbol names and class names;
 //! - [`lines`]: instruction → line numbers;
 //! - [`vm`]: finding and validating the VM, with or without symbols;
+//! - [`model`]: what a sample is made of (frames, tags, threads and their states);
 //! - [`spy`]: the one stack walker and its caches;
 //! - [`profile`]: samples aggregated into a [`profile::Profile`];
+//! - [`record`]: the recorder over both samplers (user space and BPF);
 //! - [`timeline`]: the order of a profile's samples;
 //! - [`output`]: every output format of a profile, and reading the raw one back.
 #[cfg(feature = "bpf")]
@@ -16,12 +18,12 @@ pub mod cost;
 pub mod error;
 pub mod lines;
 pub mod memory;
+pub mod model;
 pub mod objects;
 pub mod output;
 pub mod process;
 pub mod profile;
-pub mod sampler;
-mod sampler_mode;
+pub mod record;
 pub mod spy;
 pub mod timeline;
 pub mod vm;

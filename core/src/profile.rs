@@ -1,7 +1,9 @@
 //! A recorded profile: samples aggregated as they arrive, so memory grows with the number of
 //! distinct (thread, state, stack) combinations, not with the recording's length. Output
 //! formats live in `crate::output`.
-use crate::spy::Frame;
+use crate::model::{Frame, Tags};
+/// Where the profile's thread states and identities are defined (re-exported for its users).
+pub use crate::model::{ThreadInfo, ThreadState};
 use crate::timeline::Timeline;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
@@ -9,95 +11,6 @@ use std::sync::Arc;
 
 /// Version of the raw profile format (`output::raw`); bump on incompatible changes.
 pub const RAW_FORMAT_VERSION: u32 = 1;
-
-/// What a thread was doing when sampled.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum ThreadState {
-    /// Holds the GVL and runs Ruby code.
-    Running,
-    /// Runnable, waiting to take the GVL.
-    WaitingForGvl,
-    /// Sleeping, in IO, joining, waiting on a mutex or queue: not competing for the GVL.
-    Blocked,
-    /// The GVL holder is collecting garbage, between phases (starting or finishing a run).
-    Gc,
-    /// The GVL holder is collecting garbage: marking live objects.
-    GcMarking,
-    /// The GVL holder is collecting garbage: sweeping dead objects.
-    GcSweeping,
-    /// The GVL holder is collecting garbage: compacting the heap.
-    GcCompacting,
-    /// On a CPU without the GVL: C code that released it, a system call, or taking the GVL.
-    /// Only the BPF sampler sees it (it samples threads on a CPU; the user-space sampler
-    /// sees such a thread as blocked).
-    NoGvl,
-}
-
-impl ThreadState {
-    pub const ALL: [ThreadState; 8] = [
-        ThreadState::Running,
-        ThreadState::WaitingForGvl,
-        ThreadState::Blocked,
-        ThreadState::Gc,
-        ThreadState::GcMarking,
-        ThreadState::GcSweeping,
-        ThreadState::GcCompacting,
-        ThreadState::NoGvl,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ThreadState::Running => "running",
-            ThreadState::WaitingForGvl => "waiting_for_gvl",
-            ThreadState::Blocked => "blocked",
-            ThreadState::Gc => "gc",
-            ThreadState::GcMarking => "gc_marking",
-            ThreadState::GcSweeping => "gc_sweeping",
-            ThreadState::GcCompacting => "gc_compacting",
-            ThreadState::NoGvl => "no_gvl",
-        }
-    }
-
-    /// Holds the GVL: running Ruby code or collecting garbage.
-    pub fn on_cpu(self) -> bool {
-        !matches!(
-            self,
-            ThreadState::WaitingForGvl | ThreadState::Blocked | ThreadState::NoGvl
-        )
-    }
-
-    /// Collecting garbage, in whatever phase.
-    pub fn in_gc(self) -> bool {
-        matches!(
-            self,
-            ThreadState::Gc
-                | ThreadState::GcMarking
-                | ThreadState::GcSweeping
-                | ThreadState::GcCompacting
-        )
-    }
-
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.name() == name)
-    }
-}
-
-/// One sampled thread.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ThreadInfo {
-    pub pid: i32,
-    /// Native thread id (as in /proc/PID/task), 0 when unknown.
-    pub tid: i64,
-    /// `Thread#name`, if set.
-    pub name: Option<String>,
-    /// The `rb_thread_t` address: tells threads apart while they live.
-    pub ruby_thread: u64,
-    /// True for the process's main thread.
-    pub main: bool,
-}
 
 /// One aggregated stack.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -136,7 +49,7 @@ pub struct Profile {
     pub notes: Vec<String>,
     pub threads: Vec<ThreadInfo>,
     /// `Frame` is not serde-aware; the raw format converts it through a mirror struct.
-    #[serde(with = "crate::output::raw::frames")]
+    #[serde(with = "crate::model::frame_serde")]
     pub frames: Vec<Frame>,
     pub stacks: Vec<StackCount>,
     /// What the recording cost: CPU time of the sampler thread and `process_vm_readv`
@@ -303,7 +216,7 @@ pub struct Aggregator {
     stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>, u32), usize>,
     /// Stack index by (pid, walker token, Ruby thread, tid, state, tag set); see `add_stack`.
     stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState, u32), usize>,
-    tag_ids: FxHashMap<crate::spy::Tags, u32>,
+    tag_ids: FxHashMap<Tags, u32>,
     /// The samples in order, kept apart until `finish` (a live copy of the profile, made
     /// every half second, need not copy it); and the current tick's time.
     timeline: Timeline,
@@ -340,7 +253,7 @@ impl Aggregator {
     }
 
     /// The index of a set of tags in `Profile::tag_sets`, added if new.
-    fn tag_id(&mut self, tags: &crate::spy::Tags) -> u32 {
+    fn tag_id(&mut self, tags: &Tags) -> u32 {
         if tags.is_empty() {
             return 0;
         }
@@ -369,7 +282,7 @@ impl Aggregator {
         state: ThreadState,
         token: u64,
         frames: &[Frame],
-        tags: &crate::spy::Tags,
+        tags: &Tags,
     ) {
         let tag_id = self.tag_id(tags);
         let key = (

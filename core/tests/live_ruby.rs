@@ -253,7 +253,7 @@ fn the_bpf_sampler_resolves_a_busy_target_to_its_own_frames() {
         eprintln!("skipped: loading a BPF program needs root");
         return;
     }
-    use rbspy_ext_core::sampler::{RecordConfig, Recorder};
+    use rbspy_ext_core::record::{RecordConfig, Recorder};
     let target = Target::spawn("busy.rb", &[]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/busy.rb");
     let config = RecordConfig {

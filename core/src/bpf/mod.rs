@@ -1,7 +1,7 @@
 //! The in-kernel sampler: a BPF program (core/bpf/sampler.bpf.c) on a `perf_event`
 //! CPU-clock event per CPU copies the interrupted Ruby thread's frames, value stack, state
 //! and tag table into a ring buffer without waking anyone; the recorder drains the ring
-//! every `DRAIN_EVERY` and resolves each copy through the spy's walker
+//! every `DRAIN_EVERY` (crate::record's `bpf.rs`) and resolves each copy through the spy's walker
 //! (`Spy::resolve_captured`). So a sample costs no thread wake-up and no
 //! `process_vm_readv`; only a batch does.
 //!
@@ -9,10 +9,8 @@
 //! and the statistics switch, whether the recording ends normally, by Ctrl-C (the CLI stops
 //! the recorder) or with the target's exit. The kernel frees them too if the process dies.
 mod record;
-mod run;
 
 pub use record::Record;
-pub(crate) use run::run;
 
 use crate::error::{Error, Result};
 use crate::spy::CaptureLayout;

@@ -17,8 +17,8 @@
 //! `;` inside a frame would split it, and a line break would split the line: both are
 //! replaced (by `,` and a space) — labels and paths practically never contain them.
 use super::{thread_label, view, Options, OutputError, NO_FRAMES};
+use crate::model::Frame;
 use crate::profile::Profile;
-use crate::spy::Frame;
 use std::collections::BTreeMap;
 use std::io::Write;
 

@@ -42,8 +42,8 @@ mod view;
 pub use raw::read_raw;
 pub(crate) use view::view;
 
+use crate::model::Frame;
 use crate::profile::Profile;
-use crate::spy::Frame;
 use std::fmt;
 use std::io::Write;
 
@@ -371,8 +371,8 @@ pub(crate) mod fixture {
     //! A profile shared by the format tests: three threads (main, a named worker, one whose
     //! native id is unknown), every state, shared frames, C frames, recursion, an empty stack,
     //! and a label with the collapsed format's separator in it.
+    use crate::model::Frame;
     use crate::profile::{frame, Aggregator, Profile, ThreadInfo, ThreadState};
-    use crate::spy::Frame;
 
     pub fn threads() -> [ThreadInfo; 3] {
         [

@@ -16,10 +16,8 @@
 //! version, cut short, or inconsistent (an index out of range) is an error.
 use super::{check, OutputError};
 use crate::profile::{Profile, RAW_FORMAT_VERSION};
-use crate::spy::Frame;
 use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
-use std::sync::Arc;
 
 /// The `format` field of the header line.
 pub const RAW_FORMAT_NAME: &str = "rbspy_ext raw profile";
@@ -124,52 +122,11 @@ pub fn read_raw(input: &mut dyn Read) -> Result<Profile, OutputError> {
     Ok(profile)
 }
 
-/// serde for `Profile::frames` (`#[serde(with = ...)]`): `Frame` lives in `spy` and knows
-/// nothing of serde, so it goes through a mirror struct.
-pub(crate) mod frames {
-    use super::*;
-
-    #[derive(Serialize, Deserialize)]
-    struct RawFrame {
-        label: String,
-        base_label: String,
-        path: String,
-        absolute_path: Option<String>,
-        lineno: i32,
-        c_function: bool,
-    }
-
-    pub fn serialize<S: serde::Serializer>(frames: &[Frame], s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(frames.iter().map(|f| RawFrame {
-            label: f.label.to_string(),
-            base_label: f.base_label.to_string(),
-            path: f.path.to_string(),
-            absolute_path: f.absolute_path.as_deref().map(String::from),
-            lineno: f.lineno,
-            c_function: f.c_function,
-        }))
-    }
-
-    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Frame>, D::Error> {
-        let raw: Vec<RawFrame> = Vec::deserialize(d)?;
-        Ok(raw
-            .into_iter()
-            .map(|f| Frame {
-                label: Arc::from(f.label),
-                base_label: Arc::from(f.base_label),
-                path: Arc::from(f.path),
-                absolute_path: f.absolute_path.map(Arc::from),
-                lineno: f.lineno,
-                c_function: f.c_function,
-            })
-            .collect())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::output::{fixture, write as write_format, Format, Options};
+    use std::sync::Arc;
 
     fn raw(p: &Profile) -> Vec<u8> {
         let mut out = Vec::new();

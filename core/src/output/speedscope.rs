@@ -341,7 +341,7 @@ mod tests {
         use crate::profile::{Aggregator, ThreadState};
         let [main, worker, _] = fixture::threads();
         let mut agg = Aggregator::new(4242, "3.3.0", 100.0, 0);
-        let job: crate::spy::Tags = vec![("job".into(), "report".into())].into();
+        let job: crate::model::Tags = vec![("job".into(), "report".into())].into();
         let frames = [fixture::work()];
         agg.add_stack(&main, ThreadState::Running, 1, &frames, &job);
         agg.add_stack(&worker, ThreadState::Running, 1, &frames, &job);

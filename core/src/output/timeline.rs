@@ -234,7 +234,7 @@ mod tests {
         let mut agg = Aggregator::new(4242, "3.3.0", 1000.0, 0);
         let work = [fixture::work(), fixture::main_rb()];
         let sleep = [fixture::sleep_c(), fixture::work(), fixture::main_rb()];
-        let tags: crate::spy::Tags = vec![("request_id".into(), "r1".into())].into();
+        let tags: crate::model::Tags = vec![("request_id".into(), "r1".into())].into();
         for ms in 0..10u64 {
             agg.tick_at(Duration::from_millis(ms));
             let state = if ms < 6 {

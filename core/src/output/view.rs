@@ -9,8 +9,8 @@
 //! `[gc_marking]`...). Thread roots and tag roots are the writers' (they name threads and
 //! tag sets, which stay as they are).
 use super::{FunctionKey, Interner, Options};
+use crate::model::Frame;
 use crate::profile::{Profile, StackCount, ThreadState};
-use crate::spy::Frame;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -4,12 +4,11 @@
 use super::attach::Target;
 use super::tags::{TagRead, TagReader};
 use super::thread_list::MAX_THREADS;
-use super::threads::ThreadSelection;
 use super::{word, Memory};
 use crate::error::MemoryError;
 use crate::memory::{field, ReadBatch, Span};
+use crate::model::{ThreadInfo, ThreadSelection, ThreadState};
 use crate::objects::is_heap_object;
-use crate::profile::{ThreadInfo, ThreadState};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;

@@ -9,8 +9,8 @@ use super::batch::gc_state;
 use super::tags::{Decoder, TABLE_WINDOW};
 use super::walker::Plan;
 use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
+use crate::model::{ThreadInfo, ThreadState};
 use crate::objects::is_heap_object;
-use crate::profile::{ThreadInfo, ThreadState};
 use std::sync::Arc;
 
 /// One thread at one tick, as the BPF sampler copied it (crate::bpf::record).

@@ -20,9 +20,8 @@ mod thread_list;
 mod threads;
 mod walker;
 mod zjit;
+pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
 pub use captured::{CaptureLayout, Captured, TRUNCATED_LABEL};
-pub use tags::Tags;
-pub use threads::{SampledThread, ThreadSelection};
 use walker::{Envs, Prefetched, RawFrame, Wanted};
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
@@ -40,18 +39,6 @@ pub const IDENTITY_TTL: std::time::Duration = std::time::Duration::from_millis(1
 const MAX_CACHED_ENVS: usize = 4096;
 /// How often a snapshot is retried when the stack changes under it.
 pub const SNAPSHOT_ATTEMPTS: u32 = 8;
-
-/// One frame, innermost first, shaped like `Thread::Backtrace::Location`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Frame {
-    /// Qualified the way Ruby 3.4 prints it: `Foo::Bar#baz`, `block in Foo.build`.
-    pub label: Arc<str>,
-    pub base_label: Arc<str>,
-    pub path: Arc<str>,
-    pub absolute_path: Option<Arc<str>>,
-    pub lineno: i32,
-    pub c_function: bool,
-}
 
 /// Options for [`Spy::attach_with`].
 #[derive(Debug, Clone, Default)]

@@ -11,12 +11,10 @@ use super::{word, Memory, Spy};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
+use crate::model::Tags;
 use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One thread's tags as text, `(key, value)` in table order; empty when it has none.
-pub type Tags = Arc<[(Arc<str>, Arc<str>)]>;
 
 /// Most slots read from one table (the extension publishes at most 2048: 1024 tags).
 const MAX_CAPACITY: u64 = 4096;

@@ -2,8 +2,8 @@
 //! `Thread#name`). Re-read every `LIST_TTL`, or at once when a sample finds it changed.
 use super::{field, Attempt, Memory, Spy};
 use crate::error::{Error, Result};
+use crate::model::ThreadInfo;
 use crate::objects::{is_heap_object, read_string};
-use crate::profile::ThreadInfo;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

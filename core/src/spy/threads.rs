@@ -4,35 +4,12 @@
 //! A child module of `spy` so that it shares the walker's private machinery.
 use super::batch::{Batch, ThreadSampler};
 use super::tags::Decoder;
-use super::{Attempt, Frame, Memory, Prefetched, Spy, Stack};
+use super::{Attempt, Memory, Prefetched, Spy, Stack};
 use crate::error::{Error, Result};
-use crate::profile::{ThreadInfo, ThreadState};
-use std::sync::Arc;
+use crate::model::{SampledThread, ThreadSelection, ThreadState};
 
 /// How often one thread's walk is retried when its stack moves while read.
 const THREAD_ATTEMPTS: u32 = 2;
-
-/// Which threads a sample covers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ThreadSelection {
-    /// Every Ruby thread.
-    #[default]
-    All,
-    /// Only the thread holding the GVL (none when no thread holds it).
-    GvlHolder,
-}
-
-/// One thread's part of a sample.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SampledThread {
-    pub info: Arc<ThreadInfo>,
-    pub state: ThreadState,
-    pub frames: Arc<[Frame]>,
-    /// See [`super::Stack::token`].
-    pub stack_token: u64,
-    /// The tags of the fiber the thread was running (spy/tags.rs).
-    pub tags: super::Tags,
-}
 
 impl<M: Memory> Spy<M> {
     /// One sample of the selected threads: each thread's state and stack. Threads whose

@@ -4,6 +4,7 @@ use magnus::{Error, Ruby};
 
 mod errors;
 mod handle;
+mod hash;
 mod nogvl;
 mod recorder;
 mod state;
@@ -48,5 +49,6 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
     handle::init(ruby)?;
     state::init(ruby)?;
+    tag::init(ruby)?;
     recorder::init(ruby)
 }

@@ -5,7 +5,7 @@ use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, Error, RArray, RHash, Ruby};
 use rbspy_ext_core::output::{self, Format, Options};
 use rbspy_ext_core::profile::{Profile, ThreadState};
-use rbspy_ext_core::sampler::{RecordConfig, Recorder};
+use rbspy_ext_core::record::{RecordConfig, Recorder};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::Config;
 use std::sync::Mutex;
@@ -112,7 +112,7 @@ impl NativeRecorder {
     fn progress(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
         let p = match &*rb_self.0.lock().unwrap_or_else(|p| p.into_inner()) {
             Some(r) => r.progress(),
-            None => rbspy_ext_core::sampler::Progress {
+            None => rbspy_ext_core::record::Progress {
                 finished: true,
                 ..Default::default()
             },
@@ -385,7 +385,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let shaped = ruby.ary_from_iter(Options::FORMATS.map(|f| ruby.to_symbol(f.name())));
     shaped.freeze();
     prof.const_set("VIEW_FORMATS", shaped)?;
-    rec.const_set("MAX_RATE_HZ", rbspy_ext_core::sampler::MAX_RATE_HZ)?;
+    rec.const_set("MAX_RATE_HZ", rbspy_ext_core::record::MAX_RATE_HZ)?;
     crate::resolve_class::<NativeRecorder>(ruby);
     crate::resolve_class::<NativeProfile>(ruby);
     Ok(())

@@ -87,7 +87,7 @@ impl State {
 
     /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
     pub(crate) fn merged(ruby: &Ruby, base: Option<&State>, hash: RHash) -> Result<State, Error> {
-        let entries = crate::tag::hash_entries(hash);
+        let entries = crate::hash::hash_entries(hash);
         let base = base.map_or(&[][..], |b| &b.pairs[..]);
         let mut pairs: Vec<(ID, VALUE)> = Vec::with_capacity(base.len() + entries.len());
         pairs.extend_from_slice(base);
@@ -571,7 +571,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.undef_default_alloc_func();
     class.define_singleton_method("build", function!(State::build, 1))?;
     class.define_singleton_method("current", function!(current, 0))?;
-    module.define_singleton_method("tag", function!(crate::tag::tag, -1))?;
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("published_address", function!(published_address, 0))?;
     class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;

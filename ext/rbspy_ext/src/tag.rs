@@ -5,7 +5,7 @@
 //! bench/rails.rb`).
 use crate::state::{apply_raw, current, state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
-use magnus::{Error, IntoValue, RHash, Ruby, Value};
+use magnus::{function, prelude::*, Error, IntoValue, RHash, Ruby, Value};
 use rb_sys::VALUE;
 
 /// `RubySpy.tag(**pairs) { ... }`: the block's value.
@@ -64,26 +64,8 @@ unsafe extern "C" fn restore(previous: VALUE) -> VALUE {
     rb_sys::Qnil as VALUE
 }
 
-/// `hash`'s (key, value) pairs in order. Read with a bare `rb_hash_foreach` whose callback
-/// only copies words, so nothing can raise inside it and it needs none of the `rb_protect`
-/// that magnus wraps each of its callbacks in: that wrapping was a third of the cost of
-/// `RubySpy.tag` (`ruby bench/tags.rb`).
-pub(crate) fn hash_entries(hash: RHash) -> Vec<(VALUE, VALUE)> {
-    unsafe extern "C" fn push(key: VALUE, value: VALUE, out: VALUE) -> std::os::raw::c_int {
-        // SAFETY: `out` is the `&mut Vec` passed below, alive for the whole iteration.
-        let out = unsafe { &mut *(out as *mut Vec<(VALUE, VALUE)>) };
-        out.push((key, value));
-        rb_sys::st_retval::ST_CONTINUE as std::os::raw::c_int
-    }
-    let mut out: Vec<(VALUE, VALUE)> = Vec::with_capacity(hash.len());
-    // SAFETY: iterates a live Hash with a callback that calls no Ruby API; the pointer to
-    // `out` outlives the call.
-    unsafe {
-        rb_sys::rb_hash_foreach(
-            hash.as_raw(),
-            Some(push),
-            &mut out as *mut Vec<(VALUE, VALUE)> as VALUE,
-        )
-    };
-    out
+/// Defines `RubySpy.tag`, after `RubySpy::State` (crate::state), which it uses.
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    ruby.define_module("RubySpy")?
+        .define_singleton_method("tag", function!(tag, -1))
 }

@@ -1,9 +1,9 @@
 //! Which sampler a recording runs: the user-space one, or the BPF one (crate::bpf) when
 //! `RecordConfig::bpf` asks for it and the target allows it.
+use super::RecordConfig;
 #[cfg(not(feature = "bpf"))]
 use crate::error::Error;
 use crate::error::Result;
-use crate::sampler::RecordConfig;
 use crate::spy::Spy;
 
 /// The in-kernel sampler of a recording, when it has one.

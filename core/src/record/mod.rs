@@ -1,14 +1,21 @@
 //! The recorder: a native thread that samples a process at a jittered rate and aggregates
 //! what it sees into a [`Profile`]. It never touches Ruby (it may run inside the process it
 //! profiles, whose threads keep running) and never sends signals.
-use crate::cost::thread_cpu_ns;
+//!
+//! It owns the configuration, the choice of sampler and its preflight (`mode.rs`), and
+//! the aggregator set-up both samplers share; the loops are its children: `user.rs` (reads
+//! memory at every tick) and `bpf.rs` (drains the in-kernel sampler's ring). `crate::bpf`
+//! keeps the program and its loading and does not import the recorder.
+#[cfg(feature = "bpf")]
+mod bpf;
+mod mode;
+mod user;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
 use crate::output::FunctionKey;
-use crate::process::descendants;
 use crate::profile::{Aggregator, Profile};
-use crate::sampler_mode::{kernel_mode, Mode};
 use crate::spy::{Config, Spy, ThreadSelection};
+use mode::{kernel_mode, Mode};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -168,7 +175,7 @@ impl Recorder {
         config.validate()?;
         // Said before attaching: attaching may fail for a reason of its own (ptrace rules)
         // that would hide why --bpf cannot work.
-        crate::sampler_mode::preflight(&config)?;
+        mode::preflight(&config)?;
         let own = pid as u32 == std::process::id()
             && config.spy.force_version.is_none()
             && !config.spy.scan_for_vm;
@@ -212,12 +219,18 @@ impl Recorder {
         let thread = std::thread::Builder::new()
             .name("rbspy_ext sampler".into())
             .spawn(move || {
+                let run = Run {
+                    config,
+                    notes: mode.notes,
+                    stop: &s,
+                    progress: &p,
+                };
                 let profile = match mode.kernel {
                     #[cfg(feature = "bpf")]
-                    Some(k) => crate::bpf::run(&mut spy, k, config, mode.notes, &s, &p),
+                    Some(k) => bpf::run(&mut spy, k, run),
                     #[cfg(not(feature = "bpf"))]
                     Some(k) => match k {},
-                    None => run(&mut spy, config, mode.notes, &s, &p),
+                    None => user::run(&mut spy, run),
                 };
                 done(spy);
                 profile
@@ -307,50 +320,6 @@ pub(crate) fn unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// How often the process tree is scanned for new Ruby children, and the live top list of
-/// `Progress` refreshed.
-const SCAN_EVERY: Duration = Duration::from_millis(500);
-/// One tick in this many measures its own CPU time (`Profile::sampler_work_ns`).
-const WORK_EVERY: u64 = 16;
-/// A child that is not (yet) Ruby is tried this many times (it may still be exec'ing).
-const CHILD_ATTEMPTS: u32 = 6;
-
-/// Samples one process into the aggregator. Err only when the process is gone.
-fn sample_into<M: Memory>(
-    spy: &mut Spy<M>,
-    config: &RecordConfig,
-    agg: &mut Aggregator,
-) -> Result<()> {
-    match spy.sample_threads(config.threads) {
-        Ok((threads, dropped)) => {
-            for t in threads {
-                if config.on_cpu && !t.state.on_cpu() {
-                    continue;
-                }
-                agg.add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
-            }
-            for reason in dropped {
-                agg.error(reason);
-            }
-            Ok(())
-        }
-        Err(
-            e @ (Error::ProcessExited { .. }
-            | Error::NoSuchProcess { .. }
-            | Error::ProcessReplaced { .. }),
-        ) => Err(e),
-        Err(Error::StackChanged { .. }) => {
-            agg.error("thread list changed");
-            Ok(())
-        }
-        Err(e) => {
-            agg.error("read failed");
-            agg.note(format!("a sample of process {} failed: {e}", spy.pid()));
-            Ok(())
-        }
-    }
-}
-
 /// The 10 functions seen most often at the top of a stack so far, by label. A function is
 /// what the summary counts (`output::FunctionKey`: label and path, a C function by label).
 fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
@@ -375,84 +344,29 @@ fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
     top
 }
 
-fn run<M: Memory>(
-    spy: &mut Spy<M>,
+/// What the recorder hands the sampler loop it runs (user.rs or bpf.rs): the configuration,
+/// the notes its choice of sampler left, and the flag and progress it shares with the
+/// `Recorder`.
+pub(crate) struct Run<'a> {
     config: RecordConfig,
     notes: Vec<String>,
-    stop: &AtomicBool,
-    progress: &Mutex<Progress>,
-) -> Profile {
-    let pid = spy.pid();
-    let mut agg = new_aggregator(spy, &config, notes);
-    let started = Instant::now();
-    // A kept spy (`OWN_SPY`) counts its calls since it attached: this recording's are the rest.
-    let calls_before = spy.memory().calls();
-    let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
-    let mut next = started;
-    let mut children = Children::default();
-    let mut last_scan: Option<Instant> = None;
-    let (mut work_ns, mut work_ticks) = (0u64, 0u64);
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            break;
-        }
-        let now = Instant::now();
-        if let Some(d) = config.duration {
-            if now.duration_since(started) >= d {
-                break;
-            }
-        }
-        if last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
-            last_scan = Some(Instant::now());
-            if config.subprocesses {
-                children.attach_new(pid, &config, &mut agg, started);
-            }
-            refresh_live(progress, &agg, config.live);
-        }
-        next = wait_until(next, now) + timer.next_interval();
-        // Every 16th tick, the CPU time from waking up to the end of the sample: the cost of
-        // sampling itself, apart from the wake-up, which the kernel charges to the sampler too
-        // (and which on some virtual machines costs more than the sample).
-        // Not the first tick, which also pays once for reading the target's symbols: over a
-        // short recording that one tick, scaled up, would swamp the figure.
-        let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
-        let woke = if measured { thread_cpu_ns() } else { 0 };
-        agg.tick_at(started.elapsed());
-        if let Err(e) = sample_into(spy, &config, &mut agg) {
-            let what = match e {
-                Error::ProcessReplaced { detail, .. } => detail,
-                _ => "exited".to_string(),
-            };
-            agg.note(format!(
-                "process {pid} {what} after {:.1} s; the samples taken until then are kept",
-                started.elapsed().as_secs_f64()
-            ));
-            break;
-        }
-        children.sample(&config, &mut agg, started);
-        if let Ok(mut p) = progress.lock() {
-            p.update(agg.profile(), started);
-        }
-        if measured {
-            work_ns += thread_cpu_ns().saturating_sub(woke);
-            work_ticks += 1;
-        }
-    }
-    if let Ok(mut p) = progress.lock() {
-        p.finished = true;
-    }
-    let ticks = agg.profile().ticks;
-    let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
-    agg.set_cost(
-        thread_cpu_ns(),
-        work,
-        spy.memory().calls() - calls_before + children.calls(),
-    );
-    agg.finish(started.elapsed().as_nanos() as u64)
+    stop: &'a AtomicBool,
+    progress: &'a Mutex<Progress>,
 }
 
-/// Refreshes what a live display reads: the top functions, and with `live` the profile so
-/// far.
+impl<'a> Run<'a> {
+    fn into_parts(
+        self,
+    ) -> (
+        RecordConfig,
+        Vec<String>,
+        &'a AtomicBool,
+        &'a Mutex<Progress>,
+    ) {
+        (self.config, self.notes, self.stop, self.progress)
+    }
+}
+
 /// A recording's aggregator, with the notes it starts with and the spy's warning.
 pub(crate) fn new_aggregator<M: Memory>(
     spy: &Spy<M>,
@@ -467,89 +381,14 @@ pub(crate) fn new_aggregator<M: Memory>(
     agg
 }
 
+/// Refreshes what a live display reads: the top functions, and with `live` the profile so
+/// far.
 pub(crate) fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
     if let Ok(mut p) = progress.lock() {
         p.top = top_functions(agg.profile());
         if live {
             p.profile = Some(Arc::new(agg.profile().clone()));
         }
-    }
-}
-
-/// Sleeps until `next` (it is `now`), and returns when the tick is: `next`, or `now` when far
-/// behind (the machine was busy), to skip ahead rather than burst.
-fn wait_until(next: Instant, now: Instant) -> Instant {
-    if next > now {
-        std::thread::sleep(next - now);
-    } else if now.duration_since(next) > Duration::from_millis(100) {
-        return now;
-    }
-    next
-}
-
-/// The Ruby child processes a recording with `subprocesses: true` follows.
-#[derive(Default)]
-struct Children {
-    spies: Vec<Spy>,
-    /// Children found not to be Ruby (yet), with how often they were tried.
-    not_ruby: rustc_hash::FxHashMap<i32, u32>,
-    /// `process_vm_readv` calls of children that have ended.
-    ended_calls: u64,
-}
-
-impl Children {
-    /// Attaches to the descendants of `pid` not followed yet (each tried at most
-    /// `CHILD_ATTEMPTS` times: a child may become Ruby only after it execs).
-    fn attach_new(
-        &mut self,
-        pid: i32,
-        config: &RecordConfig,
-        agg: &mut Aggregator,
-        started: Instant,
-    ) {
-        for child in descendants(pid) {
-            let tries = self.not_ruby.get(&child).copied().unwrap_or(0);
-            if tries >= CHILD_ATTEMPTS || self.spies.iter().any(|c| c.pid() == child) {
-                continue;
-            }
-            match Spy::attach_with(child, &config.spy) {
-                Ok(c) => {
-                    agg.note(format!(
-                        "child process {child} (Ruby {}) recorded from {:.1} s",
-                        c.version(),
-                        started.elapsed().as_secs_f64()
-                    ));
-                    self.spies.push(c);
-                }
-                Err(_) => {
-                    self.not_ruby.insert(child, tries + 1);
-                }
-            }
-        }
-    }
-
-    /// One sample of every child; a child that exited or exec'd is noted and let go.
-    fn sample(&mut self, config: &RecordConfig, agg: &mut Aggregator, started: Instant) {
-        let ended_calls = &mut self.ended_calls;
-        self.spies.retain_mut(|child| {
-            let what = match sample_into(child, config, agg) {
-                Ok(()) => return true,
-                Err(Error::ProcessReplaced { detail, .. }) => detail,
-                Err(_) => "exited".to_string(),
-            };
-            *ended_calls += child.memory().calls();
-            agg.note(format!(
-                "child process {} {what} after {:.1} s",
-                child.pid(),
-                started.elapsed().as_secs_f64()
-            ));
-            false
-        });
-    }
-
-    /// Every child's `process_vm_readv` calls so far.
-    fn calls(&self) -> u64 {
-        self.ended_calls + self.spies.iter().map(|c| c.memory().calls()).sum::<u64>()
     }
 }
 

@@ -2,15 +2,15 @@
 //! and resolves each record through the spy. The thread map is refreshed from the spy's
 //! thread list every `REFRESH_EVERY`, and sooner when the program saw a thread it did not
 //! know.
-use super::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
+use super::{new_aggregator, refresh_live, RecordConfig, Run};
+use crate::bpf::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
 use crate::cost::{clock_ns, thread_cpu_ns, KernelCost};
 use crate::memory::Memory;
 use crate::profile::{Aggregator, Profile, ThreadInfo};
-use crate::sampler::{new_aggregator, refresh_live, Progress, RecordConfig};
 use crate::spy::{Spy, TRUNCATED_LABEL};
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often the thread map follows the thread list when nothing says it changed.
@@ -47,14 +47,8 @@ struct Recording {
     tags_expiring: Option<Instant>,
 }
 
-pub(crate) fn run<M: Memory>(
-    spy: &mut Spy<M>,
-    mut bpf: BpfSampler,
-    config: RecordConfig,
-    notes: Vec<String>,
-    stop: &AtomicBool,
-    progress: &Mutex<Progress>,
-) -> Profile {
+pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>) -> Profile {
+    let (config, notes, stop, progress) = run.into_parts();
     let pid = spy.pid();
     let mut rec = Recording::new(spy, &config, notes);
     let started = Instant::now();
