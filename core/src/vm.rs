@@ -108,7 +108,7 @@ pub fn find_vm<M: Memory>(
 
 /// Reads the word at `addr + offset` for every address, in batched calls; None where the
 /// memory is not readable.
-fn read_words<M: Memory>(mem: &M, addrs: &[u64], offset: u64) -> Vec<Option<u64>> {
+pub(crate) fn read_words<M: Memory>(mem: &M, addrs: &[u64], offset: u64) -> Vec<Option<u64>> {
     let mut bufs = vec![[0u8; 8]; addrs.len()];
     let ok = {
         let mut requests: Vec<(u64, &mut [u8])> = addrs

@@ -3,6 +3,7 @@
 use super::walker::RawFrame;
 use super::{Attempt, Memory, Spy};
 use crate::objects::word;
+use crate::vm::read_words;
 
 impl<M: Memory> Spy<M> {
     /// 4.1 under ZJIT: a frame whose `jit_return` is set takes its iseq and pc from its
@@ -37,7 +38,11 @@ impl<M: Memory> Spy<M> {
             return Ok(());
         }
         let slots: Vec<u64> = pending.iter().map(|(_, a)| *a).collect();
-        let records = self.read_words_each(&slots)?;
+        // A slot that does not read is a frame popped meanwhile: read the stack again.
+        let records = read_words(&self.target.mem, &slots, 0)
+            .into_iter()
+            .collect::<Option<Vec<u64>>>()
+            .ok_or_else(|| Attempt::Changed("a ZJIT frame slot does not read".into()))?;
         let size = l.zjit_frame_pc.max(l.zjit_frame_iseq) + 8;
         let mut bufs = vec![0u8; size * records.len()];
         {
@@ -72,22 +77,5 @@ impl<M: Memory> Spy<M> {
         let on = self.target.mem.read_u64(entry).is_ok_and(|v| v != 0);
         self.target.zjit_on = Some((on, std::time::Instant::now()));
         on
-    }
-
-    /// The word at each address, in one batched read.
-    fn read_words_each(&self, addrs: &[u64]) -> std::result::Result<Vec<u64>, Attempt> {
-        let mut bufs = vec![[0u8; 8]; addrs.len()];
-        {
-            let mut requests: Vec<(u64, &mut [u8])> = addrs
-                .iter()
-                .copied()
-                .zip(bufs.iter_mut().map(|b| &mut b[..]))
-                .collect();
-            self.target
-                .mem
-                .read_many(&mut requests)
-                .map_err(self.moved("reading ZJIT frame slots"))?;
-        }
-        Ok(bufs.iter().map(|b| u64::from_le_bytes(*b)).collect())
     }
 }
