@@ -26,15 +26,17 @@ module RubySpy
   class << self
     # The stack of the thread that holds the GVL in process +pid+ (the main thread when no
     # thread holds it), innermost frame first, exactly as that thread's
-    # +Thread#backtrace_locations+ would list it.
+    # +Thread#backtrace_locations+ would list it. Each Ractor has a GVL of its own: this is
+    # the main Ractor's, whose threads are the only ones a process without Ractors has.
     #
-    # With +threads: :all+, every Ruby thread instead, as {Handle#thread_snapshots} gives them
-    # (like +py-spy dump+).
+    # With +threads: :all+, every Ruby thread of every Ractor instead, as
+    # {Handle#thread_snapshots} gives them (like +py-spy dump+).
     #
     # @param pid [Integer] a process id; +Process.pid+ snapshots the calling process
     # @param threads [Symbol] +:gvl+ (the default) for the one stack, +:all+ for every thread
     # @return [Array<RubySpy::Frame>] the stack; with +threads: :all+ an Array of Hashes, one
-    #   per thread (+:tid+, +:name+, +:main+, +:state+, +:frames+, +:tags+)
+    #   per thread (+:tid+, +:name+, +:main+, +:ractor+, +:ractor_name+, +:state+, +:frames+,
+    #   +:tags+)
     # @raise [TypeError] if +pid+ is not an Integer
     # @raise [ArgumentError] if +pid+ is not positive, or +threads+ is neither +:gvl+ nor +:all+
     # @raise [RubySpy::Error] (a subclass naming the cause) when the process cannot be read
@@ -60,6 +62,15 @@ module RubySpy
     # @raise (see .snapshot)
     def attach(pid, force_version: nil)
       Handle.new(pid, force_version: force_version)
+    end
+
+    # How a thread's Ractor is named in views: "ractor 2", or "ractor 2 (name)" when it was
+    # given a name.
+    #
+    # @param thread [Hash] a thread as {Handle#thread_snapshots} or {Profile#threads} list it
+    # @return [String]
+    def ractor_text(thread)
+      "ractor #{thread[:ractor]}#{" (#{thread[:ractor_name]})" if thread[:ractor_name]}"
     end
   end
 end

@@ -123,12 +123,21 @@ int main(void) {
     SOMEOFF(ractor_gvl_owner, rb_ractor_t, threads.gvl.owner);
 #endif
     SOMEOFF(ractor_threads_main, rb_ractor_t, threads.main);
+    /* Every ractor, for the recorder: a list threaded through each rb_ractor_t. */
+    SOMEOFF(vm_ractor_set, rb_vm_t, ractor.set);
+    OFF(ractor_list_node, rb_ractor_t, vmlr_node);
+    OFF(ractor_id, rb_ractor_t, pub.id);
+    OFF(ractor_name, rb_ractor_t, name);
 #else
     NONE(vm_main_ractor);
     OFF(vm_main_thread, rb_vm_t, main_thread);
     SOMEOFF(vm_gvl_owner, rb_vm_t, gvl.owner);
     NONE(ractor_gvl_owner);
     NONE(ractor_threads_main);
+    NONE(vm_ractor_set);
+    U(ractor_list_node, 0);
+    U(ractor_id, 0);
+    U(ractor_name, 0);
 #endif
     OFF(thread_self, rb_thread_t, self);
     OFF(thread_vm, rb_thread_t, vm);

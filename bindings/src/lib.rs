@@ -31,6 +31,14 @@ pub struct Layout {
     // `threads.sched.running` (3.2+).
     pub ractor_gvl_owner: Option<usize>,
     pub ractor_threads_main: Option<usize>,
+    /// Every ractor (3.0+): `vm->ractor.set` is a `list_head` threaded through each
+    /// ractor's `vmlr_node` (`ractor_list_node`), the main ractor first. A ractor is
+    /// `pub.id` (1 for the main one) and `name` (a String or nil). The offsets are 0 before
+    /// 3.0, where `vm_ractor_set` is None.
+    pub vm_ractor_set: Option<usize>,
+    pub ractor_list_node: usize,
+    pub ractor_id: usize,
+    pub ractor_name: usize,
 
     // rb_thread_t
     pub thread_self: usize,

@@ -145,8 +145,10 @@ int rbspy_sample(void *ctx)
     if (bpf_probe_read_user(&h->ec, 8, (void *)(h->thread + thread_ec)) ||
         bpf_probe_read_user(h->head, sizeof h->head, (void *)(h->ec + ec_vm_stack)))
         h->flags |= FLAG_UNREADABLE;
-    if (gvl_owner_addr)
-        bpf_probe_read_user(&h->gvl_owner, 8, (void *)gvl_owner_addr);
+    /* The thread's own Ractor's GVL; the main Ractor's when user space gave none. */
+    __u64 owner_addr = thread->gvl_owner ? thread->gvl_owner : gvl_owner_addr;
+    if (owner_addr)
+        bpf_probe_read_user(&h->gvl_owner, 8, (void *)owner_addr);
     if (gc_flags_addr)
         bpf_probe_read_user(&h->gc_flags, 4, (void *)gc_flags_addr);
 

@@ -43,9 +43,10 @@ struct header {
 
 /* A Ruby thread in the program's thread map. */
 struct ruby_thread {
-    __u64 thread; /* rb_thread_t * */
-    __u32 tid;    /* its native tid, 0 when the Ruby version keeps none (2.7) */
+    __u64 thread;    /* rb_thread_t * */
+    __u32 tid;       /* its native tid, 0 when the Ruby version keeps none (2.7) */
     __u32 pad;
+    __u64 gvl_owner; /* the word naming its Ractor's GVL holder (each Ractor has a GVL) */
 };
 
 struct record {

@@ -33,6 +33,8 @@ fn main() {
             name: Some(format!("worker-{t}")),
             ruby_thread: 0x1000 * (t as u64 + 1),
             main: t == 0,
+            ractor: 1,
+            ractor_name: None,
         })
         .collect();
     let before = rss_kb("VmRSS:");

@@ -105,6 +105,26 @@ pub struct ThreadInfo {
     pub ruby_thread: u64,
     /// True for the process's main thread.
     pub main: bool,
+    /// The Ractor the thread runs in: its id (`1` for the main Ractor; 0 before Ruby 3.0,
+    /// which has none) and the name it was given (`Ractor.new(name: ...)`).
+    #[serde(default)]
+    pub ractor: u32,
+    #[serde(default)]
+    pub ractor_name: Option<String>,
+}
+
+impl ThreadInfo {
+    /// The Ractor as people name it: "ractor 2" or "ractor 2 (name)"; None for the main
+    /// Ractor (and before 3.0), which is what every thread ran in before Ractors.
+    pub fn ractor_label(&self) -> Option<String> {
+        if self.ractor <= 1 {
+            return None;
+        }
+        Some(match &self.ractor_name {
+            Some(name) => format!("ractor {} ({name})", self.ractor),
+            None => format!("ractor {}", self.ractor),
+        })
+    }
 }
 
 /// Which threads a sample covers.

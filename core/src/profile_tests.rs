@@ -46,6 +46,8 @@ fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
         name: None,
         ruby_thread: 0x10,
         main: true,
+        ractor: 1,
+        ractor_name: None,
     };
     let mut agg = Aggregator::new(1, "3.1.2", 99.0, 0);
     let a = [

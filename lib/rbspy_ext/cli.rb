@@ -94,7 +94,7 @@ module RubySpy
 
       if options[:threads] == "all"
         handle.thread_snapshots.each do |t|
-          puts "Thread #{t[:tid]}#{" (#{t[:name]})" if t[:name]}#{" main" if t[:main]}: #{t[:state]}"
+          puts "#{thread_title(t)}: #{t[:state]}"
           puts "  tags: #{tag_text(t[:tags])}" unless t[:tags].empty?
           t[:frames].each { |f| puts "  #{f}" }
         end
@@ -121,6 +121,13 @@ module RubySpy
       0
     end
 
+    # "Thread 123 (name) main", and " in ractor 2 (name)" for a thread of another Ractor
+    # than the main one.
+    def thread_title(thread)
+      title = "Thread #{thread[:tid]}#{" (#{thread[:name]})" if thread[:name]}#{" main" if thread[:main]}"
+      "#{title}#{" in #{RubySpy.ractor_text(thread)}" if thread[:ractor].to_i > 1}"
+    end
+
     def tag_text(tags)
       tags.map { |k, v| "#{k}=#{v}" }.join(" ")
     end
@@ -143,8 +150,7 @@ module RubySpy
       end
       puts "ruby_profiler_state_tp_offset: #{offset} (see docs/profiler-state.md)"
       handle.thread_snapshots.each do |t|
-        name = "Thread #{t[:tid]}#{" (#{t[:name]})" if t[:name]}#{" main" if t[:main]}"
-        puts "#{name}: #{t[:tags].empty? ? "(no tags)" : tag_text(t[:tags])}"
+        puts "#{thread_title(t)}: #{t[:tags].empty? ? "(no tags)" : tag_text(t[:tags])}"
       end
       0
     end

@@ -56,11 +56,13 @@ module RubySpy
       end
     end
 
-    # Every Ruby thread of the process with its state and stack.
+    # Every Ruby thread of the process, in every Ractor, with its state and stack.
     #
     # @return [Array<Hash>] one per thread: +:tid+ (native thread id, 0 when the Ruby
-    #   version does not record it), +:name+, +:main+, +:state+ ("running",
-    #   "waiting_for_gvl", "blocked", "gc_marking"...), +:frames+ (Array of {RubySpy::Frame}),
+    #   version does not record it), +:name+, +:main+, +:ractor+ (its Ractor's id: 1 for the
+    #   main Ractor, 0 before Ruby 3.0), +:ractor_name+ (nil unless given), +:state+
+    #   ("running" or "waiting_for_gvl" by its own Ractor's GVL, "blocked", "gc_marking"...),
+    #   +:frames+ (Array of {RubySpy::Frame}),
     #   +:tags+ (the tags of the fiber it was running, Hash{Symbol => String})
     def thread_snapshots
       @lock.synchronize { @native.thread_snapshots }.map do |t|

@@ -13,7 +13,7 @@ mod record;
 pub use record::Record;
 
 use crate::error::{Error, Result};
-use crate::spy::CaptureLayout;
+use crate::spy::{CaptureLayout, CaptureThread};
 use libbpf_rs::{MapCore, MapFlags, ObjectBuilder};
 use rustc_hash::FxHashSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -101,25 +101,31 @@ impl BpfSampler {
         })
     }
 
-    /// Makes the program's thread map hold exactly these (thread pointer, `rb_thread_t *`,
-    /// native tid or 0).
-    pub fn set_threads(&mut self, threads: &[(u64, u64, u32)]) -> Result<()> {
+    /// Makes the program's thread map hold exactly these threads (those with a known
+    /// thread pointer): each one's `rb_thread_t *`, native tid (or 0) and its Ractor's GVL
+    /// owner word.
+    pub fn set_threads(&mut self, threads: &[CaptureThread]) -> Result<()> {
         // The map borrows the object, apart from the set of what it holds.
         let map = find_map(&self.object, "threads")?;
-        let now: FxHashSet<u64> = threads.iter().map(|(tp, _, _)| *tp).collect();
+        let threads: Vec<(u64, &CaptureThread)> = threads
+            .iter()
+            .filter_map(|t| Some((t.thread_pointer?, t)))
+            .collect();
+        let now: FxHashSet<u64> = threads.iter().map(|(tp, _)| *tp).collect();
         for gone in self.tids.difference(&now) {
             let _ = map.delete(&gone.to_ne_bytes());
         }
         // Whatever fails below, the map holds no more than `now` and what was there.
         self.tids.retain(|tp| now.contains(tp));
-        for (tp, thread, tid) in threads {
+        for (tp, t) in threads {
             // struct ruby_thread in core/bpf/sampler.h.
-            let mut value = [0u8; 16];
-            value[..8].copy_from_slice(&thread.to_ne_bytes());
-            value[8..12].copy_from_slice(&tid.to_ne_bytes());
+            let mut value = [0u8; 24];
+            value[..8].copy_from_slice(&t.thread.to_ne_bytes());
+            value[8..12].copy_from_slice(&(t.info.tid.max(0) as u32).to_ne_bytes());
+            value[16..24].copy_from_slice(&t.gvl_owner.to_ne_bytes());
             map.update(&tp.to_ne_bytes(), &value, MapFlags::ANY)
                 .map_err(|e| unavailable(format!("updating the thread map: {e}")))?;
-            self.tids.insert(*tp);
+            self.tids.insert(tp);
         }
         Ok(())
     }

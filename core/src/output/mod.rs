@@ -285,7 +285,8 @@ pub(crate) fn stack_samples(profile: &Profile) -> u64 {
 
 /// The root frame naming a thread: "Thread 12345 (main)", "Thread 12346 (worker)",
 /// "Thread 0x7f..." when the native id is unknown; a thread of another process than the
-/// profiled one (a subprocess) is prefixed "Process N".
+/// profiled one (a subprocess) is prefixed "Process N", and one of a Ractor other than the
+/// main one ends "in ractor 2 (name)".
 pub fn thread_label(profile: &Profile, thread: u32) -> String {
     let Some(t) = profile.threads.get(thread as usize) else {
         return format!("Thread #{thread}");
@@ -303,6 +304,9 @@ pub fn thread_label(profile: &Profile, thread: u32) -> String {
         (Some(name), _) => label.push_str(&format!(" ({name})")),
         (None, true) => label.push_str(" (main)"),
         (None, false) => {}
+    }
+    if let Some(ractor) = t.ractor_label() {
+        label.push_str(&format!(" in {ractor}"));
     }
     label
 }
@@ -382,6 +386,8 @@ pub(crate) mod fixture {
                 name: None,
                 ruby_thread: 0x1000,
                 main: true,
+                ractor: 1,
+                ractor_name: None,
             },
             ThreadInfo {
                 pid: 4242,
@@ -389,6 +395,8 @@ pub(crate) mod fixture {
                 name: Some("worker".into()),
                 ruby_thread: 0x2000,
                 main: false,
+                ractor: 1,
+                ractor_name: None,
             },
             ThreadInfo {
                 pid: 4242,
@@ -396,6 +404,8 @@ pub(crate) mod fixture {
                 name: None,
                 ruby_thread: 0x3000,
                 main: false,
+                ractor: 1,
+                ractor_name: None,
             },
         ]
     }
@@ -487,6 +497,17 @@ mod tests {
         let mut other = p.clone();
         other.threads[1].pid = 99;
         assert_eq!(thread_label(&other, 1), "Process 99 Thread 4250 (worker)");
+        let mut ractors = p.clone();
+        ractors.threads[1].ractor = 3;
+        ractors.threads[1].ractor_name = Some("spin".into());
+        ractors.threads[2].ractor = 2;
+        assert_eq!(
+            thread_label(&ractors, 1),
+            "Thread 4250 (worker) in ractor 3 (spin)"
+        );
+        assert_eq!(thread_label(&ractors, 2), "Thread 0x3000 in ractor 2");
+        // The main Ractor is not named: every thread ran in it before Ractors.
+        assert_eq!(thread_label(&ractors, 0), "Thread 4242 (main)");
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! - sample types `samples/count` and `wall/nanoseconds` (count × period);
 //!   period type `wall/nanoseconds`, period = 1e9 / rate; `time_nanos`, `duration_nanos`;
 //! - one sample per aggregated stack, locations leaf first, labelled `thread` (its
-//!   [`thread_label`]), `thread_id` (native id), `state` and `pid`, and its tags; threads are
+//!   [`thread_label`]), `thread_id` (native id), `state` and `pid`, `ractor` (its id) and
+//!   `ractor_name` (if it has one) once the profile holds more than the main Ractor's
+//!   threads, and its tags; threads are
 //!   labels only (`go tool pprof -tagroot=thread` draws a root per thread), since a fleet
 //!   backend merges profiles of many processes, whose thread ids differ;
 //! - a function per label + path (`name` = label, `system_name` = base label, `filename` =
@@ -245,6 +247,8 @@ pub fn build(profile: &Profile) -> proto::Profile {
     let thread_labels: Vec<String> = (0..profile.threads.len() as u32)
         .map(|t| thread_label(profile, t))
         .collect();
+    // A process that never started a Ractor keeps the labels it always had.
+    let ractors = profile.threads.iter().any(|t| t.ractor > 1);
     let period = sample_period_ns(profile).map_or(0, |ns| ns.round() as i64);
     let [samples, count, wall, nanoseconds] =
         ["samples", "count", "wall", "nanoseconds"].map(|s| strings.id(s));
@@ -261,7 +265,7 @@ pub fn build(profile: &Profile) -> proto::Profile {
             proto::Sample {
                 location_id,
                 value: vec![n, n.saturating_mul(period)],
-                label: labels(&mut strings, profile, stack, &thread_labels),
+                label: labels(&mut strings, profile, stack, &thread_labels, ractors),
             }
         })
         .collect();
@@ -295,13 +299,14 @@ pub fn build(profile: &Profile) -> proto::Profile {
     }
 }
 
-/// A sample's labels: its thread (label and tid), state and pid, then the fiber's tags
-/// (RubySpy.tag), one label each.
+/// A sample's labels: its thread (label and tid), state and pid, its Ractor (when `ractors`),
+/// then the fiber's tags (RubySpy.tag), one label each.
 fn labels(
     strings: &mut Strings,
     profile: &Profile,
     stack: &StackCount,
     thread_labels: &[String],
+    ractors: bool,
 ) -> Vec<proto::Label> {
     let thread = &profile.threads[stack.thread as usize];
     let text = |strings: &mut Strings, key: &str, value: &str| proto::Label {
@@ -320,6 +325,13 @@ fn labels(
         text(strings, "state", stack.state.name()),
         number(strings, "pid", thread.pid as i64),
     ];
+    if ractors && thread.ractor > 0 {
+        // Text, not a number: fleet backends (Pyroscope) index string labels only.
+        labels.push(text(strings, "ractor", &thread.ractor.to_string()));
+        if let Some(name) = &thread.ractor_name {
+            labels.push(text(strings, "ractor_name", name));
+        }
+    }
     for (k, v) in profile.tags_of(stack).iter() {
         labels.push(text(strings, k, v));
     }
@@ -491,5 +503,38 @@ mod tests {
             .all(|x| x.label.iter().any(|l| s(l.key) == "thread")));
         // The thread with no Ruby frame: a sample without locations.
         assert!(decoded.sample.iter().any(|x| x.location_id.is_empty()));
+        // One Ractor: no ractor label at all.
+        assert!(decoded
+            .sample
+            .iter()
+            .all(|x| x.label.iter().all(|l| !s(l.key).starts_with("ractor"))));
+    }
+
+    #[test]
+    fn output_pprof_labels_ractors_once_there_are_several() {
+        let mut p = fixture::profile();
+        p.threads[1].ractor = 2;
+        p.threads[1].ractor_name = Some("spin-a".into());
+        let decoded = build(&p);
+        let s = |i: i64| decoded.string_table[i as usize].as_str();
+        let label = |x: &proto::Sample, key: &str| {
+            x.label
+                .iter()
+                .find(|l| s(l.key) == key)
+                .map(|l| s(l.str).to_string())
+        };
+        for x in &decoded.sample {
+            let in_worker = label(x, "thread").is_some_and(|t| t.contains("(worker)"));
+            let (ractor, name) = (label(x, "ractor"), label(x, "ractor_name"));
+            if in_worker {
+                assert_eq!(
+                    (ractor.as_deref(), name.as_deref()),
+                    (Some("2"), Some("spin-a"))
+                );
+            } else {
+                assert_eq!(name, None);
+                assert_eq!(ractor.as_deref(), Some("1"));
+            }
+        }
     }
 }

@@ -218,15 +218,11 @@ fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut 
         ) => return false,
         Err(_) => return true, // the list moved while read: next time
     };
-    let map: Vec<(u64, u64, u32)> = list
-        .iter()
-        .filter_map(|(thread, info, tp)| Some(((*tp)?, *thread, info.tid.max(0) as u32)))
-        .collect();
-    if let Err(e) = bpf.set_threads(&map) {
+    if let Err(e) = bpf.set_threads(&list) {
         rec.agg
             .note(format!("the thread map could not be updated: {e}"));
     }
-    rec.threads = list.into_iter().map(|(t, info, _)| (t, info)).collect();
+    rec.threads = list.into_iter().map(|t| (t.thread, t.info)).collect();
     true
 }
 

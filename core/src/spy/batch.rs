@@ -3,28 +3,29 @@
 //! (threads.rs) walks the stacks this read and decodes the tags.
 use super::attach::Target;
 use super::tags::{TagRead, TagReader};
-use super::thread_list::MAX_THREADS;
+use super::thread_list::{Listed, RactorEntry, MAX_THREADS};
 use super::{word, Memory};
 use crate::error::MemoryError;
 use crate::memory::{field, ReadBatch, Span};
-use crate::model::{ThreadInfo, ThreadSelection, ThreadState};
+use crate::model::{ThreadSelection, ThreadState};
 use crate::objects::is_heap_object;
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
-use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Debug, Default)]
 pub(super) struct ThreadSampler {
-    /// The last reading of the thread list (thread_list.rs).
-    pub(super) threads: Vec<(u64, Arc<ThreadInfo>)>,
+    /// The last reading of the thread lists (thread_list.rs): every thread, and the
+    /// Ractors they run in.
+    pub(super) threads: Vec<Listed>,
+    pub(super) ractors: Vec<RactorEntry>,
     pub(super) read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
     ecs: FxHashMap<u64, u64>,
     /// Where each thread's stack was when last sampled (see `guess_stack`).
     stacks: FxHashMap<u64, StackGuess>,
-    /// The thread that held the GVL at the last sample.
-    pub(super) last_owner: u64,
+    /// The threads that held a GVL (one per Ractor) at the last sample.
+    pub(super) last_owners: Vec<u64>,
     /// The GC's `rb_objspace` (read once: it lives as long as the VM).
     pub(super) objspace: Option<u64>,
     /// The arena of a sample's one call, reused from sample to sample.
@@ -74,7 +75,7 @@ impl ThreadSampler {
         self.stacks.remove(&thread);
     }
 
-    /// What one sample reads for every thread, added to one `ReadBatch`: the GVL
+    /// What one sample reads for every thread, added to one `ReadBatch`: each Ractor's GVL
     /// owner, the GC's flags, for every thread its execution context, status and native
     /// thread (one span of the thread struct), the stack fields of the context it had last
     /// time (a thread's context changes only when it switches fibers), and, on the guess
@@ -101,7 +102,7 @@ impl ThreadSampler {
         let objspace = self.objspace(t);
         let mut reads = std::mem::take(&mut self.reads);
         reads.clear();
-        let owner = reads.add(t.gvl_owner, 8);
+        let owners = self.ractors.iter().map(|r| reads.add(r.owner, 8)).collect();
         let gc_flags = if is_heap_object(objspace) {
             reads.add(field(objspace, l.objspace_flags), 4)
         } else {
@@ -110,8 +111,8 @@ impl ThreadSampler {
         let tag_offset = tags.offset(t);
         let mut threads = Vec::with_capacity(count);
         for i in 0..count {
-            let thread = self.threads[i].0;
-            let wanted = which == ThreadSelection::All || thread == self.last_owner;
+            let thread = self.threads[i].thread;
+            let wanted = which == ThreadSelection::All || self.last_owners.contains(&thread);
             let mut tag = match tag_offset {
                 Some(offset) if wanted => Some(tags.tag_read(thread, offset, &mut reads)),
                 _ => None,
@@ -146,7 +147,7 @@ impl ThreadSampler {
         Batch {
             reads,
             span_from,
-            owner,
+            owners,
             gc_flags,
             threads,
             heads: vec![[0; 24]; count],
@@ -190,13 +191,17 @@ impl ThreadSampler {
         which: ThreadSelection,
     ) -> Vec<(usize, ThreadState)> {
         let (status_byte, status_mask) = l.thread_status.unwrap_or((0, 0));
-        let owner = word(batch.reads.get(batch.owner), 0);
-        self.last_owner = owner;
+        self.last_owners.clear();
+        let owners = batch.owners.iter().map(|o| word(batch.reads.get(*o), 0));
+        self.last_owners.extend(owners);
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
         let gc_flags = batch.reads.get(batch.gc_flags);
         let holder_state = gc_state(gc_flags.try_into().map_or(0, u32::from_le_bytes));
         let mut chosen = Vec::new();
-        for (i, (thread, _)) in self.threads.iter().enumerate() {
+        for (i, listed) in self.threads.iter().enumerate() {
+            let thread = &listed.thread;
+            // Each Ractor has its own GVL: a thread runs when it holds its Ractor's.
+            let owner = self.last_owners.get(listed.ractor).copied().unwrap_or(0);
             let status = batch.field(i, status_byte)[0] & status_mask;
             // Queued for the GVL: its node is linked (not null, not pointing at itself).
             // Before 3.3 the node doubles as the ubf-list node of a thread blocked in a
@@ -250,7 +255,7 @@ impl ThreadSampler {
         t.mem.read_many(&mut requests)?;
         for (i, h) in stale.into_iter().zip(fresh) {
             batch.heads[i] = h;
-            let thread = self.threads[i].0;
+            let thread = self.threads[i].thread;
             self.ecs.insert(thread, batch.ec(i, l));
         }
         Ok(())
@@ -298,7 +303,8 @@ pub(super) struct Batch {
     pub(super) reads: ReadBatch,
     /// Every thread's span of its struct starts at this field offset.
     pub(super) span_from: usize,
-    pub(super) owner: Span,
+    /// Each Ractor's GVL owner, in `ThreadSampler::ractors` order.
+    pub(super) owners: Vec<Span>,
     /// `rb_objspace.flags` (empty when the objspace is unknown).
     pub(super) gc_flags: Span,
     pub(super) threads: Vec<ThreadReads>,

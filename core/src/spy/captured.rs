@@ -54,8 +54,17 @@ pub struct CaptureLayout {
     pub tag_offset: Option<i64>,
 }
 
-/// A Ruby thread as the BPF sampler finds it: `rb_thread_t *`, description, thread pointer.
-pub type CaptureThread = (u64, Arc<ThreadInfo>, Option<u64>);
+/// A Ruby thread as the BPF sampler finds it.
+#[derive(Debug, Clone)]
+pub struct CaptureThread {
+    /// Its `rb_thread_t *`.
+    pub thread: u64,
+    pub info: Arc<ThreadInfo>,
+    /// Its thread pointer (glibc's `pthread_t`), what the program finds it by, when known.
+    pub thread_pointer: Option<u64>,
+    /// Address of the word naming the thread that holds its Ractor's GVL.
+    pub gvl_owner: u64,
+}
 
 /// The frame that ends a stack the sampler had to cut.
 pub const TRUNCATED_LABEL: &str = "[truncated]";
@@ -81,17 +90,17 @@ impl<M: Memory> Spy<M> {
         }
     }
 
-    /// The Ruby threads as last read (re-read when older than 100 ms): each one's
-    /// `rb_thread_t *`, its description and its thread pointer (glibc's `pthread_t`, which
-    /// is what the BPF program finds it by), when it has one.
+    /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
     pub fn capture_threads(&mut self) -> crate::Result<Vec<CaptureThread>> {
         self.fresh_thread_list()?;
         let threads = self.sampler.threads.clone();
         Ok(threads
             .into_iter()
-            .map(|(thread, info)| {
-                let tp = self.tags.thread_pointer(&self.target, thread);
-                (thread, info, tp)
+            .map(|t| CaptureThread {
+                thread_pointer: self.tags.thread_pointer(&self.target, t.thread),
+                gvl_owner: self.sampler.ractors.get(t.ractor).map_or(0, |r| r.owner),
+                thread: t.thread,
+                info: t.info,
             })
             .collect())
     }

@@ -21,7 +21,7 @@ mod threads;
 mod walker;
 mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
-pub use captured::{CaptureLayout, Captured, TRUNCATED_LABEL};
+pub use captured::{CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
 use walker::{Envs, Prefetched, RawFrame, Wanted};
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.

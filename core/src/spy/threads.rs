@@ -129,7 +129,7 @@ impl<M: Memory> Spy<M> {
         let mut failed = Vec::new();
         let chosen = chosen.into_iter().zip(tags);
         for ((((i, state), tags), ec), first) in chosen.zip(contexts).zip(results) {
-            let thread = self.sampler.threads[i].0;
+            let thread = self.sampler.threads[i].thread;
             let (stack, tags) = match self.retry_walk(thread, ec, first, tags) {
                 Ok(Some(walked)) => walked,
                 Ok(None) => {
@@ -143,7 +143,7 @@ impl<M: Memory> Spy<M> {
             self.sampler
                 .guess_stack(self.target.layout, hints, thread, ec);
             sampled.push(SampledThread {
-                info: self.sampler.threads[i].1.clone(),
+                info: self.sampler.threads[i].info.clone(),
                 state,
                 frames: stack.frames,
                 stack_token: stack.token,
@@ -158,7 +158,7 @@ impl<M: Memory> Spy<M> {
         let Some(read) = batch.threads[i].tag else {
             return super::Tags::default();
         };
-        let thread = self.sampler.threads[i].0;
+        let thread = self.sampler.threads[i].thread;
         let nt = batch.nt(i, self.target.layout);
         let mut d = Decoder {
             target: &self.target,
@@ -201,7 +201,7 @@ impl<M: Memory> Spy<M> {
                     && (walked_late || batch.tags_read_late(*i, self.target.layout))
             })
             .map(|(k, (i, _))| {
-                let thread = self.sampler.threads[*i].0;
+                let thread = self.sampler.threads[*i].thread;
                 (k, (thread, self.tags.sampled_table(thread)))
             })
             .collect();
@@ -270,7 +270,7 @@ impl<M: Memory> Spy<M> {
         self.sampler.read_at = None;
         self.fresh_thread_list()?;
         for thread in failed {
-            if self.sampler.threads.iter().any(|(t, _)| *t == thread) {
+            if self.sampler.threads.iter().any(|t| t.thread == thread) {
                 dropped.push("stack changed while read");
             }
         }

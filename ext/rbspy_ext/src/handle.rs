@@ -143,7 +143,8 @@ impl Handle {
         Ok(h)
     }
 
-    /// Every Ruby thread: `[{tid:, name:, main:, state:, frames: [frame_row, ...], tags:
+    /// Every Ruby thread of every Ractor: `[{tid:, name:, main:, ractor:, ractor_name:, state:,
+    /// frames: [frame_row, ...], tags:
     /// [[key, value], ...]}, ...]`.
     fn thread_snapshots(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let (threads, _dropped) = run(ruby, rb_self.own_process, "sampling threads", || {
@@ -159,6 +160,8 @@ impl Handle {
             h.aset(ruby.to_symbol("tid"), t.info.tid)?;
             h.aset(ruby.to_symbol("name"), t.info.name.clone())?;
             h.aset(ruby.to_symbol("main"), t.info.main)?;
+            h.aset(ruby.to_symbol("ractor"), t.info.ractor)?;
+            h.aset(ruby.to_symbol("ractor_name"), t.info.ractor_name.clone())?;
             h.aset(ruby.to_symbol("state"), t.state.name())?;
             h.aset(ruby.to_symbol("frames"), frames)?;
             h.aset(ruby.to_symbol("tags"), tag_pairs(ruby, &t.tags)?)?;

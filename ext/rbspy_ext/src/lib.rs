@@ -44,9 +44,29 @@ fn check_series(ruby: &Ruby) -> Result<(), Error> {
     ))
 }
 
+/// Marks the methods defined next as callable from any Ractor (3.0+). What they share
+/// between Ractors was audited for it:
+/// - `state.rs`: the published-table registry (`PUBLISHED`: a mutex, taken without calling
+///   into Ruby, so no GC barrier can stop a holder) and its per-native-thread slots; the
+///   fiber-local's ID (interned once at load); the fiber-switch hook, which Ruby keeps per
+///   Ractor and so each Ractor installs (a Ractor-local flag), and the process-wide
+///   thread-resumed hook, installed once behind an atomic flag; the grace period (atomic);
+/// - wrapped types' classes, resolved at load (`resolve_class`), and error classes, looked
+///   up by constant on each error (a module is shareable);
+/// - handles, recorders and profiles are objects of the Ractor that made them, each behind
+///   its own mutex.
+fn ractor_safe() {
+    #[cfg(ruby_gte_3_0)]
+    // SAFETY: sets a flag Ruby reads while the extension's Init function defines methods.
+    unsafe {
+        rb_sys::rb_ext_ractor_safe(true)
+    };
+}
+
 #[magnus::init]
 fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
+    ractor_safe();
     handle::init(ruby)?;
     state::init(ruby)?;
     tag::init(ruby)?;

@@ -317,7 +317,7 @@ impl NativeProfile {
         Ok(out)
     }
 
-    /// `[{pid:, tid:, name:, main:, states: {state => samples}}, ...]`
+    /// `[{pid:, tid:, name:, main:, ractor:, ractor_name:, states: {state => samples}}, ...]`
     fn threads(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let p = &rb_self.0;
         let out = ruby.ary_new();
@@ -338,6 +338,8 @@ impl NativeProfile {
             h.aset(ruby.to_symbol("tid"), t.tid)?;
             h.aset(ruby.to_symbol("name"), t.name.clone())?;
             h.aset(ruby.to_symbol("main"), t.main)?;
+            h.aset(ruby.to_symbol("ractor"), t.ractor)?;
+            h.aset(ruby.to_symbol("ractor_name"), t.ractor_name.clone())?;
             h.aset(ruby.to_symbol("states"), states)?;
             out.push(h)?;
         }

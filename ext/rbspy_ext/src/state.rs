@@ -520,19 +520,72 @@ unsafe extern "C" fn on_thread_resumed(
     }
 }
 
-/// Whether `on_fiber_switch` is installed: only from the first state a fiber applies, so a
-/// process that loads the gem and never tags pays nothing on fiber switches. Until then every
-/// fiber's state is nil and every thread's pointer null, which is what the hook would publish.
-static HOOK_INSTALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether this Ractor has installed `on_fiber_switch`: only from the first state one of its
+/// fibers applies, so a process that loads the gem and never tags pays nothing on fiber
+/// switches. Until then every fiber's state is nil and every thread's pointer null, which is
+/// what the hook would publish. Ruby keeps event hooks per Ractor (3.0+), so each Ractor
+/// installs its own, and remembers it in a Ractor-local slot (`hooks::here`).
+#[cfg(ruby_gte_3_0)]
+mod hooks {
+    use std::sync::atomic::{AtomicPtr, Ordering};
+
+    /// The Ractor-local key, made once at load (by the main Ractor).
+    static KEY: AtomicPtr<rb_sys::rb_ractor_local_key_struct> =
+        AtomicPtr::new(std::ptr::null_mut());
+
+    pub fn init() {
+        // SAFETY: a key with the default (null) type: its slots hold a plain flag, with
+        // nothing to mark or free.
+        let key = unsafe { rb_sys::rb_ractor_local_storage_ptr_newkey(std::ptr::null()) };
+        KEY.store(key, Ordering::Relaxed);
+    }
+
+    /// Whether the current Ractor has its hook; marks it as having it when `set`.
+    pub fn here(set: bool) -> bool {
+        let key = KEY.load(Ordering::Relaxed);
+        // SAFETY: the key made by `init`, used with the current Ractor's GVL held.
+        unsafe {
+            let had = !rb_sys::rb_ractor_local_storage_ptr(key).is_null();
+            if set && !had {
+                // Any non-null pointer: the slot is a flag, never dereferenced.
+                rb_sys::rb_ractor_local_storage_ptr_set(key, std::ptr::dangling_mut());
+            }
+            had
+        }
+    }
+}
+
+/// Before Ractors (2.7) the process has one set of hooks.
+#[cfg(not(ruby_gte_3_0))]
+mod hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+    pub fn init() {}
+
+    pub fn here(set: bool) -> bool {
+        if set {
+            INSTALLED.swap(true, Ordering::Relaxed)
+        } else {
+            INSTALLED.load(Ordering::Relaxed)
+        }
+    }
+}
+
+/// Whether the thread-resumed hook is installed. Thread event hooks are the process's (not
+/// a Ractor's), so it is installed once, by whichever Ractor tags first.
+#[cfg(ruby_gte_3_3)]
+static THREAD_HOOK_INSTALLED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 fn install_hook() {
-    use std::sync::atomic::Ordering;
-    // With the GVL, so no two threads get here at once; the flag only saves the call.
-    if HOOK_INSTALLED.swap(true, Ordering::Relaxed) {
+    // With this Ractor's GVL, so none of its threads gets here at once; the flag only saves
+    // the call.
+    if hooks::here(true) {
         return;
     }
     // SAFETY: a raw-argument hook with the signature Ruby calls such hooks with
-    // (`(VALUE data, rb_trace_arg_t *)`), installed once.
+    // (`(VALUE data, rb_trace_arg_t *)`), installed once per Ractor.
     unsafe {
         add_event_hook_raw(
             on_fiber_switch,
@@ -540,18 +593,25 @@ fn install_hook() {
             rb_sys::Qnil as VALUE,
             HOOK_SAFE_RAW,
         );
-        #[cfg(ruby_gte_3_3)]
-        rb_internal_thread_add_event_hook(
-            on_thread_resumed,
-            rb_sys::RUBY_INTERNAL_THREAD_EVENT_RESUMED,
-            std::ptr::null_mut(),
-        );
+    }
+    // Atomically, as Ractors tag in parallel.
+    #[cfg(ruby_gte_3_3)]
+    if !THREAD_HOOK_INSTALLED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        // SAFETY: a hook with the signature Ruby calls thread event hooks with.
+        unsafe {
+            rb_internal_thread_add_event_hook(
+                on_thread_resumed,
+                rb_sys::RUBY_INTERNAL_THREAD_EVENT_RESUMED,
+                std::ptr::null_mut(),
+            );
+        }
     }
 }
 
-/// Whether the fiber-switch hook is installed yet (for specs and the benchmark).
+/// Whether the current Ractor's fiber-switch hook is installed yet (for specs and the
+/// benchmark).
 fn hook_installed() -> bool {
-    HOOK_INSTALLED.load(std::sync::atomic::Ordering::Relaxed)
+    hooks::here(false)
 }
 
 /// Whether this build re-syncs the pointer when a thread resumes (built for Ruby 3.3+, where
@@ -566,6 +626,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     // SAFETY: interning a static name; IDs of static names are never freed.
     let id = unsafe { rb_sys::rb_intern2(FIBER_LOCAL.as_ptr().cast(), FIBER_LOCAL.len() as _) };
     FIBER_LOCAL_ID.store(id as u64, std::sync::atomic::Ordering::Relaxed);
+    hooks::init();
     let module = ruby.define_module("RubySpy")?;
     let class: RClass = module.define_class("State", ruby.class_object())?;
     class.undef_default_alloc_func();

@@ -113,7 +113,23 @@ module RubySpy
                         pid: @pid, s: progress[:elapsed], n: progress[:samples], hz: @rate,
                         by: SORT_NAMES.fetch(@sort))]
         lines << states_line(profile) if profile
+        lines.concat(ractor_lines(profile)) if profile
         lines
+      end
+
+      # Once threads of other Ractors than the main one are seen: each Ractor's threads and
+      # how much of their time they ran (at most four lines).
+      def ractor_lines(profile)
+        ractors = profile.threads.group_by { |t| t[:ractor] }
+        return [] unless ractors.keys.any? { |id| id.to_i > 1 }
+
+        ractors.sort_by { |id, _| id.to_i }.first(4).map do |id, threads|
+          states = Hash.new(0)
+          threads.each { |t| t[:states].each { |s, n| states[s] += n } }
+          running = 100.0 * states["running"] / [states.values.sum, 1].max
+          name = id.to_i > 1 ? RubySpy.ractor_text(threads.first) : "main ractor"
+          format("  %s: %d thread%s, running %.1f%%", name, threads.size, threads.size == 1 ? "" : "s", running)
+        end
       end
 
       # Each state's share of the samples, over every thread.
@@ -131,6 +147,7 @@ module RubySpy
         tagged = handle.thread_snapshots.reject { |t| t[:tags].empty? }
         tagged.first(3).map do |t|
           name = t[:name] || (t[:main] ? "main" : t[:tid].to_s)
+          name += " in #{RubySpy.ractor_text(t)}" if t[:ractor].to_i > 1
           "Tags of #{name}: #{t[:tags].map { |k, v| "#{k}=#{v}" }.join(" ")}"
         end
       rescue RubySpy::Error

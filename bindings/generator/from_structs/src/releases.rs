@@ -296,12 +296,21 @@ macro_rules! layout {
                 l.some("ractor_gvl_owner", offset_of!(r::rb_ractor_t, threads.gvl.owner));
             });
             l.some("ractor_threads_main", offset_of!(r::rb_ractor_t, threads.main));
+            // Every ractor, for the recorder: a list threaded through each rb_ractor_t.
+            l.some("vm_ractor_set", offset_of!(r::rb_vm_t, ractor.set));
+            l.dec("ractor_list_node", offset_of!(r::rb_ractor_t, vmlr_node));
+            l.dec("ractor_id", offset_of!(r::rb_ractor_t, pub_.id));
+            l.dec("ractor_name", offset_of!(r::rb_ractor_t, name));
         } else {
             l.none("vm_main_ractor");
             l.dec("vm_main_thread", offset_of!(r::rb_vm_t, main_thread));
             l.some("vm_gvl_owner", offset_of!(r::rb_vm_t, gvl.owner));
             l.none("ractor_gvl_owner");
             l.none("ractor_threads_main");
+            l.none("vm_ractor_set");
+            l.dec("ractor_list_node", 0);
+            l.dec("ractor_id", 0);
+            l.dec("ractor_name", 0);
         });
 
         // rb_thread_t, rb_execution_context_t, rb_control_frame_t (`self` is `self_`).
