@@ -96,6 +96,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
         // A target that exits is seen by the next refresh (its memory no longer reads).
     }
     drain(spy, &mut bpf, &config, &mut rec);
+    super::note_ractors(spy, &mut rec.agg);
     rec.expired_tags = spy.captured_tags_expired() - expired_before;
     let stats = bpf.stats();
     // Detach and unload before the profile is handed over.

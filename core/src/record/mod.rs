@@ -381,6 +381,40 @@ pub(crate) fn new_aggregator<M: Memory>(
     agg
 }
 
+/// Notes the Ractors besides the main one that the recording sampled, and how many of them
+/// had ended by its end (their samples are kept): Ractors that come and go are the rule in
+/// a Ractor pool, and a reader should know the short-lived ones are in the profile. No note
+/// for a process that started none.
+pub(crate) fn note_ractors<M: Memory>(spy: &mut Spy<M>, agg: &mut Aggregator) {
+    let pid = spy.pid();
+    let seen: std::collections::BTreeSet<u32> = agg
+        .profile()
+        .threads
+        .iter()
+        .filter(|t| t.pid == pid && t.ractor > 1)
+        .map(|t| t.ractor)
+        .collect();
+    if seen.is_empty() {
+        return;
+    }
+    spy.forget_threads();
+    let note = match spy.threads() {
+        Ok(now) => {
+            let ended = seen
+                .iter()
+                .filter(|r| !now.iter().any(|t| t.ractor == **r))
+                .count();
+            format!(
+                "{} Ractors besides the main one were sampled; {ended} of them ended during \
+                 the recording (their samples are kept)",
+                seen.len()
+            )
+        }
+        Err(_) => format!("{} Ractors besides the main one were sampled", seen.len()),
+    };
+    agg.note(note);
+}
+
 /// Refreshes what a live display reads: the top functions, and with `live` the profile so
 /// far.
 pub(crate) fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {

@@ -118,6 +118,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     if let Ok(mut p) = progress.lock() {
         p.finished = true;
     }
+    super::note_ractors(spy, &mut agg);
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
     agg.set_cost(
