@@ -47,6 +47,9 @@ const volatile __u32 target_tgid = 0;
 const volatile __u64 pidns_dev = 0;
 const volatile __u64 pidns_ino = 0;
 const volatile __u64 thread_ec = 0;
+/* th->nt and nt->thread_id (3.2+; 0 before): see the check in rbspy_sample. */
+const volatile __u64 thread_nt = 0;
+const volatile __u64 nt_thread_id = 0;
 const volatile __u64 ec_vm_stack = 0; /* vm_stack, vm_stack_size and cfp follow it */
 const volatile __u64 cfp_size = 64;
 const volatile __u64 cfp_sp = 8;
@@ -113,6 +116,18 @@ int rbspy_sample(void *ctx)
      * may have a dead one's until user space refreshes the map. The tid tells them apart. */
     if (thread && thread->tid && thread->tid != tid)
         thread = 0;
+    /* Under M:N threads (a non-main Ractor's from 3.3) Ruby threads take turns on shared
+     * native threads, and a thread that leaves one has its nt cleared: the thread the map
+     * names must still run on this native thread, or this tick is another thread's, which
+     * user space learns of (and refreshes the map) as for an unknown thread. */
+    if (thread && thread_nt) {
+        __u64 nt = 0, runs_on = 0;
+        bpf_probe_read_user(&nt, 8, (void *)(thread->thread + thread_nt));
+        if (nt)
+            bpf_probe_read_user(&runs_on, 8, (void *)(nt + nt_thread_id));
+        if (runs_on != tp)
+            thread = 0;
+    }
     __u32 cpu = bpf_get_smp_processor_id();
     struct record *r = bpf_map_lookup_elem(&scratch, &cpu);
     if (!r)

@@ -269,6 +269,8 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         r.pidns_dev = dev;
         r.pidns_ino = ino;
         r.thread_ec = l.thread_ec;
+        r.thread_nt = l.thread_nt;
+        r.nt_thread_id = l.nt_thread_id;
         r.ec_vm_stack = l.ec_vm_stack;
         r.cfp_size = l.cfp_size;
         r.cfp_sp = l.cfp_sp;

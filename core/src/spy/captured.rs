@@ -42,6 +42,11 @@ pub struct Captured<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct CaptureLayout {
     pub thread_ec: u64,
+    /// `th->nt` and the native thread's `thread_id` (its pthread_t, the thread pointer), 0
+    /// before 3.2: a thread the program's map names must still run on the native thread
+    /// ticked (M:N threads move).
+    pub thread_nt: u64,
+    pub nt_thread_id: u64,
     pub ec_vm_stack: u64,
     pub cfp_size: u64,
     pub cfp_sp: u64,
@@ -74,8 +79,14 @@ impl<M: Memory> Spy<M> {
     pub fn capture_layout(&mut self) -> CaptureLayout {
         let l = self.target.layout;
         let objspace = self.sampler.objspace(&self.target);
+        let (thread_nt, nt_thread_id) = match (l.thread_nt, l.native_thread_pthread) {
+            (Some(nt), Some(id)) => (nt as u64, id as u64),
+            _ => (0, 0),
+        };
         CaptureLayout {
             thread_ec: l.thread_ec as u64,
+            thread_nt,
+            nt_thread_id,
             ec_vm_stack: l.ec_vm_stack as u64,
             cfp_size: l.cfp_size as u64,
             cfp_sp: l.cfp_sp as u64,
