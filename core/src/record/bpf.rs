@@ -36,6 +36,10 @@ struct Recording {
     unknown: u64,
     unknown_tids: FxHashSet<u32>,
     refresh_wanted: bool,
+    /// Whether the last refresh found threads of Ractors besides the main one: from 3.3 they
+    /// take turns on shared native threads, so a tid that ran no Ruby thread a moment ago
+    /// may run one now, and every unknown tick asks for a refresh (`REFRESH_SOONEST` apart).
+    shared_natives: bool,
     /// The time of the last sample on the timeline.
     last_at: Duration,
     /// Samples whose tag table was larger than the program copies, and whose value stack was.
@@ -120,6 +124,7 @@ impl Recording {
             unknown: 0,
             unknown_tids: FxHashSet::default(),
             refresh_wanted: false,
+            shared_natives: false,
             last_at: Duration::ZERO,
             tags_cut: 0,
             values_cut: 0,
@@ -223,6 +228,7 @@ fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut 
         rec.agg
             .note(format!("the thread map could not be updated: {e}"));
     }
+    rec.shared_natives = list.iter().any(|t| t.info.ractor > 1);
     rec.threads = list.into_iter().map(|t| (t.thread, t.info)).collect();
     true
 }
@@ -239,7 +245,7 @@ fn drain<M: Memory>(
     bpf.drain(|r: &Record| {
         if r.unknown {
             rec.unknown += 1;
-            rec.refresh_wanted |= rec.unknown_tids.insert(r.tid);
+            rec.refresh_wanted |= rec.unknown_tids.insert(r.tid) || rec.shared_natives;
             return;
         }
         // A record enters the ring when its program ends, so one that started earlier on

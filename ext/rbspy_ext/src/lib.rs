@@ -2,6 +2,7 @@
 //! docs and the error classes live in lib/; this file only wires the native class.
 use magnus::{Error, Ruby};
 
+mod current;
 mod errors;
 mod handle;
 mod hash;
@@ -69,6 +70,7 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     ractor_safe();
     handle::init(ruby)?;
     state::init(ruby)?;
+    current::init(ruby)?;
     tag::init(ruby)?;
     recorder::init(ruby)
 }

@@ -3,7 +3,8 @@
 //! three times: in Ruby it also cost a method frame, a keyword Hash, three calls into Rust
 //! and an ensure frame, half of its 6,200 instructions (`RUBYSPY_BENCH_CALLGRIND=1 ruby
 //! bench/rails.rb`).
-use crate::state::{apply_raw, current, state_of, State};
+use crate::current::{apply_raw, current};
+use crate::state::{state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{function, prelude::*, Error, IntoValue, RHash, Ruby, Value};
 use rb_sys::VALUE;
