@@ -6,10 +6,11 @@
 #
 #   ruby bench/ractors.rb                       # sid:outside (Debian's 3.4) and 4.0:outside
 #   ruby bench/ractors.rb host 3.2:outside      # others, named as RUBYSPY_TARGET_RUBY names them
-#   SECONDS=10 RATE=499 ruby bench/ractors.rb
+#   SECONDS=10 RATE=499 DUTY=0.25 ruby bench/ractors.rb
 #
 # Run from the repository root as root, after `rake compile` and `script/rubies build`.
-# For each Ruby, two recordings of SECONDS each (user space: every thread at RATE, each state
+# spin-a spins without pause; spin-b spins DUTY of the time (default 0.5: 20 ms on, 20 ms
+# asleep; 1 for without pause). For each Ruby, two recordings of SECONDS each (user space: every thread at RATE, each state
 # from its own Ractor's GVL; then BPF: a thread is sampled when on a CPU), each between two
 # readings of every task's CPU time. Per thread: samples by state, the share of ticks in which
 # it ran (user space: held its Ractor's GVL; BPF: was on a CPU), and the share of the window it
@@ -23,6 +24,7 @@ require_relative "../spec/support/target"
 
 SECONDS = Float(ENV.fetch("SECONDS", 5))
 RATE = Float(ENV.fetch("RATE", 199))
+DUTY = Float(ENV.fetch("DUTY", 0.5))
 CLOCK_TICKS = Etc.sysconf(Etc::SC_CLK_TCK)
 
 # CPU seconds of every task of +pid+: {tid => seconds}.
@@ -76,7 +78,8 @@ end
 specs = ARGV.empty? ? %w[sid:outside 4.0:outside] : ARGV
 specs.each do |spec|
   ruby = spec == "host" ? RubySpyTest::TargetRuby.new(nil) : RubySpyTest::TargetRuby.new(spec)
-  target = RubySpyTest::Target.start("ractor_spinners", ruby: ruby)
+  env = DUTY < 1 ? { "SPIN_B_DUTY" => DUTY.to_s } : {}
+  target = RubySpyTest::Target.start("ractor_spinners", env: env, ruby: ruby)
   begin
     label = "#{spec} (#{target.ruby_version})"
     %i[user bpf].each do |mode|

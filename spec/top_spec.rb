@@ -90,6 +90,22 @@ RSpec.describe "rubyspy top" do
     expect(exit_status).to eq(0)
   end
 
+  it "adds a line per Ractor once threads of other Ractors run, with each one's share running" do
+    target = start_target("ractor_spinners")
+    start_top("--pid", target.pid, "--rate", 200)
+    text = await(/ractor \d+ \(spin-b\)/)
+    %w[a b].each do |x|
+      line = text.lines.find { |l| l.include?("(spin-#{x})") }
+      running = line&.match(/\A  ractor \d+ \(spin-#{x}\): 1 thread, running ([\d.]+)%/)&.captures&.first
+      expect(running).not_to be_nil, text
+      expect(Float(running)).to be > 90
+    end
+    expect(text).to match(/^  main ractor: 1 thread, running 0\.0%/)
+    expect(text).to include("Spinners.spin_a")
+    keys("q")
+    expect(exit_status).to eq(0)
+  end
+
   it "shows each thread's current tags, and the blocked threads with --idle" do
     target = start_target("tagged")
     start_top("--pid", target.pid, "--idle")

@@ -213,6 +213,8 @@ pub struct Aggregator {
     frame_ids_by_address: FxHashMap<(usize, usize, i32, bool), u32>,
     keep_alive: Vec<Frame>,
     thread_ids: FxHashMap<(i32, u64, i64), u32>,
+    /// The newest thread index of each (pid, Ruby thread), for samples whose tid is unknown.
+    latest_thread: FxHashMap<(i32, u64), u32>,
     stack_ids: FxHashMap<(u32, ThreadState, Vec<u32>, u32), usize>,
     /// Stack index by (pid, walker token, Ruby thread, tid, state, tag set); see `add_stack`.
     stack_by_token: FxHashMap<(i32, u64, u64, i64, ThreadState, u32), usize>,
@@ -325,6 +327,36 @@ impl Aggregator {
         }
     }
 
+    /// The index of a thread not seen with this tid. A Ruby thread's address is reused once
+    /// it ends, so the tid tells a new thread from an old one; but an M:N thread (a non-main
+    /// Ractor's from 3.3) asleep holds no native thread and reads tid 0, and one seen before
+    /// the spy knew its tid learns it later: both are the thread already there.
+    fn new_thread_id(&mut self, thread: &ThreadInfo) -> u32 {
+        let key = (thread.pid, thread.ruby_thread, thread.tid);
+        let threads = &mut self.profile.threads;
+        let same = self
+            .latest_thread
+            .get(&(thread.pid, thread.ruby_thread))
+            .copied()
+            .filter(|i| thread.tid == 0 || threads[*i as usize].tid == 0);
+        let id = match same {
+            Some(id) => {
+                if thread.tid != 0 {
+                    threads[id as usize].tid = thread.tid;
+                }
+                id
+            }
+            None => {
+                threads.push(thread.clone());
+                (threads.len() - 1) as u32
+            }
+        };
+        self.thread_ids.insert(key, id);
+        self.latest_thread
+            .insert((thread.pid, thread.ruby_thread), id);
+        id
+    }
+
     /// The index of this thread's stack in the profile, added if new.
     fn stack_index(
         &mut self,
@@ -334,11 +366,10 @@ impl Aggregator {
         tags: u32,
     ) -> usize {
         let key = (thread.pid, thread.ruby_thread, thread.tid);
-        let threads = &mut self.profile.threads;
-        let thread_id = *self.thread_ids.entry(key).or_insert_with(|| {
-            threads.push(thread.clone());
-            (threads.len() - 1) as u32
-        });
+        let thread_id = match self.thread_ids.get(&key) {
+            Some(id) => *id,
+            None => self.new_thread_id(thread),
+        };
         let ids: Vec<u32> = frames.iter().map(|f| self.frame_id(f)).collect();
         let key = (thread_id, state, ids, tags);
         match self.stack_ids.get(&key) {

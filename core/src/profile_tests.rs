@@ -72,3 +72,33 @@ fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
     assert_eq!(p.stacks[0].count, 10_000);
     assert_eq!(p.stacks[1].state, ThreadState::Running);
 }
+
+#[test]
+fn a_thread_seen_without_its_tid_is_the_same_thread_and_a_new_tid_a_new_one() {
+    let spinner = |tid| ThreadInfo {
+        pid: 1,
+        tid,
+        name: Some("spinner-b".into()),
+        ruby_thread: 0x20,
+        main: false,
+        ractor: 3,
+        ractor_name: Some("spin-b".into()),
+    };
+    let mut agg = Aggregator::new(1, "3.4.1", 99.0, 0);
+    let work = [frame("Spinners.spin_b", "s.rb", 40, false)];
+    // An M:N thread asleep reads tid 0 before and after it is seen on a native thread.
+    for tid in [0, 0, 42, 0, 42] {
+        agg.add(&spinner(tid), ThreadState::Running, &work);
+    }
+    let p = agg.profile();
+    assert_eq!(p.threads.len(), 1);
+    assert_eq!(p.threads[0].tid, 42);
+    assert_eq!(p.stacks.iter().map(|s| s.count).sum::<u64>(), 5);
+    // Another tid at the same address: a thread that began where an ended one was.
+    agg.add(&spinner(43), ThreadState::Running, &work);
+    let p = agg.finish(1);
+    assert_eq!(
+        p.threads.iter().map(|t| t.tid).collect::<Vec<_>>(),
+        [42, 43]
+    );
+}

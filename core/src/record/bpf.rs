@@ -68,8 +68,14 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
         if stop.load(Ordering::Relaxed) || over {
             break;
         }
+        // Threads that move between shared native threads are found again at the next drain.
+        let soonest = if rec.shared_natives {
+            Duration::ZERO
+        } else {
+            REFRESH_SOONEST
+        };
         let due = refreshed.is_none_or(|t| {
-            t.elapsed() >= REFRESH_EVERY || (rec.refresh_wanted && t.elapsed() >= REFRESH_SOONEST)
+            t.elapsed() >= REFRESH_EVERY || (rec.refresh_wanted && t.elapsed() >= soonest)
         });
         if due {
             refreshed = Some(Instant::now());

@@ -10,6 +10,7 @@ use super::{field, Attempt, Memory, Spy};
 use crate::error::{Error, Result};
 use crate::model::ThreadInfo;
 use crate::objects::{is_heap_object, read_string, word, word32};
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,6 +48,16 @@ impl<M: Memory> Spy<M> {
     pub(super) fn read_thread_list(&mut self) -> std::result::Result<(), Attempt> {
         let ractors = self.read_ractors()?;
         let node_offset = self.target.layout.thread_list_node as u64;
+        // Under M:N threads (a non-main Ractor's from 3.3) a thread that sleeps holds no
+        // native thread, so it reads tid 0; it keeps the tid it was last seen on, or every
+        // nap would make it a new thread in a profile.
+        let known: FxHashMap<(u64, u32), i64> = self
+            .sampler
+            .threads
+            .iter()
+            .filter(|t| t.info.tid != 0)
+            .map(|t| ((t.thread, t.info.ractor), t.info.tid))
+            .collect();
         let mut threads = Vec::new();
         for (index, ractor) in ractors.iter().enumerate() {
             let head = ractor.threads;
@@ -63,6 +74,9 @@ impl<M: Memory> Spy<M> {
                 let mut info = self.thread_info(thread)?;
                 info.ractor = ractor.id;
                 info.ractor_name = ractor.name.clone();
+                if info.tid == 0 {
+                    info.tid = known.get(&(thread, ractor.id)).copied().unwrap_or(0);
+                }
                 threads.push(Listed {
                     thread,
                     info: Arc::new(info),
