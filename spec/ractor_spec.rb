@@ -15,10 +15,13 @@ RSpec.describe "Ractors" do
   include RubySpyTest::Recording
 
   target_ruby = RubySpyTest::TargetRuby.current
-  variants = [{}]
-  # Four shared native threads: with fewer (4.1-dev's default on two CPUs), two spinning
-  # Ractors starve the main thread, which then never announces (Ruby's scheduler, not ours).
-  variants << { "RUBY_MN_THREADS" => "1", "RUBY_MAX_CPU" => "4" } if target_ruby.version >= Gem::Version.new("3.3")
+  # Eight shared native threads, 3.3's and 4.0's default, whatever the machine: 4.1-dev
+  # defaults to one per CPU, and on two CPUs two Ractors that never block starve every other
+  # Ractor (and, under RUBY_MN_THREADS=1, the main thread), which then never starts or
+  # announces. Ruby's scheduler, not ours; earlier Rubies ignore the variable.
+  threads_env = { "RUBY_MAX_CPU" => "8" }
+  variants = [threads_env]
+  variants << threads_env.merge("RUBY_MN_THREADS" => "1") if target_ruby.version >= Gem::Version.new("3.3")
 
   before do
     skip "Ractors need Ruby 3.0+ (target: #{target_ruby}, #{target_ruby.version})" if target_ruby.version < Gem::Version.new("3.0")
@@ -53,7 +56,7 @@ RSpec.describe "Ractors" do
   end
 
   variants.each do |env|
-    context(env.empty? ? "with the default scheduler" : "with #{env.map { |k, v| "#{k}=#{v}" }.join(' ')}") do
+    context(env.key?("RUBY_MN_THREADS") ? "with RUBY_MN_THREADS=1" : "with the default scheduler") do
       it "lists every Ractor's threads, each stack equal to its own backtrace_locations" do
         target = start_target("ractors_parked", env: env)
         threads = settled_threads(RubySpy.attach(target.pid), 4)
@@ -149,7 +152,7 @@ RSpec.describe "Ractors" do
     # fibers, while GC.stress collects at almost every allocation: each tag read from
     # outside must come with its own Ractor's thread and frames.
     it "reads each Ractor's own tags under GC.stress, none wrong" do
-      target = start_target("ractor_tags", env: { "GC_STRESS" => "1" })
+      target = start_target("ractor_tags", env: threads_env.merge("GC_STRESS" => "1"))
       target.info.fetch("ractors").each do |r|
         expect(r).to include("tags_ok" => true, "published" => true)
       end
@@ -182,20 +185,43 @@ RSpec.describe "Ractors" do
     end
   end
 
+  # The same four Ractors sampled in the kernel: the program reads each thread's table
+  # through its native thread's pointer, which a thread's resume re-syncs under M:N.
+  it "reads each Ractor's own tags in the kernel too, none wrong" do
+    skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+    skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
+
+    target = start_target("ractor_tags", env: threads_env)
+    profile = record(target.pid, mode: :bpf, rate: 499, duration: 1.5)
+    groups = profile.group_by(:job)
+    expect(groups.keys.compact.sort).to eq(%w[r0 r1 r2 r3])
+    groups.each do |job, group|
+      next if job.nil?
+
+      index = job.delete_prefix("r")
+      expect(group.threads.map { |t| [t[:name], t[:ractor_name]] }.uniq).to eq([["tagger-#{index}", "tag-#{index}"]])
+      others = group.stacks.sum do |st|
+        st[:frames].any? { |f| f.label =~ /Taggers\.burn_(\d)\z/ && Regexp.last_match(1) != index } ? st[:samples] : 0
+      end
+      expect(others).to eq(0)
+    end
+  end
+
   # Ractors that start and end during a recording, every fourth ending by an exception.
   it "keeps the samples of Ractors that come and go, and counts them in the notes" do
-    target = start_target("ractor_churn")
+    target = start_target("ractor_churn", env: threads_env)
     profile = record(target.pid, duration: 2)
     churners = profile.threads.select { |t| t[:ractor] > 1 }
-    expect(churners.size).to be >= 5
+    expect(churners.size).to be >= 5, churners.inspect
     expect(churners.map { |t| t[:ractor_name] }).to all(match(/\Achurn-\d+\z/))
     expect(profile.share("Churn.churn_work")).to be > 0.2
-    expect(profile.errors.values.sum).to be <= 0.02 * profile.samples
+    # A Ractor's thread caught while it starts or ends is dropped, counted (some 1 %).
+    expect(profile.errors.values.sum).to be <= 0.05 * profile.samples, profile.errors.inspect
     note = profile.notes.grep(/Ractors besides the main one/).first
     expect(note).not_to be_nil, profile.notes.inspect
     sampled, ended = note.scan(/\d+/).map(&:to_i)
-    expect(sampled).to eq(churners.map { |t| t[:ractor] }.uniq.size)
-    expect(ended).to be >= sampled - 2 # at most two are alive at the end
+    expect(sampled).to eq(churners.map { |t| t[:ractor] }.uniq.size), note
+    expect(ended).to be >= sampled - 2, note # at most two are alive at the end
     expect(RubySpyTest.process_problems(target.pid)).to be_empty
   end
 end
