@@ -28,8 +28,11 @@ pub(super) struct ThreadSampler {
     pub(super) last_owners: Vec<u64>,
     /// The GC's `rb_objspace` (read once: it lives as long as the VM).
     pub(super) objspace: Option<u64>,
-    /// The arena of a sample's one call, reused from sample to sample.
+    /// The arena of a sample's one call, reused from sample to sample (no allocation per
+    /// sample in the steady state).
     pub(super) reads: ReadBatch,
+    /// The spans of each Ractor's GVL owner word, reused likewise.
+    owner_spans: Vec<Span>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -102,7 +105,9 @@ impl ThreadSampler {
         let objspace = self.objspace(t);
         let mut reads = std::mem::take(&mut self.reads);
         reads.clear();
-        let owners = self.ractors.iter().map(|r| reads.add(r.owner, 8)).collect();
+        let mut owners = std::mem::take(&mut self.owner_spans);
+        owners.clear();
+        owners.extend(self.ractors.iter().map(|r| reads.add(r.owner, 8)));
         let gc_flags = if is_heap_object(objspace) {
             reads.add(field(objspace, l.objspace_flags), 4)
         } else {
@@ -295,6 +300,7 @@ impl ThreadSampler {
     /// The sample's arena, kept for the next sample.
     pub(super) fn discard(&mut self, batch: Batch) {
         self.reads = batch.reads;
+        self.owner_spans = batch.owners;
     }
 }
 
