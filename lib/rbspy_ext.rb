@@ -14,6 +14,7 @@ require_relative "rbspy_ext/handle"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
 require_relative "rbspy_ext/state"
+require_relative "rbspy_ext/server"
 # The Rails integration tags requests and jobs by itself (rbspy_ext/rails.rb); Rack apps use
 # RubySpy::Rack::Tags and RubySpy::Rack::Pprof (rbspy_ext/rack.rb), loaded on first use.
 require_relative "rbspy_ext/rails" if defined?(Rails::Railtie)
@@ -74,3 +75,7 @@ module RubySpy
     end
   end
 end
+
+# RUBYSPY_PPROF=127.0.0.1:6060 opens a pprof listener of its own (RubySpy::Server) as soon as
+# the gem is loaded, for processes started by a command line one cannot edit.
+RubySpy::Server.start_from_env if ENV[RubySpy::Server::ENV_ADDRESS]

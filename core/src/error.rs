@@ -81,6 +81,16 @@ pub enum Error {
     /// The BPF sampler cannot run here: the reason says what is missing and what to do.
     #[error("the BPF sampler cannot run: {0}")]
     BpfUnavailable(String),
+    /// The pprof listener could not open its port (in use, or below 1024 without privilege).
+    #[error(
+        "cannot listen on {addr}: {source} (another process may hold the port: \
+         pick another port, or stop that process)"
+    )]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -11,6 +11,7 @@
 //! - [`profile`]: samples aggregated into a [`profile::Profile`];
 //! - [`record`]: the recorder over both samplers (user space and BPF);
 //! - [`timeline`]: the order of a profile's samples;
+//! - [`serve`]: the pprof listener, a port of its own on native threads;
 //! - [`output`]: every output format of a profile, and reading the raw one back.
 #[cfg(feature = "bpf")]
 pub mod bpf;
@@ -24,6 +25,7 @@ pub mod output;
 pub mod process;
 pub mod profile;
 pub mod record;
+pub mod serve;
 pub mod spy;
 pub mod timeline;
 pub mod vm;

@@ -106,6 +106,26 @@ pub fn descendants(root: i32) -> Vec<i32> {
     found
 }
 
+/// The worker number a preforking server gave process `pid` in its title (`$0`, which Ruby
+/// writes over the process's argv, so /proc/PID/cmdline shows it): Puma's "puma: cluster
+/// worker 1: 4242 [app]", Unicorn's and Pitchfork's "... worker[1] ...". None for any other
+/// process, or one that is gone.
+pub fn worker_name(pid: i32) -> Option<String> {
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    worker_in_title(&String::from_utf8_lossy(&cmdline))
+}
+
+fn worker_in_title(title: &str) -> Option<String> {
+    let digits = |s: &str| -> Option<String> {
+        let n: String = s.chars().take_while(char::is_ascii_digit).collect();
+        (!n.is_empty()).then_some(n)
+    };
+    if let Some(rest) = title.split_once("cluster worker ").map(|(_, r)| r) {
+        return digits(rest);
+    }
+    title.split_once("worker[").and_then(|(_, r)| digits(r))
+}
+
 /// How a process differs from the one an [`Identity`] was taken of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Replaced {
@@ -368,6 +388,23 @@ pub fn find_profiler_state_symbols(pid: i32, maps: &[Mapping]) -> Option<Profile
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_numbers_come_from_preforking_servers_titles() {
+        let w = |t: &str| worker_in_title(t);
+        assert_eq!(
+            w("puma: cluster worker 1: 4242 [app]").as_deref(),
+            Some("1")
+        );
+        assert_eq!(w("puma: cluster worker 12: 4242").as_deref(), Some("12"));
+        assert_eq!(
+            w("unicorn worker[3] -c config/unicorn.rb").as_deref(),
+            Some("3")
+        );
+        assert_eq!(w("puma 6.6.0 (tcp://127.0.0.1:3000) [app]"), None);
+        assert_eq!(w("ruby\0bin/rails\0server"), None);
+        assert_eq!(w("sidekiq worker[x]"), None);
+    }
 
     #[test]
     fn parses_maps_lines_with_and_without_paths() {

@@ -72,6 +72,11 @@ pub struct Profile {
     /// and in profiles shaped for a view).
     #[serde(default)]
     pub timeline: Timeline,
+    /// The worker number of each process a preforking server forked ("0", "1"...), and
+    /// "master" for the recorded process when it has any (`process::worker_name`); pprof
+    /// labels samples with it. Empty for a profile of a single process.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub workers: BTreeMap<i32, String>,
 }
 
 fn no_tags() -> Vec<TagSet> {
@@ -116,6 +121,7 @@ impl Profile {
             read_calls: self.read_calls,
             tag_sets: self.tag_sets.clone(),
             timeline: Timeline::default(),
+            workers: self.workers.clone(),
         }
     }
 
@@ -437,6 +443,11 @@ impl Aggregator {
     /// Counts `n` dropped samples.
     pub fn errors(&mut self, reason: &str, n: u64) {
         *self.profile.errors.entry(reason.to_string()).or_insert(0) += n;
+    }
+
+    /// Names process `pid` as a worker (see `Profile::workers`).
+    pub fn name_worker(&mut self, pid: i32, name: String) {
+        self.profile.workers.insert(pid, name);
     }
 
     pub fn note(&mut self, note: String) {

@@ -49,4 +49,8 @@ module RubySpy
   # program, or this build of the gem has none. The message says which and what to do; a
   # recording without +mode: :bpf+ still works.
   class BpfUnavailable < Error; end
+
+  # The pprof listener ({Server.start}) could not open its port: another process holds it,
+  # or it is below 1024 and this process may not bind it. The message names the address.
+  class ListenError < Error; end
 end

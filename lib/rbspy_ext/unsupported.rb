@@ -29,6 +29,13 @@ module RubySpy
     end
   end
 
+  class NativeServer
+    # @api private
+    def self.start(*)
+      Unsupported.raise_error
+    end
+  end
+
   class NativeProfile
     # Nothing renders here.
     FORMATS = {}.freeze

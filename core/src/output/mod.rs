@@ -42,7 +42,7 @@ mod view;
 pub use raw::read_raw;
 pub(crate) use view::view;
 
-use crate::model::Frame;
+use crate::model::{Frame, ThreadInfo};
 use crate::profile::Profile;
 use std::fmt;
 use std::io::Write;
@@ -288,11 +288,16 @@ pub(crate) fn stack_samples(profile: &Profile) -> u64 {
 /// profiled one (a subprocess) is prefixed "Process N", and one of a Ractor other than the
 /// main one ends "in ractor 2 (name)".
 pub fn thread_label(profile: &Profile, thread: u32) -> String {
-    let Some(t) = profile.threads.get(thread as usize) else {
-        return format!("Thread #{thread}");
-    };
+    match profile.threads.get(thread as usize) {
+        Some(t) => thread_title(t, profile.pid),
+        None => format!("Thread #{thread}"),
+    }
+}
+
+/// [`thread_label`] of one thread, for a view of process `pid`.
+pub fn thread_title(t: &ThreadInfo, pid: i32) -> String {
     let mut label = String::new();
-    if t.pid != profile.pid {
+    if t.pid != pid {
         label.push_str(&format!("Process {} ", t.pid));
     }
     if t.tid != 0 {

@@ -6,7 +6,8 @@
 //! - one sample per aggregated stack, locations leaf first, labelled `thread` (its
 //!   [`thread_label`]), `thread_id` (native id), `state` and `pid`, `ractor` (its id) and
 //!   `ractor_name` (if it has one) once the profile holds more than the main Ractor's
-//!   threads, and its tags; threads are
+//!   threads, `worker` (a preforking server's worker number, or `master`) in a profile
+//!   of a server and its workers, and its tags; threads are
 //!   labels only (`go tool pprof -tagroot=thread` draws a root per thread), since a fleet
 //!   backend merges profiles of many processes, whose thread ids differ;
 //! - a function per label + path (`name` = label, `system_name` = base label, `filename` =
@@ -325,6 +326,10 @@ fn labels(
         text(strings, "state", stack.state.name()),
         number(strings, "pid", thread.pid as i64),
     ];
+    if let Some(worker) = profile.workers.get(&thread.pid) {
+        // Text, for the same reason as `ractor`.
+        labels.push(text(strings, "worker", worker));
+    }
     if ractors && thread.ractor > 0 {
         // Text, not a number: fleet backends (Pyroscope) index string labels only.
         labels.push(text(strings, "ractor", &thread.ractor.to_string()));

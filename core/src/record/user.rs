@@ -6,7 +6,7 @@ use super::{new_aggregator, refresh_live, unix_ns, RecordConfig, Run, Timer};
 use crate::cost::thread_cpu_ns;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
-use crate::process::descendants;
+use crate::process::{descendants, worker_name};
 use crate::profile::{Aggregator, Profile};
 use crate::spy::Spy;
 use std::sync::atomic::Ordering;
@@ -83,6 +83,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
             last_scan = Some(Instant::now());
             if config.subprocesses {
                 children.attach_new(pid, &config, &mut agg, started);
+                children.name_workers(pid, &mut agg);
             }
             refresh_live(progress, &agg, config.live);
         }
@@ -118,6 +119,9 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     if let Ok(mut p) = progress.lock() {
         p.finished = true;
     }
+    if config.subprocesses {
+        children.name_workers(pid, &mut agg);
+    }
     super::note_ractors(spy, &mut agg);
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
@@ -144,6 +148,8 @@ fn wait_until(next: Instant, now: Instant) -> Instant {
 #[derive(Default)]
 struct Children {
     spies: Vec<Spy>,
+    /// Children whose worker number is known (`Profile::workers`).
+    named: Vec<i32>,
     /// Children found not to be Ruby (yet), with how often they were tried.
     not_ruby: rustc_hash::FxHashMap<i32, u32>,
     /// `process_vm_readv` calls of children that have ended.
@@ -178,6 +184,25 @@ impl Children {
                     self.not_ruby.insert(child, tries + 1);
                 }
             }
+        }
+    }
+
+    /// Reads the worker number of each child not named yet: a worker sets its title just
+    /// after it is forked, so it may have been attached before. The recorded process is the
+    /// workers' "master" once one is named.
+    fn name_workers(&mut self, root: i32, agg: &mut Aggregator) {
+        for child in &self.spies {
+            let pid = child.pid();
+            if self.named.contains(&pid) {
+                continue;
+            }
+            if let Some(name) = worker_name(pid) {
+                agg.name_worker(pid, name);
+                self.named.push(pid);
+            }
+        }
+        if !self.named.is_empty() && !agg.profile().workers.contains_key(&root) {
+            agg.name_worker(root, "master".into());
         }
     }
 

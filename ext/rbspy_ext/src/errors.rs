@@ -25,6 +25,7 @@ pub fn to_ruby(ruby: &Ruby, e: CoreError) -> Error {
         }
         CoreError::Io { .. } => "Error",
         CoreError::BpfUnavailable(_) => "BpfUnavailable",
+        CoreError::Listen { .. } => "ListenError",
     };
     Error::new(class(ruby, name), e.to_string())
 }

@@ -8,6 +8,7 @@ mod handle;
 mod hash;
 mod nogvl;
 mod recorder;
+mod server;
 mod state;
 mod tag;
 
@@ -54,6 +55,8 @@ fn check_series(ruby: &Ruby) -> Result<(), Error> {
 ///   thread-resumed hook, installed once behind an atomic flag; the grace period (atomic);
 /// - wrapped types' classes, resolved at load (`resolve_class`), and error classes, looked
 ///   up by constant on each error (a module is shareable);
+/// - the pprof listener's threads never call into Ruby; its fork handler is registered
+///   once behind a `Once`;
 /// - handles, recorders and profiles are objects of the Ractor that made them, each behind
 ///   its own mutex.
 fn ractor_safe() {
@@ -72,5 +75,6 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     state::init(ruby)?;
     current::init(ruby)?;
     tag::init(ruby)?;
+    server::init(ruby)?;
     recorder::init(ruby)
 }

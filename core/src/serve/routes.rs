@@ -1,0 +1,261 @@
+//! What the listener answers: Go's pprof paths, under the same rules as the Rack endpoint
+//! (lib/rbspy_ext/rack/pprof.rb): a token, or a loopback client not behind a proxy; one
+//! profile at a time (429); bounded parameters (400), and nothing else (no redirect).
+use super::http::{Request, Response};
+use super::Shared;
+use crate::output::{self, thread_title, Format, Options};
+use crate::process::{descendants, worker_name};
+use crate::record::{RecordConfig, Recorder};
+use crate::spy::{Spy, ThreadSelection};
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Longest profile one request may ask for, in seconds.
+pub const MAX_SECONDS: u64 = 60;
+/// Highest sampling rate one request may ask for, in Hz.
+pub const MAX_RATE: u64 = 1000;
+const DEFAULT_SECONDS: u64 = 30;
+const DEFAULT_RATE: u64 = 100;
+const BASE: &str = "/debug/pprof";
+
+enum Route {
+    Index,
+    Profile,
+    Threads,
+}
+
+pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> Response {
+    if request.method != "GET" && request.method != "HEAD" {
+        return Response::text(405, "only GET is served\n")
+            .with_header("allow", "GET, HEAD".into());
+    }
+    let route = match request.path.strip_prefix(BASE) {
+        Some("" | "/") => Route::Index,
+        Some("/profile") => Route::Profile,
+        Some("/threads") => Route::Threads,
+        _ => return Response::text(404, &format!("not found: try {BASE}/\n")),
+    };
+    let params = match Params::parse(&request.query) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    if !allowed(shared, request, &params, peer) {
+        return Response::text(
+            403,
+            "forbidden: send the token (?token= or Authorization: Bearer)\n",
+        );
+    }
+    match route {
+        Route::Index => params.only(&[]).map_or_else(|r| r, |()| index(shared)),
+        Route::Threads => params.only(&[]).map_or_else(|r| r, |()| threads(shared)),
+        Route::Profile => profile(shared, &params),
+    }
+}
+
+/// The query's parameters, each at most once.
+struct Params(Vec<(String, String)>);
+
+impl Params {
+    fn parse(query: &str) -> Result<Params, Response> {
+        let pairs: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+        for (i, (k, _)) in pairs.iter().enumerate() {
+            if pairs[..i].iter().any(|(seen, _)| seen == k) {
+                return Err(Response::text(400, &format!("parameter {k} given twice\n")));
+            }
+        }
+        Ok(Params(pairs))
+    }
+
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Err (400) when a parameter other than `allowed` and `token` is present.
+    fn only(&self, allowed: &[&str]) -> Result<(), Response> {
+        let unknown: Vec<&str> = self
+            .0
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .filter(|k| *k != "token" && !allowed.contains(k))
+            .collect();
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let known: Vec<&str> = allowed.iter().copied().chain(["token"]).collect();
+        Err(Response::text(
+            400,
+            &format!(
+                "unknown parameter {}: only {}\n",
+                unknown.join(", "),
+                known.join(", ")
+            ),
+        ))
+    }
+
+    /// A whole number in `range`, `default` when absent; None when anything else.
+    fn whole(&self, key: &str, default: u64, range: std::ops::RangeInclusive<u64>) -> Option<u64> {
+        let Some(text) = self.get(key) else {
+            return Some(default);
+        };
+        let digits =
+            !text.is_empty() && text.len() <= 6 && text.bytes().all(|b| b.is_ascii_digit());
+        let value: u64 = if digits {
+            text.parse().ok()?
+        } else {
+            return None;
+        };
+        range.contains(&value).then_some(value)
+    }
+}
+
+/// A matching token from anywhere; else, with none given, a loopback peer not behind a proxy.
+fn allowed(shared: &Shared, request: &Request, params: &Params, peer: SocketAddr) -> bool {
+    let given = params.get("token").or(request.bearer.as_deref());
+    if let Some(given) = given {
+        return shared
+            .config
+            .token
+            .as_deref()
+            .is_some_and(|token| same(given.as_bytes(), token.as_bytes()));
+    }
+    shared.config.loopback && !request.forwarded && peer.ip().to_canonical().is_loopback()
+}
+
+/// Compares in time that depends on the lengths only, not on where the first difference is.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn index(shared: &Shared) -> Response {
+    let config = &shared.config;
+    let scope = if config.subprocesses {
+        "this process and its Ruby subprocesses (each sample labelled with its pid, and a\n    preforking server's worker)"
+    } else {
+        "this process"
+    };
+    Response::text(
+        200,
+        &format!(
+            "rbspy_ext profiles of process {pid}, served on {addr}\n\n\
+             {BASE}/profile?seconds=N[&rate=HZ]\n    \
+             Records every thread of {scope}\n    \
+             for N seconds (1-{MAX_SECONDS}, default {DEFAULT_SECONDS}) at HZ samples a second \
+             (1-{MAX_RATE}, default {DEFAULT_RATE})\n    \
+             and returns a gzipped pprof profile: wall time by stack, labelled with each \
+             sample's thread,\n    state and RubySpy tags. Fetch it with: go tool pprof URL\n\n\
+             {BASE}/threads\n    The stack of every thread now, as text (like Go's goroutine \
+             dump).\n",
+            pid = config.pid,
+            addr = config.addr,
+        ),
+    )
+}
+
+fn profile(shared: &Shared, params: &Params) -> Response {
+    if let Err(r) = params.only(&["seconds", "rate"]) {
+        return r;
+    }
+    let Some(seconds) = params.whole("seconds", DEFAULT_SECONDS, 1..=MAX_SECONDS) else {
+        return Response::text(
+            400,
+            &format!("seconds must be a whole number from 1 to {MAX_SECONDS}\n"),
+        );
+    };
+    let Some(rate) = params.whole("rate", DEFAULT_RATE, 1..=MAX_RATE) else {
+        return Response::text(
+            400,
+            &format!("rate must be a whole number of Hz from 1 to {MAX_RATE}\n"),
+        );
+    };
+    if shared.busy.swap(true, Ordering::AcqRel) {
+        return Response::text(
+            429,
+            "a profile is already being recorded in this process; try again later\n",
+        )
+        .with_header("retry-after", seconds.to_string());
+    }
+    let response = record(shared, Duration::from_secs(seconds), rate as f64);
+    shared.busy.store(false, Ordering::Release);
+    response
+}
+
+fn record(shared: &Shared, seconds: Duration, rate_hz: f64) -> Response {
+    let config = RecordConfig {
+        rate_hz,
+        duration: Some(seconds),
+        subprocesses: shared.config.subprocesses,
+        ..RecordConfig::default()
+    };
+    let recorder = match Recorder::start(shared.config.pid, config) {
+        Ok(r) => r,
+        Err(e) => return Response::text(500, &format!("cannot record: {e}\n")),
+    };
+    // The recorder stops itself at the duration; the deadline only bounds a stuck stop.
+    let deadline = Instant::now() + seconds + Duration::from_secs(1);
+    while !recorder.finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let profile = recorder.stop();
+    let mut body = Vec::new();
+    if let Err(e) = output::write(&profile, Format::Pprof, &mut body, &Options::default()) {
+        return Response::text(500, &format!("cannot write the profile: {e}\n"));
+    }
+    Response {
+        status: 200,
+        content_type: "application/octet-stream",
+        extra: vec![(
+            "content-disposition",
+            "attachment; filename=\"profile.pb.gz\"".into(),
+        )],
+        body,
+    }
+}
+
+/// Every thread of the process (and its Ruby subprocesses), innermost frame first, as
+/// `rubyspy snapshot --threads all` prints it.
+fn threads(shared: &Shared) -> Response {
+    let root = shared.config.pid;
+    let mut pids = vec![root];
+    if shared.config.subprocesses {
+        pids.extend(descendants(root));
+    }
+    let mut text = String::new();
+    for pid in pids {
+        let attached = Spy::attach(pid).and_then(|mut spy| {
+            let (threads, _) = spy.sample_threads(ThreadSelection::All)?;
+            Ok((spy.version().to_string(), threads))
+        });
+        let (version, threads) = match attached {
+            Ok(found) => found,
+            Err(e) if pid == root => return Response::text(500, &format!("cannot read: {e}\n")),
+            Err(_) => continue, // a child that is not Ruby, or gone
+        };
+        let role = worker_name(pid)
+            .map(|w| format!(" (worker {w})"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            text,
+            "Process {pid}{role}, Ruby {version}, {} threads\n",
+            threads.len()
+        );
+        for t in &threads {
+            let _ = writeln!(text, "{}: {}", thread_title(&t.info, pid), t.state.name());
+            if !t.tags.is_empty() {
+                let tags: Vec<String> = t.tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                let _ = writeln!(text, "    tags: {}", tags.join(" "));
+            }
+            for f in t.frames.iter() {
+                let _ = writeln!(text, "    {}:{}:in '{}'", f.path, f.lineno, f.label);
+            }
+            text.push('\n');
+        }
+    }
+    Response::text(200, &text)
+}
