@@ -1,0 +1,37 @@
+# frozen_string_literal: true
+
+require "open3"
+require "tmpdir"
+
+module RubySpyTest
+  # Go's own pprof client (`go tool pprof`, from golang-go) reading what a scraper would.
+  module GoPprof
+    module_function
+
+    # Runs `go tool pprof ARGS` with a private cache and returns its output; raises with that
+    # output when it fails.
+    def go_pprof(*args)
+      Dir.mktmpdir do |dir|
+        out, status = Open3.capture2e({ "PPROF_TMPDIR" => dir, "HOME" => dir }, "go", "tool", "pprof", *args)
+        raise "go tool pprof #{args.join(' ')} failed:\n#{out}" unless status.success?
+
+        out
+      end
+    end
+
+    # The samples of `go tool pprof -traces` output, each as its labels and its functions
+    # (innermost first). A sample is a block between rules: "key:  value" label lines, then
+    # its value beside the first function ("      10ms   Process.clock_gettime"), then one
+    # function a line.
+    def traces(text)
+      text.split(/^-+\+-+$/).drop(1).filter_map do |block|
+        lines = block.lines.map(&:strip).reject(&:empty?)
+        labels, functions = lines.partition { |line| line.match?(/\A\w+:\s/) }
+        next if functions.empty?
+
+        { labels: labels.to_h { |line| line.split(/:\s+/, 2) },
+          functions: [functions.first.sub(/\A\S+\s+/, ""), *functions.drop(1)] }
+      end
+    end
+  end
+end
