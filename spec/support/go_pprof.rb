@@ -19,18 +19,18 @@ module RubySpyTest
       end
     end
 
-    # The samples of `go tool pprof -traces` output, each as its labels and its functions
-    # (innermost first). A sample is a block between rules: "key:  value" label lines, then
-    # its value beside the first function ("      10ms   Process.clock_gettime"), then one
-    # function a line.
+    # The samples of `go tool pprof -traces` output, each as its labels, its value ("10ms",
+    # or a count with -sample_index=samples) and its functions (innermost first). A sample is
+    # a block between rules: "key:  value" label lines, then its value beside the first
+    # function ("      10ms   Process.clock_gettime"), then one function a line.
     def traces(text)
       text.split(/^-+\+-+$/).drop(1).filter_map do |block|
         lines = block.lines.map(&:strip).reject(&:empty?)
         labels, functions = lines.partition { |line| line.match?(/\A\w+:\s/) }
         next if functions.empty?
 
-        { labels: labels.to_h { |line| line.split(/:\s+/, 2) },
-          functions: [functions.first.sub(/\A\S+\s+/, ""), *functions.drop(1)] }
+        value, first = functions.first.split(/\s+/, 2)
+        { labels: labels.to_h { |line| line.split(/:\s+/, 2) }, value: value, functions: [first, *functions.drop(1)] }
       end
     end
   end

@@ -97,7 +97,15 @@ module RubySpyTest
       return [RbConfig.ruby, *args] if host?
 
       flags = @jit ? ["--#{@jit}"] : []
-      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, "--", *flags, *args]
+      proc = @proc && inside? ? ["--proc"] : []
+      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, *proc, "--", *flags, *args]
+    end
+
+    # The same Ruby, with /proc mounted in its chroot when it runs inside one (script/rubies
+    # run --proc), for a fixture that reads its own memory through /proc, as one serving its
+    # own profiles does. A container always has /proc; a bare chroot does not.
+    def with_proc
+      dup.tap { |ruby| ruby.instance_variable_set(:@proc, true) }
     end
 
     # Where a path the target uses lives for the specs (inside a chroot: under its root).
