@@ -1,5 +1,13 @@
 # frozen_string_literal: true
 
+# Loadable alone: Puma's plugin loads this in the master before the app, and so before Rails.
+# Loading all of rbspy_ext there would make the workers' own `require "rbspy_ext"` (from
+# Bundler.require, after Rails) a no-op, and leave the app without its Railtie.
+require_relative "version"
+require_relative "error"
+require_relative "native"
+RubySpy::Native.load!
+
 module RubySpy
   # A pprof listener on a port of its own, as Go's net/http/pprof has: +go tool pprof+,
   # Grafana Alloy and Parca scrape it over plain HTTP, beside the application rather than

@@ -1,7 +1,9 @@
 # frozen_string_literal: true
 
 require "puma/plugin"
-require "rbspy_ext"
+# The listener alone, not all of rbspy_ext: the app (and Rails, whose Railtie rbspy_ext
+# defines only when Rails is loaded first) is loaded after this, in the workers.
+require "rbspy_ext/server"
 
 # +plugin :rubyspy+ in config/puma.rb: a pprof listener of its own in Puma's master
 # ({RubySpy::Server}), so one scrape records the master and every worker (each sample
