@@ -8,8 +8,17 @@ require "fileutils"
 
 module RubySpyTest
   # A real web server (Debian's Puma) running a fixture app from spec/fixtures, on a free
-  # loopback port, with lib/ on its load path; stopped after each example.
+  # loopback port, with lib/ on its load path; stopped after each example. With
+  # RUBYSPY_TARGET_RUBY=NAME:inside the app is made and served inside that chroot, by its own
+  # Ruby, Rails and Puma (script/rubies build installs them), as a container would serve it:
+  # #pid is still the host's pid of Puma, which the specs record from outside.
   class Server
+    # What a TLS-terminating proxy in front of the app adds to every request it passes on.
+    # Rails 7.2's production config forces SSL, answering plain HTTP with a 301 to https; the
+    # pprof endpoint is fetched from the app's port directly, in plain HTTP, through the
+    # app's config.ssl_options exclusion (spec/fixtures/rails_app/generate).
+    PROXY_HEADERS = { "X-Forwarded-Proto" => "https" }.freeze
+
     attr_reader :pid, :port, :log
 
     def self.free_port
@@ -19,41 +28,58 @@ module RubySpyTest
       server&.close
     end
 
+    # The headers a client of the app sends for +path+ (see PROXY_HEADERS).
+    def self.proxy_headers(path)
+      path.start_with?("/debug/pprof") ? {} : PROXY_HEADERS
+    end
+
     # A directory under spec/fixtures: one that holds a +generate+ script is an app made by
-    # that script (once per spec run) and served through Bundler, as its users would run it;
-    # any other holds a config.ru, served with lib/ on the load path.
-    def self.app_dir(app)
+    # that script (once per spec run, by the target Ruby) and served through Bundler, as its
+    # users would run it; any other holds a config.ru, served with lib/ on the load path.
+    # The directory as the target Ruby sees it.
+    def self.app_dir(app, ruby = TargetRuby.current)
       fixture = File.join(FIXTURES, app)
       generator = File.join(fixture, "generate")
       return fixture unless File.exist?(generator)
 
       @generated ||= {}
       @generated[app] ||= begin
-        parent = Dir.mktmpdir("rbspy-#{app}")
-        at_exit { FileUtils.rm_rf(parent) }
+        parent, host_parent = ruby.mktmpdir("rbspy-#{app}")
+        at_exit { FileUtils.rm_rf(host_parent) }
         dir = File.join(parent, app)
-        system(RbConfig.ruby, generator, dir, exception: true)
+        system(*ruby.command(generator, dir), exception: true)
         dir
       end
     end
 
     # @param app [String] see {.app_dir}
-    def initialize(app, env: {})
-      @dir = Server.app_dir(app)
-      @bundled = File.exist?(File.join(@dir, "Gemfile"))
+    def initialize(app, env: {}, ruby: TargetRuby.current)
+      raise ArgumentError, "apps are served by the host Ruby or inside a chroot, not by #{ruby}" unless ruby.host? || ruby.inside?
+
+      @ruby = ruby
+      @dir = Server.app_dir(app, ruby)
+      @bundled = File.exist?(ruby.host_path(File.join(@dir, "Gemfile")))
       @port = Server.free_port
-      @tmp = Dir.mktmpdir("rbspy-server")
+      target_tmp, @tmp = ruby.mktmpdir("rbspy-server")
       @log = File.join(@tmp, "puma.log")
       @pidfile = File.join(@tmp, "puma.pid")
-      @env = { "PORT" => @port.to_s, "PIDFILE" => @pidfile, "RAILS_ENV" => "production" }
-      @env[@bundled ? "BUNDLE_GEMFILE" : "RUBYLIB"] = @bundled ? File.join(@dir, "Gemfile") : File.join(ROOT, "lib")
+      @env = { "PORT" => @port.to_s, "PIDFILE" => File.join(target_tmp, "puma.pid"), "RAILS_ENV" => "production" }
+      if ruby.host? # inside, #command says the same with --chdir and -I
+        @env[@bundled ? "BUNDLE_GEMFILE" : "RUBYLIB"] = @bundled ? File.join(@dir, "Gemfile") : File.join(ROOT, "lib")
+      end
       @env.merge!(env)
     end
 
+    # The Rails version the app was made with (from its Gemfile.lock), nil for an app
+    # without Rails.
+    def rails_version
+      lock = @ruby.host_path(File.join(@dir, "Gemfile.lock"))
+      version = File.exist?(lock) && File.read(lock)[/^    railties \((\S+)\)$/, 1]
+      version ? Gem::Version.new(version) : nil
+    end
+
     def start
-      command = ["puma", "-C", File.join(FIXTURES, "puma.rb"), File.join(@dir, "config.ru")]
-      command.unshift("bundle", "exec") if @bundled
-      @pid = Process.spawn(@env, *command, chdir: @dir, out: @log, err: @log, pgroup: true)
+      @pid = Process.spawn(@env, *command, chdir: @ruby.host? ? @dir : ROOT, out: @log, err: @log, pgroup: true)
       deadline = Time.now + 60
       until ready?
         raise "puma exited before serving:\n#{File.read(@log)}" if Process.waitpid(@pid, Process::WNOHANG)
@@ -75,9 +101,11 @@ module RubySpyTest
     end
 
     # @param headers [Hash] request headers, e.g. get("/tags", "X-Tenant" => "acme")
-    def get(path, timeout: 30, **headers)
+    # @param proxied [Boolean] false for a plain request, without {PROXY_HEADERS}
+    def get(path, timeout: 30, proxied: true, **headers)
       http = Net::HTTP.new("127.0.0.1", @port)
       http.read_timeout = timeout
+      headers = Server.proxy_headers(path).merge(headers) if proxied
       http.get(path, headers.transform_keys(&:to_s))
     end
 
@@ -97,6 +125,19 @@ module RubySpyTest
     end
 
     private
+
+    # Puma, through Bundler for a generated app. Inside a chroot Bundler finds the Gemfile
+    # from the working directory (script/rubies drops BUNDLE_GEMFILE with the host's other
+    # Ruby settings), and /proc is mounted, since the pprof endpoint reads the app's own
+    # memory through it.
+    def command
+      args = ["-C", File.join(FIXTURES, "puma.rb"), File.join(@dir, "config.ru")]
+      return [*(@bundled ? %w[bundle exec puma] : ["puma"]), *args] if @ruby.host?
+
+      ruby_args = @bundled ? %w[-S bundle exec puma] : ["-I", File.join(ROOT, "lib"), "-S", "puma"]
+      [File.join(ROOT, "script", "rubies"), "run", @ruby.name, "inside", "--chdir", @dir, "--proc", "--",
+       *ruby_args, *args]
+    end
 
     def ready?
       File.exist?(@pidfile) && get("/ping", timeout: 5).code == "200"
@@ -133,7 +174,7 @@ module RubySpyTest
           until stop
             path = paths[n % paths.size]
             http = http.tap(&:finish).tap(&:start) if reconnect && n > i
-            response = http.get(path)
+            response = http.get(path, Server.proxy_headers(path))
             failures << "#{path}: #{response.code}" unless response.code == statuses.fetch(path, 200).to_s
             n += 1
           end
