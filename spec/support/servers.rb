@@ -109,11 +109,15 @@ module RubySpyTest
       http.get(path, headers.transform_keys(&:to_s))
     end
 
+    # Puma's graceful stop (TERM), ended with KILL if it takes long. It takes well under a
+    # second here, but Debian 13's Puma 6.6.0 on Ruby 3.3 now and then never finishes it:
+    # its server thread parks for good in IO#close of its notify pipe, racing the buffered
+    # write of the stop command into it (puma/puma#3677, fixed by puma/puma#3940).
     def stop
       return unless @pid
 
       Process.kill(:TERM, -@pid)
-      Timeout.timeout(20) { Process.wait(@pid) }
+      Timeout.timeout(5) { Process.wait(@pid) }
     rescue Timeout::Error
       Process.kill(:KILL, -@pid)
       Process.wait(@pid)
