@@ -4,12 +4,17 @@ require "spec_helper"
 require "rbspy_ext"
 require "open3"
 
-# The Rails integration (lib/rbspy_ext/rails.rb) in a real Rails 6.1 app served by a real
-# Puma (spec/fixtures/rails_app), recorded from outside as an SRE would.
+# The Rails integration (lib/rbspy_ext/rails.rb) in a real Rails app served by a real Puma
+# (spec/fixtures/rails_app), recorded from outside as an SRE would: Debian 12's Rails 6.1 and
+# Puma 5 on the host's Ruby, or with RUBYSPY_TARGET_RUBY=trixie:inside Debian 13's Rails 7.2
+# and Puma 6 on Ruby 3.3 inside that chroot (spec/support/servers.rb).
 RSpec.describe "Rails and Puma" do
   # The label of a frame in each action's own work (spec/fixtures/rails_app/config.ru).
   OWN_METHOD = { "orders#show" => "OrdersController#price_order",
                  "invoices#index" => "InvoicesController#total_invoices" }.freeze
+  # The name of each of the Puma thread pool's threads, the ones that serve requests (Puma 6
+  # names its reaper thread "puma srv tp reap"; Puma 5 "puma srv threadpool reaper").
+  POOL_THREAD = /\Apuma srv tp \d{3}\z/
 
   # Samples whose stack passes through one action's own method, by that method and the
   # endpoint tag the sample carried (nil: none).
@@ -48,7 +53,7 @@ RSpec.describe "Rails and Puma" do
     end
     expect_every_sample_tagged_with_its_action(profile)
     names = profile.threads.map { |t| t[:name].to_s }
-    expect(names.grep(/puma srv tp/).size).to eq(3)
+    expect(names.grep(POOL_THREAD).size).to eq(3)
     request_ids = profile.tags.filter_map { |set| set[:tags][:request_id] if set[:tags][:endpoint] }
     expect(request_ids.uniq.size).to be > 20 # one per request
   end
@@ -59,7 +64,7 @@ RSpec.describe "Rails and Puma" do
       RubySpy.record(server.pid, rate: 999, duration: 4, subprocesses: true)
     end
     expect_every_sample_tagged_with_its_action(profile)
-    busy_pids = profile.threads.select { |t| t[:name].to_s.include?("puma srv tp") }.map { |t| t[:pid] }.uniq
+    busy_pids = profile.threads.select { |t| t[:name].to_s.match?(POOL_THREAD) }.map { |t| t[:pid] }.uniq
     expect(busy_pids.size).to eq(2)
     expect(busy_pids).to match_array(server.workers)
   end
@@ -154,6 +159,53 @@ RSpec.describe "Rails and Puma" do
       expect(functions).to include("OrdersController#price_order")
       expect(functions).not_to include("InvoicesController#total_invoices")
       expect(focused.scan(/endpoint:\[([^\]]*)\]/).flatten.uniq).to eq(["orders#show"])
+    end
+
+    # The samples of `go tool pprof -traces` output, each as its labels and its functions
+    # (innermost first). A sample is a block between rules: "key:  value" label lines, then
+    # its value beside the first function ("      10ms   Process.clock_gettime"), then one
+    # function a line.
+    def traces(text)
+      text.split(/^-+\+-+$/).drop(1).filter_map do |block|
+        lines = block.lines.map(&:strip).reject(&:empty?)
+        labels, functions = lines.partition { |line| line.match?(/\A\w+:\s/) }
+        next if functions.empty?
+
+        { labels: labels.to_h { |line| line.split(/:\s+/, 2) },
+          functions: [functions.first.sub(/\A\S+\s+/, ""), *functions.drop(1)] }
+      end
+    end
+
+    it "go tool pprof -traces -tagfocus=endpoint=orders#show shows only the focused action's stacks" do
+      server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
+      url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
+      out = under_load(server, ["/orders/7", "/invoices"], threads: 4) do
+        pprof("-traces", "-tagfocus=endpoint=orders#show", url)
+      end
+      samples = traces(out)
+      expect(samples.size).to be > 20
+      expect(samples.map { |s| s[:labels]["endpoint"] }.uniq).to eq(["orders#show"])
+      expect(samples.map { |s| s[:labels]["thread"] }).to all(match(/\AThread \d+ \(puma srv tp 00\d\)\z/))
+      functions = samples.flat_map { |s| s[:functions] }.uniq
+      expect(functions).to include("OrdersController#price_order", "OrdersController#show")
+      expect(functions.grep(/InvoicesController/)).to eq([])
+    end
+
+    # Rails 7.1 and later generate production configs with config.force_ssl = true, which
+    # sends plain HTTP to https, a mounted Rack app included; the app excludes the endpoint
+    # with config.ssl_options, as the README tells users to. The other examples talk to the
+    # app's routes as a TLS-terminating proxy would (RubySpyTest::Server::PROXY_HEADERS).
+    it "answers plain HTTP under production's force_ssl, which redirects the app's own routes (Rails 7.2)" do
+      server = start_server("rails_app")
+      version = server.rails_version
+      skip "Rails #{version} generates production.rb with force_ssl off" if version < Gem::Version.new("7.1")
+
+      plain = server.get("/orders/7", proxied: false)
+      expect([plain.code, plain["location"]]).to eq(["301", "https://127.0.0.1:#{server.port}/orders/7"])
+      expect(server.get("/orders/7").code).to eq("200")
+      index = server.get("/debug/pprof/", proxied: false)
+      expect(index.code).to eq("200")
+      expect(index.body).to include("/debug/pprof/profile?seconds=N")
     end
 
     it "serves from each Puma worker a profile of that worker alone in cluster mode (workers 2)" do

@@ -54,7 +54,7 @@ module RubySpyTest
 
     # @param app [String] see {.app_dir}
     def initialize(app, env: {}, ruby: TargetRuby.current)
-      raise ArgumentError, "apps are served by the host Ruby or inside a chroot, not by #{ruby}" unless ruby.host? || ruby.inside?
+      raise ArgumentError, "apps are served by the host Ruby or inside a chroot, not #{ruby}" unless ruby.host? || ruby.inside?
 
       @ruby = ruby
       @dir = Server.app_dir(app, ruby)
