@@ -2,7 +2,6 @@
 
 require "spec_helper"
 require "rbspy_ext"
-require "open3"
 
 # The Rails integration (lib/rbspy_ext/rails.rb) in a real Rails app served by a real Puma
 # (spec/fixtures/rails_app), recorded from outside as an SRE would: Debian 12's Rails 6.1 and
@@ -118,14 +117,7 @@ RSpec.describe "Rails and Puma" do
   end
 
   describe "the pprof endpoint" do
-    def pprof(*args, env: {})
-      Dir.mktmpdir do |dir|
-        out, status = Open3.capture2e({ "PPROF_TMPDIR" => dir, "HOME" => dir }.merge(env), "go", "tool", "pprof", *args)
-        raise "go tool pprof #{args.join(' ')} failed:\n#{out}" unless status.success?
-
-        out
-      end
-    end
+    include RubySpyTest::GoPprof
 
     # The functions the samples of `go tool pprof -raw` output pass through. (-raw lists
     # every location of the profile after the samples, sampled by the focus or not.)
@@ -142,7 +134,7 @@ RSpec.describe "Rails and Puma" do
     it "serves a gzipped pprof that go tool pprof reads over HTTP, with the actions' tags as labels" do
       server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
-      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { pprof("-raw", url) }
+      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4) { go_pprof("-raw", url) }
       expect(raw).to include("OrdersController#price_order", "InvoicesController#total_invoices")
       # Top-level frames keep their names (pprof cuts a name at "<" when it equals the system name).
       functions = raw_sample_functions(raw)
@@ -153,7 +145,7 @@ RSpec.describe "Rails and Puma" do
       expect(raw).to match(/state:\[(running|gvl|blocked)\]/)
 
       focused = under_load(server, ["/orders/7", "/invoices"], threads: 4) do
-        pprof("-raw", "-tagfocus=endpoint=orders#show", url)
+        go_pprof("-raw", "-tagfocus=endpoint=orders#show", url)
       end
       functions = raw_sample_functions(focused)
       expect(functions).to include("OrdersController#price_order")
@@ -161,26 +153,11 @@ RSpec.describe "Rails and Puma" do
       expect(focused.scan(/endpoint:\[([^\]]*)\]/).flatten.uniq).to eq(["orders#show"])
     end
 
-    # The samples of `go tool pprof -traces` output, each as its labels and its functions
-    # (innermost first). A sample is a block between rules: "key:  value" label lines, then
-    # its value beside the first function ("      10ms   Process.clock_gettime"), then one
-    # function a line.
-    def traces(text)
-      text.split(/^-+\+-+$/).drop(1).filter_map do |block|
-        lines = block.lines.map(&:strip).reject(&:empty?)
-        labels, functions = lines.partition { |line| line.match?(/\A\w+:\s/) }
-        next if functions.empty?
-
-        { labels: labels.to_h { |line| line.split(/:\s+/, 2) },
-          functions: [functions.first.sub(/\A\S+\s+/, ""), *functions.drop(1)] }
-      end
-    end
-
     it "go tool pprof -traces -tagfocus=endpoint=orders#show shows only the focused action's stacks" do
       server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
       out = under_load(server, ["/orders/7", "/invoices"], threads: 4) do
-        pprof("-traces", "-tagfocus=endpoint=orders#show", url)
+        go_pprof("-traces", "-tagfocus=endpoint=orders#show", url)
       end
       samples = traces(out)
       expect(samples.size).to be > 20
@@ -211,7 +188,7 @@ RSpec.describe "Rails and Puma" do
     it "serves from each Puma worker a profile of that worker alone in cluster mode (workers 2)" do
       server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret", "RUBYSPY_WORKERS" => "2" })
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
-      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4, reconnect: true) { pprof("-raw", url) }
+      raw = under_load(server, ["/orders/7", "/invoices"], threads: 4, reconnect: true) { go_pprof("-raw", url) }
       pids = raw.scan(/pid:\[(\d+)\]/).flatten.map(&:to_i).uniq
       expect(pids.size).to eq(1)
       expect(server.workers).to include(pids.first)
