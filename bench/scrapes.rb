@@ -33,6 +33,7 @@ def footprint(pid)
 end
 
 def show_footprint(what, pid)
+  sleep 0.5 # the last connection's thread ends just after its client has the answer
   f = footprint(pid)
   puts format("%-28s RSS %7d kB  fds %3d  threads %3d", what, f[:rss_kb], f[:fds], f[:threads])
   f
@@ -53,7 +54,12 @@ def scrape(port, seconds)
 end
 
 listen = RubySpyTest::Server.free_port
-server = start_server("rails_app", env: { "RUBYSPY_WORKERS" => "2", "RUBYSPY_PPROF" => "127.0.0.1:#{listen}" })
+begin
+  server = start_server("rails_app", env: { "RUBYSPY_WORKERS" => "2", "RUBYSPY_PPROF" => "127.0.0.1:#{listen}" })
+rescue StandardError
+  stop_servers # one that failed to boot is stopped too
+  raise
+end
 puts "Rails #{server.rails_version} on #{RubySpyTest::TargetRuby.current}, master #{server.pid}, " \
      "workers #{server.workers.sort.join(', ')}; listener on 127.0.0.1:#{listen}"
 begin
@@ -78,11 +84,12 @@ begin
 
         show_footprint("master after #{i + 1} profiles", server.pid) if ((i + 1) % 50).zero?
       end
-      count.times do
+      count.times do |i|
         response = Net::HTTP.get_response(URI("http://127.0.0.1:#{listen}/debug/pprof/threads"))
         raise "threads: #{response.code}" unless response.code == "200"
+
+        show_footprint("master after #{i + 1} dumps", server.pid) if ((i + 1) % 50).zero?
       end
-      show_footprint("master after #{count} dumps", server.pid)
     else abort "unknown mode #{mode}"
     end
     after = show_footprint("master after", server.pid)

@@ -70,7 +70,10 @@ RSpec.describe "Rails and Puma" do
 
   it "tags a streamed action (ActionController::Live), which Rails runs in a thread of its own" do
     server = start_server("rails_app")
-    profile = under_load(server, ["/stream"], threads: 3) { RubySpy.record(server.pid, rate: 999, duration: 2) }
+    # 3 s: each streamed request's thread lives ~15 ms, and the recorder re-reads the thread
+    # list every 100 ms, so only one request in 5-10 is sampled (over 2 s, 112-201 samples on
+    # Rails 7.2 in 10 runs, against the 100 asked for below).
+    profile = under_load(server, ["/stream"], threads: 3) { RubySpy.record(server.pid, rate: 999, duration: 3) }
     in_chunks = Hash.new(0)
     profile.group_by(:endpoint).each do |endpoint, part|
       part.stacks.each do |stack|
@@ -219,6 +222,39 @@ RSpec.describe "Rails and Puma" do
       expect(response.code).to eq("200")
       expect(elapsed).to be < 3.0 # never holds a Puma thread longer than seconds + 1
       expect(server.get("/debug/pprof/").body).to include("/debug/pprof/profile?seconds=N")
+    end
+  end
+
+  # The listener of its own (RubySpy::Server) in Puma's master (plugin :rubyspy, from
+  # RUBYSPY_PPROF in spec/fixtures/puma.rb): no route, so no force_ssl exclusion is needed.
+  describe "the pprof listener in Puma's cluster mode (workers 2)" do
+    include RubySpyTest::GoPprof
+
+    it "serves one scrape of the master and both workers with the actions' tags, and -tagfocus keeps one action" do
+      listen = RubySpyTest::Server.free_port
+      server = start_server("rails_app", env: { "RUBYSPY_WORKERS" => "2", "RUBYSPY_PPROF" => "127.0.0.1:#{listen}" })
+      url = "http://127.0.0.1:#{listen}/debug/pprof/profile?seconds=3&rate=199"
+      samples = under_load(server, ["/orders/7", "/invoices"], threads: 4, reconnect: true) { traces(go_pprof("-traces", url)) }
+      workers = samples.to_h { |s| [s[:labels]["pid"][/\d+/].to_i, s[:labels]["worker"]] }
+      expect(server.workers.size).to eq(2)
+      expect(workers.keys).to contain_exactly(server.pid, *server.workers)
+      expect(workers[server.pid]).to eq("master")
+      expect(workers.values_at(*server.workers)).to contain_exactly("0", "1")
+      OWN_METHOD.each do |endpoint, method|
+        inside = samples.select { |s| s[:functions].include?(method) }
+        expect(inside.map { |s| s[:labels]["endpoint"] }.uniq).to eq([endpoint])
+        expect(inside.map { |s| s[:labels]["worker"] }.uniq).to contain_exactly("0", "1")
+      end
+
+      focused = under_load(server, ["/orders/7", "/invoices"], threads: 4, reconnect: true) do
+        traces(go_pprof("-traces", "-tagfocus=endpoint=orders#show", url))
+      end
+      expect(focused.size).to be > 10
+      expect(focused.map { |s| s[:labels]["endpoint"] }.uniq).to eq(["orders#show"])
+      expect(focused.flat_map { |s| s[:functions] }.uniq).to include("OrdersController#price_order")
+      expect(focused.flat_map { |s| s[:functions] }.grep(/InvoicesController/)).to eq([])
+      plain = Net::HTTP.get_response(URI("http://127.0.0.1:#{listen}/debug/pprof/"))
+      expect([plain.code, plain.body]).to match(["200", /profiles of process #{server.pid}/])
     end
   end
 end
