@@ -141,6 +141,7 @@ RSpec.describe "the pprof listener" do
       end
       expect(server.running?).to be(false)
       expect(RubySpy::Server.current).to be_nil
+      expect(ENV.fetch(RubySpy::Server::ENV_SERVED_BY, nil)).to be_nil # children may serve again
     ensure
       taken&.close
     end

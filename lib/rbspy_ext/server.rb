@@ -145,10 +145,12 @@ module RubySpy
       @native.running?
     end
 
-    # Closes the port. A profile being recorded finishes for its client.
+    # Closes the port. A profile being recorded finishes for its client. Ruby processes this
+    # one starts from now on may serve themselves (see {ENV_SERVED_BY}).
     # @return [nil]
     def stop
       @native.stop
+      ENV.delete(ENV_SERVED_BY) if ENV[ENV_SERVED_BY] == Process.pid.to_s
       nil
     end
   end
