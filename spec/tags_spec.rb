@@ -61,6 +61,24 @@ RSpec.describe "tags read from outside" do
     expect(profile.samples).to be > 500
   end
 
+  it "reads each short-lived thread's own tags, though a dead thread's memory is reused by the next" do
+    target = start_target("thread_succession")
+    profile = RubySpy::Recorder.new(target.pid, rate: 999, duration: 2).start.wait.stop
+    by_slot = Hash.new { |h, k| h[k] = Hash.new(0) }
+    profile.group_by(:slot).each do |slot, part|
+      part.stacks.each do |stack|
+        work = stack[:frames].find { |f| f.base_label.match?(/\Awork_\d\z/) }
+        by_slot[work.base_label][slot] += stack[:samples] if work
+      end
+    end
+    # The recorder re-reads the thread list every 100 ms and each thread lives ~10 ms, so
+    # only some threads are sampled: ~100-200 samples in 2 s.
+    expect(by_slot.values.sum { |h| h.values.sum }).to be > 50
+    by_slot.each do |work, slots|
+      expect(slots.keys).to eq([work[/\d/]]), "samples in #{work} by their slot tag: #{slots}"
+    end
+  end
+
   it "rubyspy record --by-tag roots collapsed stacks at each value of the tag" do
     target = start_target("tagged")
     Dir.mktmpdir do |dir|

@@ -357,13 +357,12 @@ impl Batch {
         l.thread_nt.map_or(0, |off| word(self.field(i, off), 0))
     }
 
-    /// Whether thread `i`'s tag pointer was read apart from the batch (`sampled_tags` reads
-    /// it afresh when the batch could not: the native thread was not known, or changed).
+    /// Whether thread `i`'s tag pointer was read apart from the batch, after its stack
+    /// (`sampled_tags` reads it afresh when the batch's read was not this thread's).
     pub(super) fn tags_read_late(&self, i: usize, l: &Layout) -> bool {
         let Some(read) = self.threads[i].tag else {
             return false;
         };
-        let nt = self.nt(i, l);
-        read.pointer.is_none() || nt != read.nt
+        read.read_late(self.nt(i, l), &self.reads)
     }
 }

@@ -45,8 +45,9 @@ pub(super) struct TagReader {
     /// the extension publishes it.
     owner_offset: Option<i64>,
     checked_at: Option<Instant>,
-    /// By Ruby thread: the native thread it was last seen on and that one's thread pointer.
-    pointers: rustc_hash::FxHashMap<u64, (u64, u64)>,
+    /// By Ruby thread: the native thread it was last seen on, that one's thread pointer,
+    /// and where that pointer was read (see `Pointer`).
+    pointers: rustc_hash::FxHashMap<u64, Pointer>,
     /// By Ruby thread: the table its pointer held at the last sample, that table's bytes
     /// and their decoding (see `sampled_tags`).
     last: rustc_hash::FxHashMap<u64, LastTable>,
@@ -54,6 +55,19 @@ pub(super) struct TagReader {
     /// (spy/captured.rs), and how many captured tables were no longer published.
     pub(super) published_now: rustc_hash::FxHashMap<u64, (u64, Vec<u8>)>,
     pub(super) expired: u64,
+}
+
+/// Where a Ruby thread's `ruby_profiler_state` was found: its native thread (`th->nt`, 0
+/// before 3.2), that one's thread pointer (`pthread_t`), and the address the thread pointer
+/// was read from (in the Ruby thread before 3.2, in the native thread after). A Ruby thread
+/// that ends can be followed by another at the same address, on a native thread struct at
+/// the same address too, but on another pthread: so each sample reads the thread pointer
+/// again (`TagRead::tp`), and a different one means this is another thread.
+#[derive(Debug, Clone, Copy)]
+struct Pointer {
+    nt: u64,
+    tp: u64,
+    tp_at: u64,
 }
 
 #[derive(Debug)]
@@ -73,6 +87,11 @@ pub(super) struct TagRead {
     /// The native thread the pointer was read on (0 before 3.2) and the published offset.
     pub nt: u64,
     pub offset: i64,
+    /// The thread pointer the Ruby thread had when last seen, and its thread pointer read
+    /// again in this call (see `Pointer`): a pointer that differs means the address is now
+    /// another Ruby thread's.
+    tp: u64,
+    tp_again: Span,
     /// `ruby_profiler_state_owner`, read before the pointer and again after it (see
     /// profiler_state.c; empty when not published).
     pub owner: Span,
@@ -89,6 +108,13 @@ pub(super) struct TagRead {
 }
 
 impl TagRead {
+    /// Whether the pointer must be read apart from the batch, after the stack: the native
+    /// thread was not known, or the Ruby thread is now on another (`nt`, its `th->nt` in the
+    /// batch), or another Ruby thread took this one's address (see `Pointer`).
+    pub(super) fn read_late(&self, nt: u64, reads: &ReadBatch) -> bool {
+        self.pointer.is_none() || nt != self.nt || word(reads.get(self.tp_again), 0) != self.tp
+    }
+
     /// Adds a read of the pointer again to `reads`, after whatever was added since `tag_read`.
     pub(super) fn reread_pointer(&mut self, reads: &mut ReadBatch) {
         if self.pointer.is_some() {
@@ -173,27 +199,23 @@ impl TagReader {
 
     /// The thread pointer (glibc's `pthread_t`) of a Ruby thread on native thread `nt`
     /// (`th->nt`; 0 before 3.2, where the thread pointer is a field of the Ruby thread
-    /// itself and never changes), kept per Ruby thread while it stays on that native thread.
+    /// itself), read now and kept for the samples that follow, which check it in their own
+    /// call (`tag_read`): a kept one can be a dead thread's (see `Pointer`).
     /// Under M:N threads (3.3+, `RUBY_MN_THREADS=1`) a Ruby thread moves between native
     /// threads and has none while it waits (`th->nt` is null): then there is no pointer, as
     /// the native threads' `ruby_profiler_state` belong to whichever Ruby threads run there.
     fn thread_pointer_on<M: Memory>(&mut self, t: &Target<M>, thread: u64, nt: u64) -> Option<u64> {
-        if let Some((known_nt, tp)) = self.pointers.get(&thread) {
-            if *known_nt == nt {
-                return Some(*tp);
-            }
-        }
         let l = t.layout;
-        let addr = match (l.thread_pthread, l.native_thread_pthread) {
+        let tp_at = match (l.thread_pthread, l.native_thread_pthread) {
             (Some(off), _) => field(thread, off),
             (None, Some(off)) if is_heap_object(nt) => field(nt, off),
             _ => return None,
         };
-        let tp = t.mem.read_u64(addr).ok().filter(|tp| *tp != 0)?;
+        let tp = t.mem.read_u64(tp_at).ok().filter(|tp| *tp != 0)?;
         if self.pointers.len() >= 4096 {
             self.pointers.clear();
         }
-        self.pointers.insert(thread, (nt, tp));
+        self.pointers.insert(thread, Pointer { nt, tp, tp_at });
         Some(tp)
     }
 
@@ -280,10 +302,12 @@ impl TagReader {
     /// sample's one call is never preceded by a read of its own. Each read is added to
     /// `reads`, the sample's batch, in that order (the owner before and after the pointer).
     pub(super) fn tag_read(&mut self, thread: u64, offset: i64, reads: &mut ReadBatch) -> TagRead {
-        let Some(&(nt, tp)) = self.pointers.get(&thread) else {
+        let Some(&Pointer { nt, tp, tp_at }) = self.pointers.get(&thread) else {
             return TagRead {
                 nt: 0,
                 offset,
+                tp: 0,
+                tp_again: Span::default(),
                 owner: Span::default(),
                 owner_again: Span::default(),
                 pointer: None,
@@ -298,6 +322,7 @@ impl TagReader {
             Some(addr) => reads.add(addr, 8),
             None => Span::default(),
         };
+        let tp_again = reads.add(tp_at, 8);
         let owner = owner_read(reads);
         let pointer_at = tp.wrapping_add_signed(offset);
         let pointer = Some(reads.add(pointer_at, 8));
@@ -306,6 +331,8 @@ impl TagReader {
         TagRead {
             nt,
             offset,
+            tp,
+            tp_again,
             owner,
             owner_again,
             pointer,
@@ -337,7 +364,11 @@ impl TagReader {
             table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
         }
         let mut bytes = read.last.map(|(_, span)| reads.get(span));
-        if read.pointer.is_none() || nt != read.nt {
+        if read.read_late(nt, reads) {
+            // Another native thread (M:N threads), or another Ruby thread that took this one's
+            // address: what was read on the old pthread is not this thread's.
+            self.pointers.remove(&thread);
+            self.last.remove(&thread);
             bytes = None;
             pointer_read_at = Instant::now();
             table = match self.thread_pointer_on(d.target, thread, nt) {
@@ -408,7 +439,7 @@ impl TagReader {
         let spans: Vec<Option<[Span; 3]>> = threads
             .iter()
             .map(|(thread, _)| {
-                let &(_, tp) = self.pointers.get(thread)?;
+                let tp = self.pointers.get(thread)?.tp;
                 let owner = |reads: &mut ReadBatch| match self.owner_offset {
                     Some(o) => reads.add(tp.wrapping_add_signed(o), 8),
                     None => Span::default(),

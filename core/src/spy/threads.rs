@@ -130,7 +130,7 @@ impl<M: Memory> Spy<M> {
         let chosen = chosen.into_iter().zip(tags);
         for ((((i, state), tags), ec), first) in chosen.zip(contexts).zip(results) {
             let thread = self.sampler.threads[i].thread;
-            let (stack, tags) = match self.retry_walk(thread, ec, first, tags) {
+            let (stack, tags) = match self.retry_walk(thread, first, tags) {
                 Ok(Some(walked)) => walked,
                 Ok(None) => {
                     self.sampler.forget_stack(thread);
@@ -177,7 +177,11 @@ impl<M: Memory> Spy<M> {
     /// the stack. A thread that entered a request's action in between would show the action's
     /// stack without its tags (or left it, with the tags and another request's stack). So
     /// such a sample counts only if the pointer still holds the same table after the walk:
-    /// one more call, only for samples that made calls of their own already.
+    /// one more call, only for samples that made calls of their own already. A pointer read
+    /// apart from the batch (`tags_read_late`: a thread first seen, or another thread at a
+    /// dead one's address) was read after the stack, which no later read can vouch for (a
+    /// thread that left its tagged block and ends holds no table at both reads): such a
+    /// sample is walked again between two readings of its tags.
     fn confirm_tags(
         &mut self,
         batch: &Batch,
@@ -185,10 +189,11 @@ impl<M: Memory> Spy<M> {
         mut results: Vec<std::result::Result<Stack, Attempt>>,
         walked_late: bool,
     ) -> Vec<std::result::Result<Stack, Attempt>> {
-        // Tags that changed while the one call copied the stack.
+        // Tags that changed while the one call copied the stack, or were read after it.
+        let l = self.target.layout;
         for (k, (i, _)) in chosen.iter().enumerate() {
             let held = batch.threads[*i].tag.is_none_or(|t| t.held(&batch.reads));
-            if results[k].is_ok() && !held {
+            if results[k].is_ok() && (!held || batch.tags_read_late(*i, l)) {
                 results[k] = Err(Attempt::Changed("tags changed while read".into()));
             }
         }
@@ -196,9 +201,7 @@ impl<M: Memory> Spy<M> {
             .iter()
             .enumerate()
             .filter(|(k, (i, _))| {
-                results[*k].is_ok()
-                    && batch.threads[*i].tag.is_some()
-                    && (walked_late || batch.tags_read_late(*i, self.target.layout))
+                results[*k].is_ok() && batch.threads[*i].tag.is_some() && walked_late
             })
             .map(|(k, (i, _))| {
                 let thread = self.sampler.threads[*i].thread;
@@ -228,11 +231,13 @@ impl<M: Memory> Spy<M> {
     /// its own happens later than the batch, so its tags are read afresh around it and the
     /// walk counts only if they read the same before and after: a thread that moved on to
     /// another request meanwhile would otherwise show the new request's stack under the old
-    /// one's tags, or under none.
+    /// one's tags, or under none. Its control frame pointer is read afresh too: frames above
+    /// the one the batch saw stay in memory, unchanged, after the thread returns from them,
+    /// so a walk from the batch's pointer would show a stack the thread has left (a thread
+    /// that ended its tagged block was seen in it, untagged, at both readings).
     fn retry_walk(
         &mut self,
         thread: u64,
-        ec: [u64; 3],
         first: std::result::Result<Stack, Attempt>,
         tags: super::Tags,
     ) -> Result<Option<(Stack, super::Tags)>> {
@@ -243,14 +248,17 @@ impl<M: Memory> Spy<M> {
             }
             self.forget_envs();
             let before = self.thread_tags(thread);
-            result = self.walk(ec).and_then(|stack| {
-                let after = self.thread_tags(thread);
-                if after == before {
-                    Ok((stack, after))
-                } else {
-                    Err(Attempt::Changed("tags changed while read".into()))
-                }
-            });
+            result = self
+                .read_ec_of(thread)
+                .and_then(|ec| self.walk(ec))
+                .and_then(|stack| {
+                    let after = self.thread_tags(thread);
+                    if after == before {
+                        Ok((stack, after))
+                    } else {
+                        Err(Attempt::Changed("tags changed while read".into()))
+                    }
+                });
         }
         match result {
             Ok(walked) => Ok(Some(walked)),
