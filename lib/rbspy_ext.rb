@@ -11,6 +11,7 @@ require_relative "rbspy_ext/frame"
 require_relative "rbspy_ext/native"
 RubySpy::Native.load!
 require_relative "rbspy_ext/handle"
+require_relative "rbspy_ext/census"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
 require_relative "rbspy_ext/state"
@@ -63,6 +64,24 @@ module RubySpy
     # @raise (see .snapshot)
     def attach(pid, force_version: nil)
       Handle.new(pid, force_version: force_version)
+    end
+
+    # What fills process +pid+'s memory: its live objects by class and built-in type, with
+    # the bytes of their slots and what strings, arrays and hashes hold outside them, read
+    # from its GC's heap pages without stopping or changing it. +Process.pid+ counts the
+    # calling process.
+    #
+    # @param pid [Integer]
+    # @param max_bytes [Integer, nil] see {Handle#heap}
+    # @return [RubySpy::Census]
+    # @raise (see .snapshot)
+    # @example
+    #   census = RubySpy.heap(worker_pid)
+    #   census.classes.first(5).each { |c| puts "#{c[:objects]} #{c[:name]} (#{c[:bytes]} bytes)" }
+    #   later = RubySpy.heap(worker_pid)
+    #   (later - census).first # the class that grew most
+    def heap(pid, max_bytes: nil)
+      attach(pid).heap(max_bytes: max_bytes)
     end
 
     # How a thread's Ractor is named in views: "ractor 2", or "ractor 2 (name)" when it was

@@ -108,6 +108,20 @@ RSpec.describe "the pprof listener" do
     Process.kill(:KILL, child) if child
   end
 
+  it "serves a heap census at /debug/pprof/heap that go tool pprof reads, and as text with debug=1" do
+    target = start_target("pprof_listener", "park", ruby: serving_ruby)
+    port = target.info["port"]
+    top = go_pprof("-top", "-sample_index=inuse_objects", "http://127.0.0.1:#{port}/debug/pprof/heap")
+    # Every Ruby has Strings and the listener fixture's own class Listener (a Module).
+    expect(top).to match(/^\s*\d+\s.*\sString$/)
+    expect(top).to match(/Type: inuse_objects/)
+    text = get(port, "/debug/pprof/heap?debug=1").body
+    expect(text).to match(/\Aheap of pid #{target.pid} \(Ruby #{Regexp.escape(target.ruby_version)}\): \d+ live objects/)
+    expect(text).to match(/^\s+\d+\s+\S+ \S+\s+\S+ \S+\s+String \(T_STRING\)$/)
+    expect(get(port, "/debug/pprof/heap?pid=1").code).to eq("400")
+    expect(get(port, "/debug/pprof/heap?debug=2").code).to eq("400")
+  end
+
   it "refuses a second profile while one runs (429), and bad parameters (400), over real HTTP" do
     target = start_target("pprof_listener", "park", ruby: serving_ruby)
     port = target.info["port"]

@@ -7,8 +7,12 @@
 //! packages) and prints `offsetof`/`sizeof` values. Never edit `generated.rs` by hand.
 
 mod generated;
+mod heap;
+mod heap_generated;
 
 pub use generated::{LAYOUTS, VERSIONS};
+pub use heap::{heap_layout_for_version, HeapLayout};
+pub use heap_generated::HEAP_LAYOUTS;
 
 /// Offsets (in bytes) and constants of one distinct Ruby VM layout.
 ///

@@ -15,6 +15,7 @@
 //! - [`output`]: every output format of a profile, and reading the raw one back.
 #[cfg(feature = "bpf")]
 pub mod bpf;
+pub mod census;
 pub mod cost;
 pub mod error;
 pub mod lines;

@@ -6,6 +6,7 @@ require "json"
 require "optparse"
 require_relative "../rbspy_ext"
 require_relative "cli/top"
+require_relative "cli/heap"
 
 # The `rubyspy` command (exe/rubyspy is only its entry point), here so that specs and other
 # programs can run it in-process: `RubySpy::CLI.run(%w[snapshot --pid 42])` returns the exit
@@ -27,7 +28,7 @@ module RubySpy
       command = argv.shift
       # Without native code every command fails the same way: say why before parsing options
       # (the formats, for one, come from the extension).
-      if %w[snapshot record report tags top].include?(command) && RubySpy::Native.unsupported_reason
+      if %w[snapshot record report tags top heap].include?(command) && RubySpy::Native.unsupported_reason
         raise RubySpy::UnsupportedPlatform, RubySpy::Native.unsupported_message
       end
       case command
@@ -36,9 +37,10 @@ module RubySpy
       when "report" then report(argv)
       when "tags" then tags(argv)
       when "top" then top(argv)
+      when "heap" then Heap.run(argv)
       when nil, "-h", "--help", "help" then puts(top_help) || 0
       when "-V", "--version", "version" then puts("rubyspy #{RubySpy::VERSION}") || 0
-      else raise Usage, "unknown command #{command.inspect} (snapshot, record, top, report, tags)"
+      else raise Usage, "unknown command #{command.inspect} (snapshot, record, top, heap, report, tags)"
       end
     rescue Usage, OptionParser::ParseError => e
       warn "rubyspy: #{e.message}"
@@ -55,6 +57,7 @@ module RubySpy
           snapshot   print what a Ruby process is doing right now
           record     sample a process (or a command) and write a profile
           top        a live view of the functions a process spends its time in
+          heap       which classes fill a process's heap (a census read from outside), and what grew
           report     render a raw profile in another format
           tags       print each thread's tags (RubySpy.tag) and where BPF programs find them
         Common: --verbose shows backtraces of errors; rubyspy --version prints the version.
@@ -426,7 +429,7 @@ module RubySpy
 
     # Only #run is the interface; the rest are its steps (module functions, so that they
     # call each other plainly).
-    private_class_method :top_help, :pid_option, :snapshot, :snapshot_json, :tag_text, :tags, :top,
+    private_class_method :top_help, :snapshot, :snapshot_json, :tag_text, :tags, :top,
                          :record, :format_options, :view_options, :check_view, :output_paths,
                          :write_outputs, :tell_idle, :invoking_user, :live_display, :spawn_ruby,
                          :spawn_as, :check_writable, :report

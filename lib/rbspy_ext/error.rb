@@ -34,6 +34,10 @@ module RubySpy
   # A file given as a raw profile is truncated, corrupt, or not a raw profile at all.
   class InvalidProfile < Error; end
 
+  # A file given as a heap census (+rubyspy heap --diff+, {RubySpy::Census.load}) that is
+  # not one: not JSON, or not what +rubyspy heap --output+ writes.
+  class InvalidCensus < Error; end
+
   # Memory that should hold a Ruby structure did not look like one (an internal
   # inconsistency or a layout mismatch); the message names the structure.
   class CorruptMemory < Error; end

@@ -70,6 +70,22 @@ module RubySpy
       end
     end
 
+    # A census of the process's heap: its live objects by class and type, read from its GC's
+    # pages while it runs (see {RubySpy.heap}).
+    #
+    # @param max_bytes [Integer, nil] stop before reading more than this many bytes of pages;
+    #   the census is then {Census#partial? partial}
+    # @return [RubySpy::Census]
+    # @raise [ArgumentError] if +max_bytes+ is not a positive Integer
+    # @raise [RubySpy::Error] a subclass naming why the heap cannot be read
+    def heap(max_bytes: nil)
+      unless max_bytes.nil? || (max_bytes.is_a?(Integer) && max_bytes.positive?)
+        raise ArgumentError, "max_bytes: must be a positive Integer (bytes) or nil, got #{max_bytes.inspect}"
+      end
+
+      Census.new(@lock.synchronize { @native.census_json(max_bytes) })
+    end
+
     extend Forwardable
     # @!method pid
     #   @return [Integer] the process this handle reads

@@ -32,6 +32,7 @@
 pub mod callgrind;
 pub mod collapsed;
 pub mod flamegraph;
+pub mod heap;
 pub mod pprof;
 pub mod raw;
 pub mod speedscope;

@@ -6,7 +6,7 @@ use super::Shared;
 use crate::output::{self, thread_title, Format, Options};
 use crate::process::{descendants, worker_name};
 use crate::record::{RecordConfig, Recorder};
-use crate::spy::{Spy, ThreadSelection};
+use crate::spy::{CensusOptions, Spy, ThreadSelection};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -24,6 +24,7 @@ enum Route {
     Index,
     Profile,
     Threads,
+    Heap,
 }
 
 pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> Response {
@@ -35,6 +36,7 @@ pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> R
         Some("" | "/") => Route::Index,
         Some("/profile") => Route::Profile,
         Some("/threads") => Route::Threads,
+        Some("/heap") => Route::Heap,
         _ => return Response::text(404, &format!("not found: try {BASE}/\n")),
     };
     let params = match Params::parse(&request.query) {
@@ -51,6 +53,7 @@ pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> R
         Route::Index => params.only(&[]).map_or_else(|r| r, |()| index(shared)),
         Route::Threads => params.only(&[]).map_or_else(|r| r, |()| threads(shared)),
         Route::Profile => profile(shared, &params),
+        Route::Heap => heap(shared, &params),
     }
 }
 
@@ -151,7 +154,10 @@ fn index(shared: &Shared) -> Response {
              and returns a gzipped pprof profile: wall time by stack, labelled with each \
              sample's thread,\n    state and RubySpy tags. Fetch it with: go tool pprof URL\n\n\
              {BASE}/threads\n    The stack of every thread now, as text (like Go's goroutine \
-             dump).\n",
+             dump).\n\n\
+             {BASE}/heap[?pid=PID][&debug=1]\n    A census of the heap's live objects \
+             by class (gzipped pprof: inuse_objects, inuse_space;\n    debug=1: text), of this \
+             process or one of its Ruby subprocesses.\n",
             pid = config.pid,
             addr = config.addr,
         ),
@@ -215,6 +221,57 @@ fn record(shared: &Shared, seconds: Duration, rate_hz: f64) -> Response {
             "attachment; filename=\"profile.pb.gz\"".into(),
         )],
         body,
+    }
+}
+
+/// A heap census of the process (or, with `pid`, of one of its Ruby subprocesses when the
+/// listener serves them) as a pprof heap profile, or text with `debug=1`. One at a time,
+/// like profiles: a census reads the whole heap.
+fn heap(shared: &Shared, params: &Params) -> Response {
+    if let Err(r) = params.only(&["pid", "debug"]) {
+        return r;
+    }
+    let root = shared.config.pid;
+    let pid = match params.get("pid").map(str::parse::<i32>) {
+        None => root,
+        Some(Ok(pid))
+            if pid == root || (shared.config.subprocesses && descendants(root).contains(&pid)) =>
+        {
+            pid
+        }
+        Some(_) => {
+            return Response::text(
+                400,
+                &format!("pid must be {root} or one of its Ruby subprocesses\n"),
+            );
+        }
+    };
+    let text = match params.get("debug") {
+        None | Some("0") => false,
+        Some("1") => true,
+        Some(_) => return Response::text(400, "debug must be 0 or 1\n"),
+    };
+    if shared.busy.swap(true, Ordering::AcqRel) {
+        return Response::text(
+            429,
+            "a profile or census is already being taken in this process; try again later\n",
+        )
+        .with_header("retry-after", "1".into());
+    }
+    let census = Spy::attach(pid).and_then(|mut spy| spy.census(CensusOptions::default()));
+    shared.busy.store(false, Ordering::Release);
+    match census {
+        Ok(c) if text => Response::text(200, &output::heap::text(&c, 100)),
+        Ok(c) => Response {
+            status: 200,
+            content_type: "application/octet-stream",
+            extra: vec![(
+                "content-disposition",
+                "attachment; filename=\"heap.pb.gz\"".into(),
+            )],
+            body: output::heap::pprof(&c),
+        },
+        Err(e) => Response::text(500, &format!("cannot take a census: {e}\n")),
     }
 }
 

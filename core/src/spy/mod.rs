@@ -13,6 +13,7 @@ mod attach;
 mod batch;
 mod captured;
 mod frames;
+mod heap;
 mod located;
 mod memo;
 mod tags;
@@ -22,6 +23,7 @@ mod walker;
 mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
 pub use captured::{CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
+pub use heap::CensusOptions;
 use walker::{Envs, Prefetched, RawFrame, Wanted};
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.

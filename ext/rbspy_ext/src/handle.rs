@@ -107,6 +107,15 @@ impl Handle {
         self.spy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A census of the process's heap, as JSON (`RubySpy::Census` parses it). `max_bytes`:
+    /// stop before reading more than this many bytes of pages (the census is then partial).
+    fn census_json(ruby: &Ruby, rb_self: &Self, max_bytes: Option<u64>) -> Result<String, Error> {
+        run(ruby, rb_self.own_process, "taking a heap census", || {
+            let options = rbspy_ext_core::spy::CensusOptions { max_bytes };
+            Ok(rb_self.lock().census(options)?.to_json())
+        })
+    }
+
     /// `{ids:, fresh:, tags:}`: the frame ids of the current stack, innermost first,
     /// `[id, frame_row]` for each id not returned before, and the tags as `[key, value]`
     /// pairs. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so every fresh
@@ -204,6 +213,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         method!(Handle::profiler_state_offset, 0),
     )?;
     class.define_method("thread_snapshots", method!(Handle::thread_snapshots, 0))?;
+    class.define_method("census_json", method!(Handle::census_json, 1))?;
     crate::resolve_class::<Handle>(ruby);
     Ok(())
 }

@@ -2,6 +2,7 @@
 //! docs and the error classes live in lib/; this file only wires the native class.
 use magnus::{Error, Ruby};
 
+mod census;
 mod current;
 mod errors;
 mod handle;
@@ -72,6 +73,7 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
     ractor_safe();
     handle::init(ruby)?;
+    census::init(ruby)?;
     state::init(ruby)?;
     current::init(ruby)?;
     tag::init(ruby)?;

@@ -1,0 +1,116 @@
+/*
+ * The GC heap's layout for the heap census (core/src/spy/heap.rs), measured from one Ruby
+ * release's own gc.c. Everything the census reads is private to gc.c (gc/default/default.c
+ * from 3.4, which gc.c includes): rb_objspace_t, struct heap_page, the page and slot sizes.
+ * So this unit includes gc.c itself, compiled as the build compiled it (RUBY_EXPORT, the
+ * tree's headers and the release's configured config.h), and is never linked or run:
+ *
+ *   - each value is the size of an array, `char rbspy_heap_NAME[value + 1]`, which
+ *     script/generate-bindings reads back with `nm -S` (+1 so that 0 still makes a symbol);
+ *   - a bitfield has no offsetof, so each flag the census tests is a `struct heap_page`
+ *     with only that bit set, in a section of its own, whose bytes the script dumps to find
+ *     the byte and mask.
+ *
+ * The script passes what only string.c, array.c and st.c define: PROBE_STR_NOFREE and
+ * PROBE_ARY_SHARED_ROOT (FL_USERn), PROBE_ST_BINS_ABOVE (MAX_POWER2_FOR_TABLES_WITHOUT_BINS).
+ */
+#include "gc.c"
+#include "ruby/version.h"
+
+#define API (RUBY_API_VERSION_MAJOR * 100 + RUBY_API_VERSION_MINOR)
+#define VALUE_OF(name, expr) char rbspy_heap_##name[(expr) + 1];
+
+/* The census names types from value_type.h's numbering, which has not changed since 2.0:
+ * stop here if it ever does. */
+_Static_assert(T_NONE == 0x00 && T_OBJECT == 0x01 && T_CLASS == 0x02 && T_MODULE == 0x03 &&
+                   T_FLOAT == 0x04 && T_STRING == 0x05 && T_REGEXP == 0x06 &&
+                   T_ARRAY == 0x07 && T_HASH == 0x08 && T_STRUCT == 0x09 &&
+                   T_BIGNUM == 0x0a && T_FILE == 0x0b && T_DATA == 0x0c &&
+                   T_MATCH == 0x0d && T_COMPLEX == 0x0e && T_RATIONAL == 0x0f &&
+                   T_SYMBOL == 0x14 && T_IMEMO == 0x1a && T_NODE == 0x1b &&
+                   T_ICLASS == 0x1c && T_ZOMBIE == 0x1d && T_MOVED == 0x1e && T_MASK == 0x1f,
+               "enum ruby_value_type changed: update core/src/spy/heap.rs's type names");
+_Static_assert(sizeof(bits_t) == 8, "mark bitmaps of 64-bit words");
+_Static_assert(sizeof(((struct heap_page *)0)->total_slots) == 2, "16-bit slot counts");
+
+/* Pages: every page is in objspace->heap_pages.sorted, an array of struct heap_page *
+ * (from 3.4 an rb_darray: a pointer to {size, capa, data[]}). */
+VALUE_OF(sorted, offsetof(rb_objspace_t, heap_pages.sorted))
+#if API >= 304
+VALUE_OF(darray_size, offsetof(rb_darray_meta_t, size))
+VALUE_OF(darray_data, sizeof(rb_darray_meta_t))
+#else
+VALUE_OF(allocated_pages, offsetof(rb_objspace_t, heap_pages.allocated_pages))
+#endif
+VALUE_OF(page_align, HEAP_PAGE_ALIGN)
+VALUE_OF(page_start, offsetof(struct heap_page, start))
+VALUE_OF(page_total_slots, offsetof(struct heap_page, total_slots))
+VALUE_OF(page_free_slots, offsetof(struct heap_page, free_slots))
+VALUE_OF(page_final_slots, offsetof(struct heap_page, final_slots))
+VALUE_OF(page_mark_bits, offsetof(struct heap_page, mark_bits))
+VALUE_OF(page_mark_bits_len, sizeof(((struct heap_page *)0)->mark_bits))
+VALUE_OF(page_header_size, sizeof(struct heap_page))
+#if API >= 301
+VALUE_OF(page_slot_size, offsetof(struct heap_page, slot_size))
+#endif
+
+/* A slot's bit in a page's bitmaps: its address within the page body over a base slot
+ * size, or (4.1) its index from the page's start. */
+#if defined(SLOT_RECIPROCAL_SHIFT)
+VALUE_OF(bitmap_by_index, 1)
+VALUE_OF(base_slot_size, RVALUE_SLOT_SIZE)
+#elif defined(BASE_SLOT_SIZE)
+VALUE_OF(base_slot_size, BASE_SLOT_SIZE)
+#else
+VALUE_OF(base_slot_size, sizeof(RVALUE))
+#endif
+
+VALUE_OF(gc_mode_sweeping, gc_mode_sweeping)
+
+/* Bytes outside the slot (what ObjectSpace.memsize_of adds to the slot). */
+VALUE_OF(str_shared, STR_SHARED)
+VALUE_OF(str_nofree, PROBE_STR_NOFREE)
+VALUE_OF(rstring_capa, offsetof(struct RString, as.heap.aux.capa))
+VALUE_OF(ary_shared, ELTS_SHARED)
+VALUE_OF(ary_shared_root, PROBE_ARY_SHARED_ROOT)
+VALUE_OF(rarray_capa, offsetof(struct RArray, as.heap.aux.capa))
+VALUE_OF(hash_st_flag, RHASH_ST_TABLE_FLAG)
+#if API >= 303
+/* The st_table lives in the slot, right after struct RHash. */
+VALUE_OF(hash_st_inline, sizeof(struct RHash))
+#else
+VALUE_OF(hash_st_ptr, offsetof(struct RHash, as.st))
+/* hash.c's ar_table, `ar_table_pair pairs[RHASH_AR_TABLE_MAX_SIZE]` of a key and a value
+ * each (the script checks the definition). */
+VALUE_OF(ar_table_size, RHASH_AR_TABLE_MAX_SIZE * 2 * sizeof(VALUE))
+#endif
+VALUE_OF(st_table_size, sizeof(st_table))
+VALUE_OF(st_entry_power, offsetof(st_table, entry_power))
+/* st.c: a table has bins (see core/src/spy/heap.rs) when its `bins` pointer is set (up to
+ * 4.0), or (4.1, which has no such pointer) when its entry power is above this. */
+VALUE_OF(st_bins_above_power, PROBE_ST_BINS_ABOVE)
+#if API < 401
+VALUE_OF(st_bins, offsetof(st_table, bins))
+#endif
+#if API < 302
+/* An object's ivars out of its slot: ROBJECT_EMBED clear, numiv of them. */
+VALUE_OF(robject_embed, ROBJECT_EMBED)
+VALUE_OF(robject_numiv, offsetof(struct RObject, as.heap.numiv))
+#endif
+
+/* A class's superclass, for an object whose class is its singleton class: in struct RClass
+ * before 4.0, in the class's (prime) classext from 4.0. */
+#if API >= 400
+VALUE_OF(class_super_in_ext, offsetof(rb_classext_t, super))
+#else
+VALUE_OF(class_super, offsetof(struct RClass, super))
+#endif
+
+/* Images of struct heap_page with one flag set: the script finds the bit. */
+#define FLAG_IMAGE(name, member)                                                          \
+    struct heap_page rbspy_heap_flag_##name __attribute__((section(".rbspy_" #name))) = { \
+        .flags = {.member = 1}};
+FLAG_IMAGE(before_sweep, before_sweep)
+#if API < 304
+FLAG_IMAGE(in_tomb, in_tomb)
+#endif

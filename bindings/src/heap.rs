@@ -1,0 +1,88 @@
+//! The GC heap's layout, for the heap census (core/src/spy/heap.rs): private to each
+//! release's gc.c, so measured by `script/generate-bindings` from
+//! `bindings/generator/heap_probe.c`, which compiles gc.c itself (never edit
+//! `heap_generated.rs` by hand).
+
+/// Offsets and constants of one release's object heap. Offsets are in bytes; flag values
+/// are `RBasic.flags` bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeapLayout {
+    /// `objspace->heap_pages.sorted`: every page, an array of `struct heap_page *`; before
+    /// 3.4 `heap_pages.allocated_pages` of them (`allocated_pages`), from 3.4 an
+    /// `rb_darray` whose block holds its size at `darray.0` and the pointers from `darray.1`.
+    pub sorted: usize,
+    pub allocated_pages: Option<usize>,
+    pub darray: Option<(usize, usize)>,
+    /// `HEAP_PAGE_ALIGN`: a page's slots are in one block of this size, at this alignment.
+    pub page_align: usize,
+    // struct heap_page: `start` (first slot), 16-bit slot counts, the slot size (3.1+; one
+    // size of `base_slot_size` before), and the mark bitmap (`page_mark_bits_len` bytes).
+    pub page_start: usize,
+    pub page_total_slots: usize,
+    pub page_free_slots: usize,
+    pub page_final_slots: usize,
+    pub page_slot_size: Option<usize>,
+    pub page_mark_bits: usize,
+    pub page_mark_bits_len: usize,
+    /// (byte, mask) of `flags.before_sweep`: a page the running lazy sweep has not reached,
+    /// whose unmarked slots are garbage.
+    pub page_before_sweep: (usize, u8),
+    /// (byte, mask) of `flags.in_tomb` (before 3.4): a page of the tomb heap, with no live
+    /// objects.
+    pub page_in_tomb: Option<(usize, u8)>,
+    /// A slot's mark bit is (address within the page) / `base_slot_size`, or (4.1, where
+    /// `bitmap_by_index`) its index from the page's `start`.
+    pub base_slot_size: usize,
+    pub bitmap_by_index: bool,
+    /// `gc_mode_sweeping`: the value of the objspace's 2-bit mode while a sweep runs.
+    pub gc_mode_sweeping: u64,
+    // Bytes held outside the slot, as `ObjectSpace.memsize_of` counts them.
+    /// A string owns its buffer (`as.heap.aux.capa` + 1 bytes) when not embedded, not
+    /// shared and not `STR_NOFREE`.
+    pub str_shared: u64,
+    pub str_nofree: u64,
+    pub rstring_capa: usize,
+    /// An array owns its buffer (`as.heap.aux.capa` words, or its length for a shared
+    /// root) when neither embedded nor shared.
+    pub ary_shared: u64,
+    pub ary_shared_root: u64,
+    pub rarray_capa: usize,
+    /// A hash is an st_table with `hash_st_flag` set (else an array table): in the slot
+    /// after `struct RHash` from 3.3 (`hash_st_inline`), else at the pointer at
+    /// `hash_st_ptr`, where an array table is `ar_table_size` bytes of its own.
+    pub hash_st_flag: u64,
+    pub hash_st_inline: Option<usize>,
+    pub hash_st_ptr: Option<usize>,
+    pub ar_table_size: Option<usize>,
+    pub st_table_size: usize,
+    pub st_entry_power: usize,
+    /// A table has bins when its `bins` pointer (at `st_bins`, up to 4.0) is set, or (4.1,
+    /// which has no such pointer) when its `entry_power` is above `st_bins_above_power`.
+    pub st_bins_above_power: u8,
+    pub st_bins: Option<usize>,
+    /// (`ROBJECT_EMBED`, offset of `as.heap.numiv`) before 3.2, where an object that is not
+    /// embedded holds `numiv` ivars out of its slot.
+    pub robject_heap: Option<(u64, usize)>,
+    /// Where a class's superclass is: in `struct RClass` (before 4.0), or in its classext
+    /// (`Layout::rclass_ext_*`) from 4.0. An object with a singleton class is counted under
+    /// the class its singleton class's superclass chain reaches, as `Object#class` says.
+    pub class_super: Option<usize>,
+    pub class_super_in_ext: Option<usize>,
+}
+
+/// The heap layout of `version` ("3.3.8"): its own when measured, else that of the
+/// measured release of the same minor series (their gc.c rarely differs within a series;
+/// the census checks every page it reads against it). None for an unknown series.
+pub fn heap_layout_for_version(version: &str) -> Option<&'static HeapLayout> {
+    let series = |v: &str| v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
+    let heaps = crate::heap_generated::HEAP_LAYOUTS;
+    heaps
+        .iter()
+        .find(|(release, _)| *release == version)
+        .or_else(|| {
+            heaps
+                .iter()
+                .find(|(release, _)| series(release) == series(version))
+        })
+        .map(|(_, layout)| layout)
+}

@@ -1,0 +1,215 @@
+//! What a heap census found (`Spy::census`, spy/heap.rs): the live objects of one process by
+//! class and built-in type, the slots and pages they sit in, and what could not be read.
+//! Plain data, so that it can be saved (JSON), read back and compared (`Census::diff`).
+use serde::{Deserialize, Serialize};
+
+/// The names of Ruby's built-in types (`enum ruby_value_type`, `flags & 0x1f`), as
+/// `ObjectSpace.count_objects` spells them; bindings/generator/heap_probe.c checks the
+/// numbering against each release's headers.
+pub const TYPE_NAMES: [&str; 32] = [
+    "T_NONE",
+    "T_OBJECT",
+    "T_CLASS",
+    "T_MODULE",
+    "T_FLOAT",
+    "T_STRING",
+    "T_REGEXP",
+    "T_ARRAY",
+    "T_HASH",
+    "T_STRUCT",
+    "T_BIGNUM",
+    "T_FILE",
+    "T_DATA",
+    "T_MATCH",
+    "T_COMPLEX",
+    "T_RATIONAL",
+    "T_0x10",
+    "T_NIL",
+    "T_TRUE",
+    "T_FALSE",
+    "T_SYMBOL",
+    "T_FIXNUM",
+    "T_UNDEF",
+    "T_0x17",
+    "T_0x18",
+    "T_0x19",
+    "T_IMEMO",
+    "T_NODE",
+    "T_ICLASS",
+    "T_ZOMBIE",
+    "T_MOVED",
+    "T_0x1f",
+];
+
+/// What the census counts out of each object's slot, and what it does not: named in every
+/// census (`Census::not_counted`), in the README and in `rubyspy heap`'s output.
+pub const NOT_COUNTED: &str = "bytes outside the slot are counted for strings, arrays and \
+     hashes (and objects' ivars before Ruby 3.2); T_DATA, T_OBJECT ivar buffers from 3.2, \
+     generic ivars, regexps, bignums, classes and every C extension's own memory count their \
+     slot only, and a UTF-16/32 string's terminator counts 1 byte, not 2 or 4";
+
+/// One class (or, for hidden objects, one type alone) and its live objects.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassRow {
+    /// The class path (`Class#name`), `#<Class:0x...>` for an anonymous class, or "" for
+    /// objects with no class (Ruby's hidden and internal objects).
+    pub name: String,
+    /// The built-in type of its objects (`T_OBJECT`, `T_STRING`, ...).
+    #[serde(rename = "type")]
+    pub type_name: String,
+    pub objects: u64,
+    /// Bytes of the slots the objects sit in.
+    pub slot_bytes: u64,
+    /// Bytes the objects hold outside their slots (see `NOT_COUNTED`).
+    pub heap_bytes: u64,
+}
+
+impl ClassRow {
+    /// Slot and outside bytes together: what `ObjectSpace.memsize_of` sums to.
+    pub fn bytes(&self) -> u64 {
+        self.slot_bytes + self.heap_bytes
+    }
+}
+
+/// A census of one process's object heap.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Census {
+    pub pid: i32,
+    pub ruby_version: String,
+    /// When it was taken (milliseconds since the Unix epoch) and how long it took.
+    pub taken_at_ms: u64,
+    pub duration_us: u64,
+    /// Live objects by class and type, most bytes first.
+    pub classes: Vec<ClassRow>,
+    /// Live objects by type alone (the sum over `classes`), most bytes first.
+    pub types: Vec<ClassRow>,
+    /// Heap pages read, and the slots in them: free (`T_NONE`), live, awaiting a finalizer
+    /// (`T_ZOMBIE`), left behind by compaction (`T_MOVED`), and garbage an unfinished lazy
+    /// sweep had not freed yet (unmarked, on a page not swept).
+    pub pages: u64,
+    pub total_slots: u64,
+    pub free_slots: u64,
+    pub live_slots: u64,
+    pub zombie_slots: u64,
+    pub moved_slots: u64,
+    pub garbage_slots: u64,
+    /// Bytes of every page's slots.
+    pub heap_bytes_total: u64,
+    /// Pages whose header or body did not read, or did not make sense (freed or changed
+    /// while read), and hash tables that did not read: their objects are not counted.
+    pub unreadable_pages: u64,
+    pub unreadable_tables: u64,
+    /// Bytes read from the target, and whether the census stopped at the caller's
+    /// `max_bytes` before the last page.
+    pub bytes_read: u64,
+    pub partial: bool,
+    /// A lazy sweep was running when the census began.
+    pub sweeping: bool,
+    pub not_counted: String,
+}
+
+/// One class's change between two censuses (`Census::diff`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClassDelta {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub type_name: String,
+    pub objects: i64,
+    pub bytes: i64,
+    /// The later census's figures.
+    pub objects_now: u64,
+    pub bytes_now: u64,
+}
+
+impl Census {
+    /// The census as JSON (what `rubyspy heap --output` writes and `--diff` reads).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a census serialises")
+    }
+
+    /// A census saved by `to_json`; the error says what is wrong with it.
+    pub fn from_json(json: &str) -> Result<Census, String> {
+        serde_json::from_str(json).map_err(|e| format!("not a heap census saved as JSON: {e}"))
+    }
+
+    /// Live objects in all.
+    pub fn objects(&self) -> u64 {
+        self.classes.iter().map(|c| c.objects).sum()
+    }
+
+    /// How each class changed since `earlier`: classes that grew first (most bytes), then
+    /// those that shrank; unchanged classes are left out.
+    pub fn diff(&self, earlier: &Census) -> Vec<ClassDelta> {
+        use std::collections::HashMap;
+        let key = |c: &ClassRow| (c.name.clone(), c.type_name.clone());
+        let before: HashMap<_, &ClassRow> = earlier.classes.iter().map(|c| (key(c), c)).collect();
+        let now: HashMap<_, &ClassRow> = self.classes.iter().map(|c| (key(c), c)).collect();
+        let mut keys: Vec<_> = before.keys().chain(now.keys()).cloned().collect();
+        keys.sort();
+        keys.dedup();
+        let mut deltas: Vec<ClassDelta> = keys
+            .into_iter()
+            .filter_map(|k| {
+                let (b, n) = (before.get(&k), now.get(&k));
+                let count = |r: Option<&&ClassRow>| r.map_or((0, 0), |r| (r.objects, r.bytes()));
+                let ((ob, bb), (on, bn)) = (count(b), count(n));
+                let delta = ClassDelta {
+                    name: k.0,
+                    type_name: k.1,
+                    objects: on as i64 - ob as i64,
+                    bytes: bn as i64 - bb as i64,
+                    objects_now: on,
+                    bytes_now: bn,
+                };
+                (delta.objects != 0 || delta.bytes != 0).then_some(delta)
+            })
+            .collect();
+        deltas.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.objects.cmp(&a.objects)));
+        deltas
+    }
+}
+
+/// Deltas as JSON (what `RubySpy::Census#-` returns, parsed).
+pub fn deltas_to_json(deltas: &[ClassDelta]) -> String {
+    serde_json::to_string(deltas).expect("deltas serialise")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(name: &str, objects: u64, bytes: u64) -> ClassRow {
+        ClassRow {
+            name: name.into(),
+            type_name: "T_OBJECT".into(),
+            objects,
+            slot_bytes: bytes,
+            heap_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn diff_puts_the_class_that_grew_most_first_and_leaves_out_the_unchanged() {
+        let a = Census {
+            classes: vec![
+                row("Kept", 10, 400),
+                row("Shrank", 5, 200),
+                row("Grew", 1, 40),
+            ],
+            ..Census::default()
+        };
+        let b = Census {
+            classes: vec![
+                row("Kept", 10, 400),
+                row("Grew", 1001, 40040),
+                row("New", 2, 80),
+            ],
+            ..Census::default()
+        };
+        let d = b.diff(&a);
+        let names: Vec<&str> = d.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["Grew", "New", "Shrank"]);
+        assert_eq!((d[0].objects, d[0].bytes), (1000, 40000));
+        assert_eq!((d[2].objects, d[2].bytes, d[2].objects_now), (-5, -200, 0));
+    }
+}

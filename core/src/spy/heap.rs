@@ -1,0 +1,518 @@
+//! The heap census: every live object of the target by class and type, read from its GC's
+//! heap pages without stopping it (`Spy::census`). Beside the stack walker, and sharing its
+//! target (memory, layout, VM), class-name cache and symbol table.
+//!
+//! Every page is in the objspace's sorted page array; each page is a run of fixed-size
+//! slots whose first two words are `flags` (the type in its low 5 bits, 0 for a free slot)
+//! and `klass`. The census reads the array, then the page headers, then the pages' slots,
+//! many pages per `process_vm_readv`, and counts as it goes; only hash tables outside their
+//! slots (before 3.3) take one more batch of reads. The heap's layout is
+//! `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+use super::{Memory, Spy};
+use crate::census::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
+use crate::error::{Error, Result};
+use crate::memory::field;
+use crate::objects::word;
+use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
+use rustc_hash::FxHashMap;
+use std::time::Instant;
+
+/// Pages per `process_vm_readv` (4 MiB of 64 KiB pages): large reads, bounded memory.
+const PAGES_PER_CALL: usize = 64;
+/// More pages than this (a terabyte heap) means the array's length did not read right.
+const MAX_PAGES: u64 = 1 << 24;
+
+const T_NONE: u8 = 0x00;
+const T_OBJECT: u8 = 0x01;
+const T_CLASS: u8 = 0x02;
+const T_MODULE: u8 = 0x03;
+const T_STRING: u8 = 0x05;
+const T_ARRAY: u8 = 0x07;
+const T_HASH: u8 = 0x08;
+const T_IMEMO: u8 = 0x1a;
+const T_NODE: u8 = 0x1b;
+const T_ICLASS: u8 = 0x1c;
+const T_ZOMBIE: u8 = 0x1d;
+const T_MOVED: u8 = 0x1e;
+
+/// What the caller bounds a census by.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CensusOptions {
+    /// Stop (with a census marked partial) before reading more than this many bytes of
+    /// pages.
+    pub max_bytes: Option<u64>,
+}
+
+/// One page, as its header read.
+struct Page {
+    start: u64,
+    slots: usize,
+    slot_size: usize,
+    /// Unmarked slots here are garbage: a lazy sweep runs and has not reached this page.
+    unswept: bool,
+    marks: Vec<u64>,
+}
+
+/// Live objects of one (class, type), as counted.
+#[derive(Default, Clone, Copy)]
+struct Tally {
+    objects: u64,
+    slot_bytes: u64,
+    heap_bytes: u64,
+}
+
+/// A census in progress.
+struct Count<'a> {
+    l: &'a Layout,
+    h: &'a HeapLayout,
+    census: Census,
+    by_class: FxHashMap<(u64, u8), Tally>,
+    /// Hashes whose st_table is outside the slot (before 3.3): (class, table).
+    tables: Vec<(u64, u64)>,
+}
+
+impl<M: Memory> Spy<M> {
+    /// Counts the target's live objects by class and type, reading its heap pages while it
+    /// runs. A page that does not read, or reads as nonsense (freed or changed meanwhile), is
+    /// counted as unreadable and skipped; nothing is followed beyond a page but the class
+    /// names and hash tables.
+    pub fn census(&mut self, options: CensusOptions) -> Result<Census> {
+        let began = Instant::now();
+        let pid = self.target.pid;
+        let version = self.target.version.clone();
+        let h = heap_layout_for_version(&version).ok_or_else(|| Error::UnsupportedVersion {
+            pid,
+            version: version.clone(),
+            detail: "no heap layout measured for this series".into(),
+        })?;
+        let l = self.target.layout;
+        let mem = &self.target.mem;
+        let memory = |context| move |e| super::attach::memory_error(pid, context, e);
+        let objspace = mem
+            .read_u64(field(self.target.vm, l.vm_objspace))
+            .map_err(memory("reading the VM's objspace"))?;
+        let flags = mem
+            .read_u64(field(objspace, l.objspace_flags))
+            .map_err(memory("reading the GC's flags"))?;
+        let sweeping = flags & 3 == h.gc_mode_sweeping;
+        let pages = page_list(mem, h, objspace).map_err(memory("reading the heap's page list"))?;
+        let mut count = Count {
+            l,
+            h,
+            census: Census {
+                pid,
+                ruby_version: version,
+                sweeping,
+                not_counted: NOT_COUNTED.into(),
+                ..Census::default()
+            },
+            by_class: FxHashMap::default(),
+            tables: Vec::new(),
+        };
+        for chunk in pages.chunks(PAGES_PER_CALL) {
+            let headers = read_headers(mem, h, sweeping, chunk, &mut count.census);
+            if !count.read_bodies(mem, &headers, options.max_bytes) {
+                break;
+            }
+        }
+        count.read_tables(mem);
+        if count.census.pages == 0 && count.census.unreadable_pages > 0 {
+            // Nothing read at all: the process may be gone.
+            self.check_identity(true)?;
+        }
+        let mut census = self.name_classes(count);
+        census.duration_us = began.elapsed().as_micros() as u64;
+        census.taken_at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Ok(census)
+    }
+
+    /// The census's rows, named: each class's path (`#<Class:0x...>` when anonymous), the
+    /// classes of classes and modules by their type, and objects with no class (hidden) or
+    /// an internal one under their type alone.
+    fn name_classes(&mut self, count: Count) -> Census {
+        let Count {
+            mut census,
+            by_class,
+            h,
+            ..
+        } = count;
+        let mut names: FxHashMap<u64, String> = FxHashMap::default();
+        let mut classes: FxHashMap<(String, u8), Tally> = FxHashMap::default();
+        for ((klass, t), tally) in by_class {
+            let name = match t {
+                T_CLASS => "Class".to_string(),
+                T_MODULE => "Module".to_string(),
+                // An iclass, imemo or node keeps something else than a class in `klass`.
+                T_ICLASS | T_IMEMO | T_NODE => String::new(),
+                _ if klass == 0 => String::new(),
+                _ => match names.get(&klass) {
+                    Some(name) => name.clone(),
+                    None => {
+                        let name = self.class_path(h, klass);
+                        names.insert(klass, name.clone());
+                        name
+                    }
+                },
+            };
+            let row = classes.entry((name, t)).or_default();
+            row.objects += tally.objects;
+            row.slot_bytes += tally.slot_bytes;
+            row.heap_bytes += tally.heap_bytes;
+        }
+        let mut types: FxHashMap<u8, Tally> = FxHashMap::default();
+        for ((_, t), tally) in &classes {
+            let row = types.entry(*t).or_default();
+            row.objects += tally.objects;
+            row.slot_bytes += tally.slot_bytes;
+            row.heap_bytes += tally.heap_bytes;
+        }
+        census.classes = rows(classes.into_iter().map(|((n, t), tally)| (n, t, tally)));
+        census.types = rows(
+            types
+                .into_iter()
+                .map(|(t, tally)| (String::new(), t, tally)),
+        );
+        census
+    }
+}
+
+impl<M: Memory> Spy<M> {
+    /// The name `Object#class.name` gives an object whose class pointer is `klass`: a
+    /// singleton class stands for the first superclass that is not one (nor an iclass);
+    /// `#<Class:0x...>` when that class is anonymous.
+    fn class_path(&mut self, h: &HeapLayout, klass: u64) -> String {
+        let l = self.target.layout;
+        let mut class = klass;
+        // rb_class_real has no bound; a singleton extended by a thousand modules is absurd.
+        for _ in 0..1024 {
+            let flags = self
+                .target
+                .mem
+                .read_u64(field(class, l.rbasic_flags))
+                .unwrap_or(0);
+            let iclass = flags & 0x1f == u64::from(T_ICLASS);
+            if flags & l.fl_singleton == 0 && !iclass {
+                break;
+            }
+            match self.superclass(h, class) {
+                Some(s) if s != 0 => class = s,
+                _ => break,
+            }
+        }
+        let symbols = self.target.symbol_table(&mut self.cache.symbols).ok();
+        symbols
+            .and_then(|s| self.cache.classes.class_name(&self.target.mem, l, s, class))
+            .map_or_else(|| format!("#<Class:0x{class:016x}>"), |n| n.to_string())
+    }
+
+    /// `RCLASS_SUPER(class)`.
+    fn superclass(&self, h: &HeapLayout, class: u64) -> Option<u64> {
+        let (l, mem) = (self.target.layout, &self.target.mem);
+        let addr = match (h.class_super, h.class_super_in_ext) {
+            (Some(o), _) => field(class, o),
+            (None, Some(o)) => {
+                let ext = match (l.rclass_ext_inline, l.rclass_ext_ptr) {
+                    (Some(inline), _) => field(class, inline),
+                    (None, Some(ptr)) => mem.read_u64(field(class, ptr)).ok()?,
+                    _ => return None,
+                };
+                field(ext, o)
+            }
+            _ => return None,
+        };
+        mem.read_u64(addr).ok()
+    }
+}
+
+/// Rows most bytes first (then most objects, then by name, so that equal heaps list alike).
+fn rows(tallies: impl Iterator<Item = (String, u8, Tally)>) -> Vec<ClassRow> {
+    let mut rows: Vec<ClassRow> = tallies
+        .map(|(name, t, tally)| ClassRow {
+            name,
+            type_name: TYPE_NAMES[(t & 0x1f) as usize].to_string(),
+            objects: tally.objects,
+            slot_bytes: tally.slot_bytes,
+            heap_bytes: tally.heap_bytes,
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        b.bytes()
+            .cmp(&a.bytes())
+            .then(b.objects.cmp(&a.objects))
+            .then_with(|| (&a.name, &a.type_name).cmp(&(&b.name, &b.type_name)))
+    });
+    rows
+}
+
+/// Every page's `struct heap_page *`, from the objspace's sorted array: before 3.4 a plain
+/// array of `heap_pages.allocated_pages`, from 3.4 an rb_darray that holds its own size.
+fn page_list<M: Memory>(
+    mem: &M,
+    h: &HeapLayout,
+    objspace: u64,
+) -> std::result::Result<Vec<u64>, crate::error::MemoryError> {
+    let sorted = mem.read_u64(field(objspace, h.sorted))?;
+    let (data, len) = match (h.darray, h.allocated_pages) {
+        (Some((size, data)), _) if sorted != 0 => {
+            (field(sorted, data), mem.read_u64(field(sorted, size))?)
+        }
+        (None, Some(count)) => (sorted, mem.read_u64(field(objspace, count))?),
+        _ => (0, 0),
+    };
+    if data == 0 || len == 0 || len > MAX_PAGES {
+        return Ok(Vec::new());
+    }
+    let bytes = mem.read_vec(data, len as usize * 8)?;
+    Ok((0..len as usize)
+        .map(|i| word(&bytes, i * 8))
+        .filter(|p| *p != 0)
+        .collect())
+}
+
+/// The headers of `pages`, in one call: the pages that read and make sense (a live page of
+/// slots inside its aligned block). Tomb pages (before 3.4) and emptied ones (3.4+, whose
+/// header is zeroed) hold no objects and are skipped; the rest count as unreadable.
+fn read_headers<M: Memory>(
+    mem: &M,
+    h: &HeapLayout,
+    sweeping: bool,
+    pages: &[u64],
+    census: &mut Census,
+) -> Vec<Page> {
+    let len = h.page_mark_bits + h.page_mark_bits_len;
+    let mut bufs = vec![vec![0u8; len]; pages.len()];
+    let mut requests: Vec<(u64, &mut [u8])> = pages
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(p, b)| (*p, &mut b[..]))
+        .collect();
+    let ok = mem.read_each(&mut requests);
+    census.bytes_read += (len * ok.iter().filter(|o| **o).count()) as u64;
+    let mut read = Vec::with_capacity(pages.len());
+    for (bytes, ok) in bufs.iter().zip(ok) {
+        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
+        let flag = |(at, mask): (usize, u8)| bytes[at] & mask != 0;
+        if !ok {
+            census.unreadable_pages += 1;
+            continue;
+        }
+        let start = word(bytes, h.page_start);
+        let slots = short(h.page_total_slots);
+        // Emptied pages (3.4+) are zeroed. Tomb pages (before 3.4) hold only free slots and
+        // zombies, which count_objects counts too: they are read like any other.
+        if start == 0 || slots == 0 {
+            continue;
+        }
+        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
+        let block = start & !(h.page_align as u64 - 1);
+        if slot_size < 16
+            || !start.is_multiple_of(8)
+            || start + (slots * slot_size) as u64 > block + h.page_align as u64
+        {
+            census.unreadable_pages += 1;
+            continue;
+        }
+        let unswept = sweeping && flag(h.page_before_sweep);
+        let marks = if unswept {
+            let bits = &bytes[h.page_mark_bits..];
+            (0..h.page_mark_bits_len / 8)
+                .map(|i| word(bits, i * 8))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        read.push(Page {
+            start,
+            slots,
+            slot_size,
+            unswept,
+            marks,
+        });
+    }
+    read
+}
+
+impl Count<'_> {
+    /// Reads the slots of `pages` in one call and counts them. False when `max_bytes` cut
+    /// the census short (it is then partial).
+    fn read_bodies<M: Memory>(&mut self, mem: &M, pages: &[Page], max_bytes: Option<u64>) -> bool {
+        let mut take = pages.len();
+        if let Some(max) = max_bytes {
+            let mut total = self.census.bytes_read;
+            take = pages
+                .iter()
+                .position(|p| {
+                    total += (p.slots * p.slot_size) as u64;
+                    total > max
+                })
+                .unwrap_or(pages.len());
+        }
+        let cut = take < pages.len();
+        let pages = &pages[..take];
+        let mut bufs: Vec<Vec<u8>> = pages
+            .iter()
+            .map(|p| vec![0u8; p.slots * p.slot_size])
+            .collect();
+        let mut requests: Vec<(u64, &mut [u8])> = pages
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(p, b)| (p.start, &mut b[..]))
+            .collect();
+        let ok = mem.read_each(&mut requests);
+        for ((page, body), ok) in pages.iter().zip(&bufs).zip(ok) {
+            if !ok {
+                self.census.unreadable_pages += 1;
+                continue;
+            }
+            self.census.bytes_read += body.len() as u64;
+            self.census.pages += 1;
+            self.census.heap_bytes_total += body.len() as u64;
+            self.count_page(page, body);
+        }
+        self.census.partial |= cut;
+        !cut
+    }
+
+    /// Counts one page's slots.
+    fn count_page(&mut self, page: &Page, body: &[u8]) {
+        for i in 0..page.slots {
+            let slot = &body[i * page.slot_size..(i + 1) * page.slot_size];
+            let flags = word(slot, 0);
+            let t = (flags & 0x1f) as u8;
+            self.census.total_slots += 1;
+            match t {
+                _ if flags == 0 || t == T_NONE => self.census.free_slots += 1,
+                T_ZOMBIE => self.census.zombie_slots += 1,
+                T_MOVED => self.census.moved_slots += 1,
+                _ if page.unswept && !self.marked(page, i) => self.census.garbage_slots += 1,
+                _ => {
+                    self.census.live_slots += 1;
+                    let klass = word(slot, 8);
+                    let heap_bytes = self.heap_bytes(t, flags, klass, slot, page.slot_size);
+                    let tally = self.by_class.entry((klass, t)).or_default();
+                    tally.objects += 1;
+                    tally.slot_bytes += page.slot_size as u64;
+                    tally.heap_bytes += heap_bytes;
+                }
+            }
+        }
+    }
+
+    /// Whether slot `i` of `page` is marked: its bit in the page's mark bitmap is its index
+    /// (4.1) or its address within the page's aligned block over the base slot size.
+    fn marked(&self, page: &Page, i: usize) -> bool {
+        let bit = if self.h.bitmap_by_index {
+            i
+        } else {
+            let addr = page.start + (i * page.slot_size) as u64;
+            (addr & (self.h.page_align as u64 - 1)) as usize / self.h.base_slot_size
+        };
+        page.marks
+            .get(bit / 64)
+            .is_some_and(|w| w & (1 << (bit % 64)) != 0)
+    }
+
+    /// The bytes an object of type `t` holds outside its slot, as `ObjectSpace.memsize_of`
+    /// counts them, for the types it can tell from the slot (and, for a hash whose table is
+    /// outside it, from the table, read later: `read_tables`).
+    fn heap_bytes(&mut self, t: u8, flags: u64, klass: u64, slot: &[u8], slot_size: usize) -> u64 {
+        let (l, h) = (self.l, self.h);
+        match t {
+            T_STRING
+                if flags & l.rstring_noembed != 0 && flags & (h.str_shared | h.str_nofree) == 0 =>
+            {
+                word(slot, h.rstring_capa) + 1
+            }
+            T_ARRAY if flags & (l.rarray_embed_flag | h.ary_shared) == 0 => {
+                let words = if flags & h.ary_shared_root != 0 {
+                    word(slot, l.rarray_heap_len)
+                } else {
+                    word(slot, h.rarray_capa)
+                };
+                words * 8
+            }
+            T_HASH => match (h.hash_st_inline, h.hash_st_ptr) {
+                (Some(at), _)
+                    if flags & h.hash_st_flag != 0 && at + h.st_table_size <= slot_size =>
+                {
+                    self.st_bytes(&slot[at..at + h.st_table_size]) - h.st_table_size as u64
+                }
+                (_, Some(at)) => {
+                    let table = word(slot, at);
+                    if flags & h.hash_st_flag != 0 && table != 0 {
+                        self.tables.push((klass, table));
+                    } else if table != 0 {
+                        return h.ar_table_size.unwrap_or(0) as u64;
+                    }
+                    0
+                }
+                _ => 0,
+            },
+            T_OBJECT => match h.robject_heap {
+                Some((embed, numiv)) if flags & embed == 0 => {
+                    u32::from_le_bytes(slot[numiv..numiv + 4].try_into().expect("4 bytes")) as u64
+                        * 8
+                }
+                _ => 0,
+            },
+            _ => 0,
+        }
+    }
+
+    /// `st_memsize` of the st_table whose header is `table`: the header, its `2^entry_power`
+    /// entries and, when it has bins (its `bins` pointer is set, or on 4.1 its entry power
+    /// is above `st_bins_above_power`), `2^(entry_power+1)` bins of 1, 2, 4 or 8 bytes each
+    /// as their number needs (st.c's `features`).
+    fn st_bytes(&self, table: &[u8]) -> u64 {
+        let entry_power = table[self.h.st_entry_power];
+        let p = u32::from(entry_power.min(62));
+        let entries = (1u64 << p) * self.l.st_table_entry_size as u64;
+        let has_bins = match self.h.st_bins {
+            Some(at) => word(table, at) != 0,
+            None => entry_power > self.h.st_bins_above_power,
+        };
+        let bins = if has_bins {
+            let bin_power = p + 1;
+            let bin_bytes = match bin_power {
+                0..=8 => 1,
+                9..=16 => 2,
+                17..=32 => 4,
+                _ => 8,
+            };
+            ((1u64 << bin_power) * bin_bytes).div_ceil(8) * 8
+        } else {
+            0
+        };
+        self.h.st_table_size as u64 + entries + bins
+    }
+
+    /// Reads the st_tables of hashes whose table is outside the slot (before 3.3), many per
+    /// call, and adds each table's bytes to its hash's class.
+    fn read_tables<M: Memory>(&mut self, mem: &M) {
+        let len = self.h.st_table_size;
+        let tables = std::mem::take(&mut self.tables);
+        for chunk in tables.chunks(1024) {
+            let mut headers = vec![vec![0u8; len]; chunk.len()];
+            let mut requests: Vec<(u64, &mut [u8])> = chunk
+                .iter()
+                .zip(headers.iter_mut())
+                .map(|((_, table), b)| (*table, &mut b[..]))
+                .collect();
+            let ok = mem.read_each(&mut requests);
+            self.census.bytes_read += (chunk.len() * len) as u64;
+            for (((klass, _), header), ok) in chunk.iter().zip(&headers).zip(ok) {
+                if !ok {
+                    self.census.unreadable_tables += 1;
+                    continue;
+                }
+                let bytes = self.st_bytes(header);
+                self.by_class
+                    .entry((*klass, T_HASH))
+                    .or_default()
+                    .heap_bytes += bytes;
+            }
+        }
+    }
+}

@@ -1,0 +1,175 @@
+# frozen_string_literal: true
+
+require "json"
+
+module RubySpy
+  # What fills a process's memory: its live objects by class and built-in type, read from
+  # its GC's heap pages without stopping it ({RubySpy.heap}, +rubyspy heap+). A census is
+  # the JSON the extension writes, parsed: {#save} writes it back, {.load} reads it, and
+  # {#-} says which classes grew since an earlier one.
+  class Census
+    # @return [Hash] every figure, as saved (see {#to_h})
+    attr_reader :data
+
+    # @api private
+    def initialize(json)
+      @json = json
+      @data = JSON.parse(json, symbolize_names: true)
+    rescue JSON::ParserError => e
+      raise InvalidCensus, "not a heap census saved as JSON (#{e.message.lines.first.strip})"
+    end
+
+    # Reads a census saved by {#save} (or +rubyspy heap --output+).
+    #
+    # @param path [String]
+    # @return [RubySpy::Census]
+    # @raise [RubySpy::InvalidCensus] if the file is not one
+    # @raise [SystemCallError] if it cannot be read
+    def self.load(path)
+      census = new(File.read(path))
+      raise InvalidCensus, "#{path} is not a heap census (no :classes)" unless census.data[:classes].is_a?(Array)
+
+      census
+    end
+
+    # Live objects by class and type, most bytes first.
+    #
+    # @return [Array<Hash>] one per class and type: +:name+ (the class path as +Class#name+
+    #   gives it, +#<Class:0x...>+ for an anonymous class, "" for Ruby's hidden objects, which
+    #   have no class), +:type+ (+"T_OBJECT"+, +"T_STRING"+...), +:objects+, +:bytes+ (slot
+    #   and outside bytes together, as +ObjectSpace.memsize_of+ sums them), +:slot_bytes+
+    #   and +:heap_bytes+ (outside the slot)
+    def classes
+      @classes ||= @data[:classes].map { |row| row.merge(bytes: row[:slot_bytes] + row[:heap_bytes]) }
+    end
+
+    # Live objects by built-in type alone: the sum of {#classes} per +:type+ (+:name+ is "").
+    #
+    # @return [Array<Hash>] as {#classes}
+    def types
+      @types ||= @data[:types].map { |row| row.merge(bytes: row[:slot_bytes] + row[:heap_bytes]) }
+    end
+
+    # The row of one class (of one type, when a name has several).
+    #
+    # @param name [String, Module] a class path, or the class itself
+    # @return [Hash, nil] as in {#classes}
+    def [](name)
+      name = name.name if name.is_a?(Module)
+      classes.find { |row| row[:name] == name }
+    end
+
+    # @return [Integer] live objects
+    def objects
+      @data[:live_slots]
+    end
+
+    # Slots and pages: +:total_slots+, +:free_slots+, +:live_slots+, +:zombie_slots+
+    # (awaiting finalizers), +:moved_slots+ (left by compaction), +:garbage_slots+ (not yet
+    # freed by a lazy sweep), +:pages+, +:heap_bytes_total+, +:unreadable_pages+.
+    #
+    # @return [Hash{Symbol => Integer}]
+    def slots
+      @data.slice(:total_slots, :free_slots, :live_slots, :zombie_slots, :moved_slots, :garbage_slots,
+                  :pages, :heap_bytes_total, :unreadable_pages, :unreadable_tables)
+    end
+
+    # @return [Boolean] true when the census stopped at +max_bytes+ before the last page
+    def partial?
+      @data[:partial]
+    end
+
+    # @return [Integer] the process the census is of
+    def pid
+      @data[:pid]
+    end
+
+    # @return [String] its Ruby version
+    def ruby_version
+      @data[:ruby_version]
+    end
+
+    # @return [Float] seconds the census took
+    def duration
+      @data[:duration_us] / 1e6
+    end
+
+    # @return [Integer] bytes read from the process
+    def bytes_read
+      @data[:bytes_read]
+    end
+
+    # @return [String] what the bytes leave out
+    def not_counted
+      @data[:not_counted]
+    end
+
+    # The classes that changed since +earlier+: those that grew first, most bytes first.
+    #
+    # @param earlier [RubySpy::Census]
+    # @return [Array<Hash>] +:name+, +:type+, +:objects+ and +:bytes+ (the changes), and
+    #   +:objects_now+, +:bytes_now+
+    # @raise [TypeError] unless +earlier+ is a census
+    def -(other)
+      raise TypeError, "can only subtract a RubySpy::Census, not #{other.class}" unless other.is_a?(Census)
+
+      JSON.parse(NativeCensus.diff(@json, other.to_json, 0).first, symbolize_names: true)
+    end
+
+    # The changes since +earlier+ as text: the +limit+ classes that grew most, then shrank.
+    #
+    # @param earlier [RubySpy::Census]
+    # @param limit [Integer]
+    # @return [String]
+    def diff_text(earlier, limit: 20)
+      NativeCensus.diff(@json, earlier.to_json, limit).last
+    end
+
+    # The census in a format: +:text+ (the top +limit+ classes), +:json+ (what {.load}
+    # reads), or +:pprof+ (gzipped protobuf in Go's heap profile shape: +inuse_objects+ and
+    # +inuse_space+, each class a sample under its type).
+    #
+    # @param format [Symbol] +:text+, +:json+ or +:pprof+
+    # @param limit [Integer] rows of +:text+
+    # @return [String] (binary for +:pprof+)
+    # @raise [ArgumentError] for another format
+    def render(format = :text, limit: 30)
+      case format.to_sym
+      when :text then NativeCensus.text(@json, limit)
+      when :json then @json
+      when :pprof then NativeCensus.pprof(@json)
+      else raise ArgumentError, "unknown census format #{format.inspect}: use :text, :json or :pprof"
+      end
+    end
+
+    # Writes {#render}(+format+) to +path+.
+    #
+    # @param path [String]
+    # @param format [Symbol] as {#render}
+    # @return [String] path
+    def save(path, format: :json)
+      File.binwrite(path, render(format))
+      path
+    end
+
+    # @return [String] the census as JSON
+    def to_json(*)
+      @json
+    end
+
+    # @return [Hash] every figure, as saved
+    def to_h
+      @data
+    end
+
+    # @return [String] the top classes as text
+    def to_s
+      render(:text)
+    end
+
+    # @return [String]
+    def inspect
+      "#<RubySpy::Census pid=#{pid} objects=#{objects} classes=#{classes.size}#{" partial" if partial?}>"
+    end
+  end
+end

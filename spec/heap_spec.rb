@@ -1,0 +1,133 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+require "open3"
+require "tmpdir"
+
+# The heap census (RubySpy.heap, rubyspy heap) against the target's own answers: a target of
+# known populations (spec/fixtures/heap_populations.rb) that reports what
+# ObjectSpace.count_objects, each_object, memsize_of and GC.stat say of the very heap the
+# census read. Runs on the host Ruby and on every Ruby of the matrix (script/test).
+RSpec.describe "the heap census" do
+  include RubySpyTest::Recording
+
+  # The target parked on its sleep line after its last allocation (see the fixture), with
+  # its census and its answers.
+  def census_and_answers
+    target = start_target("heap_populations")
+    handle = RubySpy.attach(target.pid)
+    line = target.info.fetch("sleep_line")
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
+    until (stack = handle.snapshot).first&.label == "Kernel#sleep" && stack[1]&.lineno == line
+      raise "the target never slept on line #{line}: #{stack.first(2).map(&:to_s)}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+
+      sleep 0.05
+    end
+    census = handle.heap
+    Process.kill(:USR1, target.pid)
+    [target, census, target.result(".answers")]
+  end
+
+  it "counts every class and type exactly as the target's own ObjectSpace does, and its bytes as memsize_of" do
+    _, census, answers = census_and_answers
+    ratios = answers.fetch("classes").map do |c|
+      row = census[c["name"]]
+      format("%s %d/%d objects, bytes %.4f of memsize", c["name"][/\A\w+|#<Class/], row ? row[:objects] : 0, c["objects"],
+             row ? row[:bytes].fdiv(c["memsize"]) : 0)
+    end
+    warn "#{RubySpyTest::TargetRuby.current}: census of #{census.objects} objects, #{census.slots[:pages]} pages, " \
+         "#{(census.duration * 1000).round(1)} ms; #{ratios.join("; ")}"
+    answers.fetch("classes").each do |expected|
+      row = census[expected.fetch("name")]
+      expect(row).not_to be_nil, "no row for #{expected["name"]} in #{census.classes.first(10)}"
+      expect(row[:objects]).to eq(expected.fetch("objects")), "#{expected["name"]}: #{row}"
+      memsize = expected.fetch("memsize")
+      expect(row[:bytes]).to be_within(memsize * 0.05).of(memsize), "#{expected["name"]}: #{row} vs memsize #{memsize}"
+    end
+    # Widgets and the anonymous class's objects hold nothing outside their slots: their
+    # bytes are slot bytes.
+    %w[Widget].each do |name|
+      expected = answers["classes"].find { |c| c["name"] == name }
+      expect(census[name][:slot_bytes]).to be_within(expected["memsize"] * 0.01).of(expected["memsize"])
+    end
+    # ObjectSpace.count_objects' keys, as the census has them.
+    by_type = census.types.to_h { |t| [t[:type], t[:objects]] }
+    slots = census.slots
+    counted = answers.fetch("counts").to_h do |type, _|
+      [type, case type
+             when "TOTAL" then slots[:total_slots]
+             when "FREE" then slots[:free_slots]
+             when "T_ZOMBIE" then slots[:zombie_slots]
+             when "T_MOVED" then slots[:moved_slots]
+             else by_type.fetch(type, 0)
+             end]
+    end
+    expect(counted).to eq(answers["counts"])
+    expect(census.slots[:live_slots]).to eq(answers.fetch("live_slots"))
+    expect(census.slots).to include(unreadable_pages: 0, garbage_slots: 0)
+    expect(census).not_to be_partial
+  end
+
+  it "stops at max_bytes with a partial census, and names bad arguments" do
+    target = start_target("heap_populations")
+    partial = RubySpy.heap(target.pid, max_bytes: 1 << 20)
+    expect(partial).to be_partial
+    expect(partial.slots[:heap_bytes_total]).to be <= 1 << 20
+    expect(partial.objects).to be > 0
+    expect { RubySpy.heap(target.pid, max_bytes: 0) }.to raise_error(ArgumentError, /max_bytes/)
+    expect { RubySpy.heap("1") }.to raise_error(TypeError, /pid must be an Integer/)
+  end
+end
+
+RSpec.describe "rubyspy heap" do
+  include RubySpyTest::Recording
+  include RubySpyTest::GoPprof
+
+  before { skip "checked once, on the host's Ruby" unless RubySpyTest::TargetRuby.current.host? }
+
+  def rubyspy(*args)
+    out, err, status = Open3.capture3(RbConfig.ruby, File.expand_path("../exe/rubyspy", __dir__), *args)
+    [out, err, status.exitstatus]
+  end
+
+  it "names the leaking class first in the diff of two censuses, and writes a pprof go tool pprof reads" do
+    target = start_target("heap_leak")
+    Dir.mktmpdir do |dir|
+      a, b, pb = %w[a.json b.json heap.pb.gz].map { |f| File.join(dir, f) }
+      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", a).last).to eq(0)
+      Process.kill(:USR1, target.pid)
+      target.result(".leaked.1")
+      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", b).last).to eq(0)
+      out, err, status = rubyspy("heap", "--diff", a, b)
+      expect(status).to eq(0), err
+      grew = out.lines.drop_while { |l| !l.include?("classes grew") }
+      expect(grew[2]).to match(/\+10000\s.*\bLeaky \(T_OBJECT\)/)
+      deltas = RubySpy::Census.load(b) - RubySpy::Census.load(a)
+      expect(deltas.find { |d| d[:name] == "Leaky" }).to include(objects: 10_000)
+
+      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", pb).last).to eq(0)
+      top = go_pprof("-top", "-sample_index=inuse_objects", pb)
+      expect(top).to match(/^\s*10000\s.*\sLeaky$/)
+      text, = rubyspy("heap", "--pid", target.pid.to_s, "--limit", "5")
+      expect(text).to match(/live objects in \d+ slots/)
+      expect(text.lines.grep(/\(T_/).size).to eq(5)
+    end
+  end
+
+  it "says what is wrong with bad input" do
+    Dir.mktmpdir do |dir|
+      bad = File.join(dir, "bad.json")
+      File.write(bad, "not json")
+      _, err, status = rubyspy("heap", "--diff", bad, bad)
+      expect([status, err]).to match([1, /not a heap census/])
+      _, err, status = rubyspy("heap", "--diff", bad)
+      expect([status, err]).to match([2, /two census files/])
+      _, err, status = rubyspy("heap")
+      expect([status, err]).to match([2, /needs --pid/])
+      _, err, status = rubyspy("heap", "--pid", "999999999")
+      expect(status).to eq(1)
+      expect(err).to match(/no process/)
+    end
+  end
+end
