@@ -66,6 +66,8 @@ VALUE_OF(base_slot_size, sizeof(RVALUE))
 #endif
 
 VALUE_OF(gc_mode_sweeping, gc_mode_sweeping)
+/* Compactions so far: a census during which it changes read objects that moved. */
+VALUE_OF(compact_count, offsetof(rb_objspace_t, profile.compact_count))
 
 /* Bytes outside the slot (what ObjectSpace.memsize_of adds to the slot). */
 VALUE_OF(str_shared, STR_SHARED)
@@ -111,6 +113,8 @@ VALUE_OF(class_super, offsetof(struct RClass, super))
     struct heap_page rbspy_heap_flag_##name __attribute__((section(".rbspy_" #name))) = { \
         .flags = {.member = 1}};
 FLAG_IMAGE(before_sweep, before_sweep)
+rb_objspace_t rbspy_heap_flag_during_compacting
+    __attribute__((section(".rbspy_during_compacting"))) = {.flags = {.during_compacting = 1}};
 #if API < 304
 FLAG_IMAGE(in_tomb, in_tomb)
 #endif

@@ -36,6 +36,10 @@ pub struct HeapLayout {
     pub bitmap_by_index: bool,
     /// `gc_mode_sweeping`: the value of the objspace's 2-bit mode while a sweep runs.
     pub gc_mode_sweeping: u64,
+    /// `objspace->profile.compact_count` and (byte, mask) of `objspace->flags.during_compacting`
+    /// (from the objspace's start): a census that saw either change read objects that moved.
+    pub compact_count: usize,
+    pub during_compacting: (usize, u8),
     // Bytes held outside the slot, as `ObjectSpace.memsize_of` counts them.
     /// A string owns its buffer (`as.heap.aux.capa` + 1 bytes) when not embedded, not
     /// shared and not `STR_NOFREE`.

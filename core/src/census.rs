@@ -105,6 +105,13 @@ pub struct Census {
     pub partial: bool,
     /// A lazy sweep was running when the census began.
     pub sweeping: bool,
+    /// Passes discarded because a compaction (`GC.compact`, or auto-compaction) moved objects
+    /// while they were read, and whether the pass kept still overlapped one: its counts may
+    /// then include objects seen both before and after they moved, or miss some.
+    #[serde(default)]
+    pub compactions: u64,
+    #[serde(default)]
+    pub moving: bool,
     pub not_counted: String,
 }
 

@@ -79,6 +79,18 @@ module RubySpy
       @data[:partial]
     end
 
+    # @return [Integer] passes taken again because a compaction moved objects while they
+    #   were read
+    def compactions
+      @data.fetch(:compactions, 0)
+    end
+
+    # @return [Boolean] true when compactions kept moving objects through every pass: the
+    #   counts may then include objects seen before and after they moved, or miss some
+    def moving?
+      @data.fetch(:moving, false)
+    end
+
     # @return [Integer] the process the census is of
     def pid
       @data[:pid]

@@ -71,6 +71,12 @@ pub fn text(census: &Census, limit: usize) -> String {
     for (n, what) in odd.iter().filter(|(n, _)| *n > 0) {
         let _ = writeln!(out, "  {n} {what}");
     }
+    if census.moving {
+        let _ = writeln!(
+            out,
+            "  compactions kept moving objects while they were read: counts are approximate"
+        );
+    }
     let _ = writeln!(
         out,
         "\n{:>12} {:>12} {:>12}  class (type)",

@@ -19,6 +19,8 @@ use std::time::Instant;
 
 /// Pages per `process_vm_readv` (4 MiB of 64 KiB pages): large reads, bounded memory.
 const PAGES_PER_CALL: usize = 64;
+/// Passes a census makes at most while compactions keep moving objects under it.
+const ATTEMPTS: u64 = 4;
 /// More pages than this (a terabyte heap) means the array's length did not read right.
 const MAX_PAGES: u64 = 1 << 24;
 
@@ -75,7 +77,10 @@ impl<M: Memory> Spy<M> {
     /// Counts the target's live objects by class and type, reading its heap pages while it
     /// runs. A page that does not read, or reads as nonsense (freed or changed meanwhile), is
     /// counted as unreadable and skipped; nothing is followed beyond a page but the class
-    /// names and hash tables.
+    /// names and hash tables. A pass that overlapped a compaction (objects moved while it
+    /// read, so some were seen twice or not at all) is taken again, up to `ATTEMPTS` passes;
+    /// the census says how many were (`compactions`) and whether the last one still did
+    /// (`moving`).
     pub fn census(&mut self, options: CensusOptions) -> Result<Census> {
         let began = Instant::now();
         let pid = self.target.pid;
@@ -85,12 +90,56 @@ impl<M: Memory> Spy<M> {
             version: version.clone(),
             detail: "no heap layout measured for this series".into(),
         })?;
+        let objspace = self
+            .target
+            .mem
+            .read_u64(field(self.target.vm, self.target.layout.vm_objspace))
+            .map_err(|e| super::attach::memory_error(pid, "reading the VM's objspace", e))?;
+        let mut compactions = 0;
+        let census = loop {
+            let before = self.compactions(h, objspace)?;
+            let census = self.census_pass(h, objspace, options)?;
+            let moving = before.1 || self.compactions(h, objspace)? != (before.0, false);
+            if !moving || compactions + 1 >= ATTEMPTS {
+                break Census { moving, ..census };
+            }
+            compactions += 1;
+        };
+        let mut census = Census {
+            compactions,
+            ..census
+        };
+        census.duration_us = began.elapsed().as_micros() as u64;
+        census.taken_at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Ok(census)
+    }
+
+    /// The objspace's compaction count, and whether a compaction runs now.
+    fn compactions(&self, h: &HeapLayout, objspace: u64) -> Result<(u64, bool)> {
+        let mem = &self.target.mem;
+        let memory = |e| super::attach::memory_error(self.target.pid, "reading the GC's state", e);
+        let count = mem
+            .read_u64(field(objspace, h.compact_count))
+            .map_err(memory)?;
+        let (at, mask) = h.during_compacting;
+        let mut flag = [0u8];
+        mem.read(field(objspace, at), &mut flag).map_err(memory)?;
+        Ok((count, flag[0] & mask != 0))
+    }
+
+    /// One pass over every page (see `census`).
+    fn census_pass(
+        &mut self,
+        h: &'static HeapLayout,
+        objspace: u64,
+        options: CensusOptions,
+    ) -> Result<Census> {
+        let pid = self.target.pid;
         let l = self.target.layout;
         let mem = &self.target.mem;
         let memory = |context| move |e| super::attach::memory_error(pid, context, e);
-        let objspace = mem
-            .read_u64(field(self.target.vm, l.vm_objspace))
-            .map_err(memory("reading the VM's objspace"))?;
         let flags = mem
             .read_u64(field(objspace, l.objspace_flags))
             .map_err(memory("reading the GC's flags"))?;
@@ -101,7 +150,7 @@ impl<M: Memory> Spy<M> {
             h,
             census: Census {
                 pid,
-                ruby_version: version,
+                ruby_version: self.target.version.clone(),
                 sweeping,
                 not_counted: NOT_COUNTED.into(),
                 ..Census::default()
@@ -120,12 +169,7 @@ impl<M: Memory> Spy<M> {
             // Nothing read at all: the process may be gone.
             self.check_identity(true)?;
         }
-        let mut census = self.name_classes(count);
-        census.duration_us = began.elapsed().as_micros() as u64;
-        census.taken_at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        Ok(census)
+        Ok(self.name_classes(count))
     }
 
     /// The census's rows, named: each class's path (`#<Class:0x...>` when anonymous), the
