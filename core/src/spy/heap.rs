@@ -165,8 +165,8 @@ impl<M: Memory> Spy<M> {
             }
         }
         count.read_tables(mem);
-        if count.census.pages == 0 && count.census.unreadable_pages > 0 {
-            // Nothing read at all: the process may be gone.
+        if count.census.unreadable_pages > 0 || count.census.unreadable_tables > 0 {
+            // Pages freed while read, or the process gone (an error, not a census of part).
             self.check_identity(true)?;
         }
         Ok(self.name_classes(count))
