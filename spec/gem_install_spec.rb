@@ -286,7 +286,8 @@ RSpec.describe "installing rbspy_ext", :slow do
       out = { "tagged" => RubySpy.tag(request_id: "r1") { [RubySpy.tags, :ran] }, "tags" => RubySpy.tags }
       { "snapshot" => -> { RubySpy.snapshot(Process.pid) }, "attach" => -> { RubySpy.attach(1) },
         "record" => -> { RubySpy.record(Process.pid) { 1 } },
-        "load" => -> { RubySpy::Profile.load(__FILE__) } }.each do |what, call|
+        "load" => -> { RubySpy::Profile.load(__FILE__) }, "heap" => -> { RubySpy.heap(Process.pid) },
+        "census" => -> { RubySpy::Census.new('{"classes":[],"types":[]}').render(:text) } }.each do |what, call|
         call.call
         out[what] = "no error"
       rescue Exception => e
@@ -312,7 +313,7 @@ RSpec.describe "installing rbspy_ext", :slow do
         expect(result["tagged"]).to eq([{}, "ran"])
         expect(result["tags"]).to eq({})
         expect(result["fiber"]).to eq("fiber")
-        %w[snapshot attach record load].each do |what|
+        %w[snapshot attach record load heap census].each do |what|
           name, is_error, message = result.fetch(what)
           expect(name).to eq("RubySpy::UnsupportedPlatform"), "#{what}: #{result[what].inspect}"
           expect(is_error).to be(true)

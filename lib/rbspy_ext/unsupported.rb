@@ -36,6 +36,24 @@ module RubySpy
     end
   end
 
+  # A saved census loads (it is JSON), but renders nothing here.
+  module NativeCensus
+    # @api private
+    def self.text(*)
+      Unsupported.raise_error
+    end
+
+    # @api private
+    def self.pprof(*)
+      Unsupported.raise_error
+    end
+
+    # @api private
+    def self.diff(*)
+      Unsupported.raise_error
+    end
+  end
+
   class NativeProfile
     # Nothing renders here.
     FORMATS = {}.freeze
