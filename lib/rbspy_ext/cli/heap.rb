@@ -10,6 +10,9 @@ module RubySpy
 
       module_function
 
+      # Runs `rubyspy heap ARGS`.
+      # @param argv [Array<String>] the arguments after `heap` (consumed)
+      # @return [Integer] the exit status (0; errors raise, and RubySpy::CLI.run reports them)
       def run(argv)
         options = { format: nil, limit: 30 }
         parser = OptionParser.new do |opts|
@@ -42,6 +45,9 @@ module RubySpy
         write(census, options)
       end
 
+      # Writes +census+ in the format asked (or the output file's extension says) to the
+      # output file, or to stdout.
+      # @return [Integer] 0
       def write(census, options)
         format = (options[:format] || format_of(options[:output])).to_sym
         out = census.render(format, limit: options[:limit])
@@ -55,6 +61,9 @@ module RubySpy
         0
       end
 
+      # The format a file name asks for: .json, .pb.gz/.pprof/.pb, else text.
+      # @param path [String, nil]
+      # @return [String]
       def format_of(path)
         case path
         when nil then "text"
@@ -64,6 +73,10 @@ module RubySpy
         end
       end
 
+      # `--diff EARLIER LATER`: the classes that grew, then shrank, between two saved censuses.
+      # @param paths [Array<String>] the two files
+      # @param limit [Integer] rows of each list
+      # @return [Integer] 0
       def diff(paths, limit)
         raise Usage, "--diff needs two census files (EARLIER LATER), got #{paths.size}" unless paths.size == 2
 
@@ -74,6 +87,9 @@ module RubySpy
         0
       end
 
+      # `--watch SECONDS`: a census every SECONDS, printing what grew since the one before,
+      # until Ctrl-C or the process's exit.
+      # @return [Integer] 0
       def watch(handle, options)
         raise Usage, "--watch must be positive, got #{options[:watch]}" unless options[:watch].positive?
 
