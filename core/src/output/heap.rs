@@ -3,11 +3,11 @@
 //! the shape of Go's heap profiles (`/debug/pprof/heap`): sample types `inuse_objects` and
 //! `inuse_space`, one sample per class whose "stack" is its type (root) and its class
 //! (leaf), so `go tool pprof -top` lists classes and a flame graph groups them by type.
-use super::pprof::proto;
+use super::pprof::{proto, Strings};
+use super::Interner;
 use crate::census::{Census, ClassDelta, ClassRow};
 use flate2::write::GzEncoder;
 use prost::Message;
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::io::Write;
 
@@ -144,46 +144,29 @@ fn signed_bytes(bytes: i64) -> String {
     format!("{sign}{}", human_bytes(bytes.unsigned_abs()))
 }
 
-/// pprof's string table and functions, each interned (one function, and one location of
-/// the same id, per frame name).
+/// pprof's string table, and one function (and one location of the same id) per frame
+/// name: the function of the name with string id `n` is `names.id(n) + 1`.
 struct Table {
-    strings: Vec<String>,
-    index: HashMap<String, i64>,
-    functions: Vec<proto::Function>,
+    strings: Strings,
+    names: Interner<i64>,
 }
 
 impl Table {
     fn id(&mut self, s: &str) -> i64 {
-        if let Some(i) = self.index.get(s) {
-            return *i;
-        }
-        self.strings.push(s.to_string());
-        let i = self.strings.len() as i64 - 1;
-        self.index.insert(s.to_string(), i);
-        i
+        self.strings.id(s)
     }
 
     fn frame(&mut self, name: &str) -> u64 {
         let name = self.id(name);
-        if let Some(f) = self.functions.iter().find(|f| f.name == name) {
-            return f.id;
-        }
-        let id = self.functions.len() as u64 + 1;
-        self.functions.push(proto::Function {
-            id,
-            name,
-            ..Default::default()
-        });
-        id
+        self.names.id(name) as u64 + 1
     }
 }
 
 /// The census as a pprof heap profile (see the module docs), gzipped.
 pub fn pprof(census: &Census) -> Vec<u8> {
     let mut t = Table {
-        strings: vec![String::new()],
-        index: HashMap::from([(String::new(), 0)]),
-        functions: Vec::new(),
+        strings: Strings::new(),
+        names: Interner::default(),
     };
     let value_type = |t: &mut Table, kind, unit| proto::ValueType {
         r#type: t.id(kind),
@@ -206,8 +189,14 @@ pub fn pprof(census: &Census) -> Vec<u8> {
             label: Vec::new(),
         })
         .collect();
-    let location = t
-        .functions
+    let function: Vec<proto::Function> = (t.names.list.iter().enumerate())
+        .map(|(i, name)| proto::Function {
+            id: i as u64 + 1,
+            name: *name,
+            ..Default::default()
+        })
+        .collect();
+    let location = function
         .iter()
         .map(|f| proto::Location {
             id: f.id,
@@ -229,14 +218,14 @@ pub fn pprof(census: &Census) -> Vec<u8> {
         sample_type,
         sample,
         location,
-        function: t.functions,
+        function,
         time_nanos: census.taken_at_ms as i64 * 1_000_000,
         duration_nanos: census.duration_us as i64 * 1000,
         period_type,
         period: 1,
         comment,
         default_sample_type: 1,
-        string_table: t.strings,
+        string_table: t.strings.table,
         ..Default::default()
     };
     let mut gz = GzEncoder::new(Vec::new(), flate2::Compression::default());

@@ -153,20 +153,20 @@ pub mod proto {
 }
 
 /// The string table: index 0 is "" as the format requires.
-struct Strings {
-    table: Vec<String>,
+pub(super) struct Strings {
+    pub(super) table: Vec<String>,
     index: HashMap<String, i64>,
 }
 
 impl Strings {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Strings {
             table: vec![String::new()],
             index: HashMap::from([(String::new(), 0)]),
         }
     }
 
-    fn id(&mut self, s: &str) -> i64 {
+    pub(super) fn id(&mut self, s: &str) -> i64 {
         if let Some(&i) = self.index.get(s) {
             return i;
         }

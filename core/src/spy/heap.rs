@@ -95,20 +95,17 @@ impl<M: Memory> Spy<M> {
             .mem
             .read_u64(field(self.target.vm, self.target.layout.vm_objspace))
             .map_err(|e| super::attach::memory_error(pid, "reading the VM's objspace", e))?;
-        let mut compactions = 0;
-        let census = loop {
+        let mut retaken = 0;
+        let mut census = loop {
             let before = self.compactions(h, objspace)?;
-            let census = self.census_pass(h, objspace, options)?;
-            let moving = before.1 || self.compactions(h, objspace)? != (before.0, false);
-            if !moving || compactions + 1 >= ATTEMPTS {
-                break Census { moving, ..census };
+            let mut census = self.census_pass(h, objspace, options)?;
+            census.moving = before.1 || self.compactions(h, objspace)? != (before.0, false);
+            if !census.moving || retaken + 1 >= ATTEMPTS {
+                break census;
             }
-            compactions += 1;
+            retaken += 1;
         };
-        let mut census = Census {
-            compactions,
-            ..census
-        };
+        census.compactions = retaken;
         census.duration_us = began.elapsed().as_micros() as u64;
         census.taken_at_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
