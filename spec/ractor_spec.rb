@@ -149,7 +149,7 @@ RSpec.describe "Ractors" do
     end
 
     # Four Ractors tag their work apart (job: rN around Taggers.burn_N), in threads and in
-    # fibers (3.4+), while GC.stress collects at almost every allocation: each tag read from
+    # fibers (4.0+), while GC.stress collects at almost every allocation: each tag read from
     # outside must come with its own Ractor's thread and frames.
     it "reads each Ractor's own tags under GC.stress, none wrong" do
       target = start_target("ractor_tags", env: threads_env.merge("GC_STRESS" => "1"))
