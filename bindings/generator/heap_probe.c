@@ -98,6 +98,40 @@ VALUE_OF(st_bins, offsetof(st_table, bins))
 /* An object's ivars out of its slot: ROBJECT_EMBED clear, numiv of them. */
 VALUE_OF(robject_embed, ROBJECT_EMBED)
 VALUE_OF(robject_numiv, offsetof(struct RObject, as.heap.numiv))
+#else
+/* From 3.2 an object's shape says how many ivars its buffer out of the slot holds (its
+ * capacity), or that the ivars are an st_table (a too-complex shape). The shape id is the
+ * flags' top bits; the shape is an element of the shape list. */
+VALUE_OF(shape_id_shift, SHAPE_FLAG_SHIFT)
+VALUE_OF(shape_size, sizeof(rb_shape_t))
+VALUE_OF(shape_capacity, offsetof(rb_shape_t, capacity))
+VALUE_OF(shape_capacity_width, sizeof(((rb_shape_t *)0)->capacity))
+#if API >= 400
+VALUE_OF(robject_heap_flag, ROBJECT_HEAP)
+VALUE_OF(robject_fields, offsetof(struct RObject, as.heap.fields))
+VALUE_OF(shape_index_mask, SHAPE_ID_OFFSET_MASK)
+VALUE_OF(shape_heap_index_mask, SHAPE_ID_HEAP_INDEX_MASK)
+VALUE_OF(shape_heap_index_shift, SHAPE_ID_HEAP_INDEX_OFFSET)
+VALUE_OF(tree_shape_list, offsetof(rb_shape_tree_t, shape_list))
+VALUE_OF(tree_capacities, offsetof(rb_shape_tree_t, capacities))
+#if API >= 401
+VALUE_OF(too_complex_flag, SHAPE_ID_FL_COMPLEX)
+VALUE_OF(capacities_inline, 1)
+#else
+VALUE_OF(too_complex_flag, SHAPE_ID_FL_TOO_COMPLEX)
+#endif
+#else
+VALUE_OF(robject_embed_flag, ROBJECT_EMBED)
+VALUE_OF(robject_fields, offsetof(struct RObject, as.heap.ivptr))
+VALUE_OF(too_complex_id, OBJ_TOO_COMPLEX_SHAPE_ID)
+#if API >= 303
+VALUE_OF(tree_shape_list, offsetof(rb_shape_tree_t, shape_list))
+VALUE_OF(tree_root_shape, offsetof(rb_shape_tree_t, root_shape))
+VALUE_OF(shape_parent_id, offsetof(rb_shape_t, parent_id))
+#else
+VALUE_OF(vm_shape_list, offsetof(rb_vm_t, shape_list))
+#endif
+#endif
 #endif
 
 /* A class's superclass, for an object whose class is its singleton class: in struct RClass

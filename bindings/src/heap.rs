@@ -67,11 +67,63 @@ pub struct HeapLayout {
     /// (`ROBJECT_EMBED`, offset of `as.heap.numiv`) before 3.2, where an object that is not
     /// embedded holds `numiv` ivars out of its slot.
     pub robject_heap: Option<(u64, usize)>,
+    /// From 3.2: how an object's shape sizes the ivars it keeps out of its slot.
+    pub shapes: Option<Shapes>,
     /// Where a class's superclass is: in `struct RClass` (before 4.0), or in its classext
     /// (`Layout::rclass_ext_*`) from 4.0. An object with a singleton class is counted under
     /// the class its singleton class's superclass chain reaches, as `Object#class` says.
     pub class_super: Option<usize>,
     pub class_super_in_ext: Option<usize>,
+}
+
+/// What `ObjectSpace.memsize_of` adds for an object's ivars from 3.2 (shape.h): the
+/// capacity of its shape in words when its ivars are out of the slot, or its st_table's
+/// size when its shape is too complex (the ivars are then a table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shapes {
+    /// (flag, set): the ivars are out of the slot when `ROBJECT_EMBED` is clear (before
+    /// 4.0), or when `ROBJECT_HEAP` is set (from 4.0).
+    pub out_of_slot: (u64, bool),
+    /// `as.heap.ivptr` (`as.heap.fields` from 4.0): the buffer, or a too-complex object's
+    /// st_table.
+    pub fields: usize,
+    /// The shape id is `flags >> id_shift`; its element of the shape list is the id (before
+    /// 4.0) or `id & index_mask` (from 4.0, whose ids carry flags too).
+    pub id_shift: u32,
+    pub index_mask: Option<u64>,
+    /// A shape is too complex when its id is `too_complex_id` (before 4.0), or has
+    /// `too_complex_flag` (from 4.0).
+    pub too_complex_id: Option<u64>,
+    pub too_complex_flag: Option<u64>,
+    /// `sizeof(rb_shape_t)`, and the offset and width in bytes of its `capacity` (a
+    /// `uint32_t` on 3.x, an `attr_index_t` of 2 bytes on 4.0 and 1 on 4.1).
+    pub shape_size: usize,
+    pub capacity: usize,
+    pub capacity_width: usize,
+    pub list: ShapeList,
+    /// From 4.0 a capacity is at least the embedded capacity of the heap the id names:
+    /// `capacities[heap_index - 1]`, heap_index = `(id & mask) >> shift`. `capacities` is
+    /// at this offset of the shape tree: a pointer to the array (4.0), or the array (4.1).
+    pub heap_index: Option<(u64, u32)>,
+    pub capacities: Option<(usize, bool)>,
+}
+
+/// Where the shape list (`rb_shape_t *shape_list`) is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShapeList {
+    /// 3.2: `vm->shape_list`, at this offset of `rb_vm_t`.
+    InVm(usize),
+    /// 3.3 and 3.4: in the `rb_shape_tree_t` that the global `rb_shape_tree_ptr` points to.
+    /// Debian's libruby does not name that global, so it may be found by a scan: the tree's
+    /// `shape_list` and `root_shape` are the same pointer, and the root shape's `parent_id`
+    /// is `INVALID_SHAPE_ID` (all ones).
+    TreePointer {
+        shape_list: usize,
+        root_shape: usize,
+        parent_id: usize,
+    },
+    /// From 4.0: in the global `rb_shape_tree` itself (exported).
+    Tree { shape_list: usize },
 }
 
 /// The heap layout of `version` ("3.3.8"): its own when measured, else that of the

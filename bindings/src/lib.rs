@@ -11,7 +11,7 @@ mod heap;
 mod heap_generated;
 
 pub use generated::{LAYOUTS, VERSIONS};
-pub use heap::{heap_layout_for_version, HeapLayout};
+pub use heap::{heap_layout_for_version, HeapLayout, ShapeList, Shapes};
 pub use heap_generated::HEAP_LAYOUTS;
 
 /// Offsets (in bytes) and constants of one distinct Ruby VM layout.

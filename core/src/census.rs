@@ -43,10 +43,10 @@ pub const TYPE_NAMES: [&str; 32] = [
 
 /// What the census counts out of each object's slot, and what it does not: named in every
 /// census (`Census::not_counted`), in the README and in `rubyspy heap`'s output.
-pub const NOT_COUNTED: &str = "bytes outside the slot are counted for strings, arrays and \
-     hashes (and objects' ivars before Ruby 3.2); T_DATA, T_OBJECT ivar buffers from 3.2, \
-     generic ivars, regexps, bignums, classes and every C extension's own memory count their \
-     slot only, and a UTF-16/32 string's terminator counts 1 byte, not 2 or 4";
+pub const NOT_COUNTED: &str = "bytes outside the slot are counted for strings, arrays, \
+     hashes and objects' ivars; T_DATA, generic ivars (those of strings, arrays and other \
+     non-T_OBJECT objects), regexps, bignums, classes and every C extension's own memory \
+     count their slot only, and a UTF-16/32 string's terminator counts 1 byte, not 2 or 4";
 
 /// One class (or, for hidden objects, one type alone) and its live objects.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

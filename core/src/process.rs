@@ -212,6 +212,10 @@ const WANTED: &[&str] = &[
     "ruby_api_version",
     // 4.1: set while ZJIT is on (hidden: only a static ruby's `.symtab` has it).
     "rb_zjit_entry",
+    // The object shapes, for the heap census: exported from 4.0; 3.3 and 3.4 keep the
+    // pointer hidden (only a `.symtab` names it).
+    "rb_shape_tree",
+    "rb_shape_tree_ptr",
 ];
 
 /// Opens the bytes of a mapped file as the target sees it. /proc/PID/map_files works across

@@ -40,6 +40,10 @@ pub(super) struct Target<M: Memory> {
     /// last seen set (ZJIT on: frames may keep their iseq and pc in JITFrames) and when.
     pub(super) zjit_entry: Option<u64>,
     pub(super) zjit_on: Option<(bool, std::time::Instant)>,
+    /// The address of the shape tree's global for the heap census (spy/shapes.rs):
+    /// `rb_shape_tree` from 4.0, `rb_shape_tree_ptr` on 3.3 and 3.4 (named by the binary, or
+    /// found by a scan at the first census). None before 3.2, or until found.
+    pub(super) shape_tree: Option<u64>,
 }
 
 impl Spy<ProcessMemory> {
@@ -102,6 +106,9 @@ impl Spy<ProcessMemory> {
         spy.target.writable = binary.writable.clone();
         spy.target.heap = heap_ranges(&maps);
         spy.target.pthread_tid = pthread_tid_offset(pid, &spy.target.mem, layout, &maps, &roots);
+        spy.target.shape_tree = binary
+            .symbol("rb_shape_tree")
+            .or_else(|| binary.symbol("rb_shape_tree_ptr"));
         spy.target.zjit_entry = binary
             .symbol("rb_zjit_entry")
             .filter(|_| layout.cfp_jit_return.is_some());
@@ -324,6 +331,7 @@ impl<M: Memory> Spy<M> {
                 pthread_tid: None,
                 zjit_entry: None,
                 zjit_on: None,
+                shape_tree: None,
             },
             cache: frames::Cache {
                 symbols: symbols.map(SymbolTable::new),
@@ -407,36 +415,60 @@ impl<M: Memory> Target<M> {
     fn scan_for_symbol_table(&self, heap: Option<&[(u64, u64)]>) -> Option<u64> {
         let l = self.layout;
         let in_heap = |p: u64| heap.is_none_or(|h| h.iter().any(|(s, e)| (*s..*e).contains(&p)));
+        let head_len = crate::objects::array_head_len(l);
+        self.scan_writable(
+            l.symbols_size,
+            head_len,
+            |bytes| {
+                SymbolTable::candidate(l, bytes)
+                    .filter(|(_, ids)| in_heap(*ids))
+                    .map(|(last_id, ids)| (ids, last_id))
+            },
+            |last_id, head| SymbolTable::confirms(l, *last_id, head),
+        )
+        .map(|(at, _)| at)
+    }
+
+    /// Scans libruby's writable segments, word by word, for a struct only one word of the
+    /// data holds: `pick` takes the `window` bytes from a word on and gives the address the
+    /// candidate points to (and what it needs to confirm); the `head_len` bytes there are
+    /// read for every candidate of a segment in one batch, and the first that `confirms`
+    /// wins. Gives that word's address and the candidate.
+    pub(super) fn scan_writable<C>(
+        &self,
+        window: usize,
+        head_len: usize,
+        pick: impl Fn(&[u8]) -> Option<(u64, C)>,
+        confirms: impl Fn(&C, &[u8]) -> bool,
+    ) -> Option<(u64, C)> {
         for &(start, end) in &self.writable {
             let len = (end - start).min(16 << 20) as usize;
             let Ok(data) = self.mem.read_vec(start, len) else {
                 continue;
             };
-            let candidates: Vec<(usize, u64, u64)> = (0..data.len().saturating_sub(l.symbols_size)
-                + 1)
+            let candidates: Vec<(usize, u64, C)> = (0..data.len().saturating_sub(window) + 1)
                 .step_by(8)
                 .filter_map(|off| {
-                    let bytes = data.get(off..off + l.symbols_size)?;
-                    SymbolTable::candidate(l, bytes)
-                        .filter(|(_, ids)| in_heap(*ids))
-                        .map(|(last_id, ids)| (off, last_id, ids))
+                    let (at, c) = pick(data.get(off..off + window)?)?;
+                    Some((off, at, c))
                 })
                 .collect();
-            let head_len = crate::objects::array_head_len(l);
             let mut heads = vec![0u8; candidates.len() * head_len];
             let mut requests: Vec<(u64, &mut [u8])> = candidates
                 .iter()
                 .zip(heads.chunks_exact_mut(head_len))
-                .map(|((_, _, ids), head)| (*ids, head))
+                .map(|((_, at, _), head)| (*at, head))
                 .collect();
             let read = self.mem.read_each(&mut requests);
-            let found = candidates
+            let found = requests
                 .iter()
-                .zip(&requests)
                 .zip(read)
-                .find(|((c, (_, head)), ok)| *ok && SymbolTable::confirms(l, c.1, head));
-            if let Some((((off, _, _), _), _)) = found {
-                return Some(field(start, *off));
+                .enumerate()
+                .find(|(i, ((_, head), ok))| *ok && confirms(&candidates[*i].2, head))
+                .map(|(i, _)| i);
+            if let Some(i) = found {
+                let (off, _, c) = candidates.into_iter().nth(i).expect("found");
+                return Some((field(start, off), c));
             }
         }
         None

@@ -13,16 +13,24 @@ use crate::census::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use crate::error::{Error, Result};
 use crate::memory::field;
 use crate::objects::word;
+use pages::{page_list, read_headers, Page};
 use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
 use rustc_hash::FxHashMap;
+use shapes::Ivars;
 use std::time::Instant;
+
+#[path = "heap_pages.rs"]
+mod pages;
+#[path = "shapes.rs"]
+mod shapes;
+
+/// Appended to `NOT_COUNTED` when objects' ivars could not be sized (3.2+).
+const SHAPES_NOT_FOUND: &str = "; here also T_OBJECT ivar buffers (the shape list was not found)";
 
 /// Pages per `process_vm_readv` (4 MiB of 64 KiB pages): large reads, bounded memory.
 const PAGES_PER_CALL: usize = 64;
 /// Passes a census makes at most while compactions keep moving objects under it.
 const ATTEMPTS: u64 = 4;
-/// More pages than this (a terabyte heap) means the array's length did not read right.
-const MAX_PAGES: u64 = 1 << 24;
 
 const T_NONE: u8 = 0x00;
 const T_OBJECT: u8 = 0x01;
@@ -45,16 +53,6 @@ pub struct CensusOptions {
     pub max_bytes: Option<u64>,
 }
 
-/// One page, as its header read.
-struct Page {
-    start: u64,
-    slots: usize,
-    slot_size: usize,
-    /// Unmarked slots here are garbage: a lazy sweep runs and has not reached this page.
-    unswept: bool,
-    marks: Vec<u64>,
-}
-
 /// Live objects of one (class, type), as counted.
 #[derive(Default, Clone, Copy)]
 struct Tally {
@@ -69,8 +67,12 @@ struct Count<'a> {
     h: &'a HeapLayout,
     census: Census,
     by_class: FxHashMap<(u64, u8), Tally>,
-    /// Hashes whose st_table is outside the slot (before 3.3): (class, table).
-    tables: Vec<(u64, u64)>,
+    /// Hashes whose st_table is outside the slot (before 3.3), and objects whose ivars are
+    /// an st_table (too complex, 3.2+): (class, type, table).
+    tables: Vec<(u64, u8, u64)>,
+    /// Objects whose ivars are in a buffer sized by their shape (3.2+), by (class, shape id):
+    /// how many (see spy/shapes.rs).
+    shaped: FxHashMap<(u64, u32), u64>,
 }
 
 impl<M: Memory> Spy<M> {
@@ -133,6 +135,7 @@ impl<M: Memory> Spy<M> {
         objspace: u64,
         options: CensusOptions,
     ) -> Result<Census> {
+        let shapes = h.shapes.and_then(|s| self.shape_source(&s));
         let pid = self.target.pid;
         let l = self.target.layout;
         let mem = &self.target.mem;
@@ -154,6 +157,7 @@ impl<M: Memory> Spy<M> {
             },
             by_class: FxHashMap::default(),
             tables: Vec::new(),
+            shaped: FxHashMap::default(),
         };
         for chunk in pages.chunks(PAGES_PER_CALL) {
             let headers = read_headers(mem, h, sweeping, chunk, &mut count.census);
@@ -162,6 +166,13 @@ impl<M: Memory> Spy<M> {
             }
         }
         count.read_tables(mem);
+        match (h.shapes, &shapes) {
+            (Some(s), Some(source)) => count.add_shaped(mem, &s, source),
+            (Some(_), None) if !count.shaped.is_empty() => {
+                count.census.not_counted += SHAPES_NOT_FOUND;
+            }
+            _ => {}
+        }
         if count.census.unreadable_pages > 0 || count.census.unreadable_tables > 0 {
             // Pages freed while read, or the process gone (an error, not a census of part).
             self.check_identity(true)?;
@@ -287,94 +298,6 @@ fn rows(tallies: impl Iterator<Item = (String, u8, Tally)>) -> Vec<ClassRow> {
     rows
 }
 
-/// Every page's `struct heap_page *`, from the objspace's sorted array: before 3.4 a plain
-/// array of `heap_pages.allocated_pages`, from 3.4 an rb_darray that holds its own size.
-fn page_list<M: Memory>(
-    mem: &M,
-    h: &HeapLayout,
-    objspace: u64,
-) -> std::result::Result<Vec<u64>, crate::error::MemoryError> {
-    let sorted = mem.read_u64(field(objspace, h.sorted))?;
-    let (data, len) = match (h.darray, h.allocated_pages) {
-        (Some((size, data)), _) if sorted != 0 => {
-            (field(sorted, data), mem.read_u64(field(sorted, size))?)
-        }
-        (None, Some(count)) => (sorted, mem.read_u64(field(objspace, count))?),
-        _ => (0, 0),
-    };
-    if data == 0 || len == 0 || len > MAX_PAGES {
-        return Ok(Vec::new());
-    }
-    let bytes = mem.read_vec(data, len as usize * 8)?;
-    Ok((0..len as usize)
-        .map(|i| word(&bytes, i * 8))
-        .filter(|p| *p != 0)
-        .collect())
-}
-
-/// The headers of `pages`, in one call: the pages that read and make sense (a live page of
-/// slots inside its aligned block). Tomb pages (before 3.4) and emptied ones (3.4+, whose
-/// header is zeroed) hold no objects and are skipped; the rest count as unreadable.
-fn read_headers<M: Memory>(
-    mem: &M,
-    h: &HeapLayout,
-    sweeping: bool,
-    pages: &[u64],
-    census: &mut Census,
-) -> Vec<Page> {
-    let len = h.page_mark_bits + h.page_mark_bits_len;
-    let mut bufs = vec![vec![0u8; len]; pages.len()];
-    let mut requests: Vec<(u64, &mut [u8])> = pages
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(p, b)| (*p, &mut b[..]))
-        .collect();
-    let ok = mem.read_each(&mut requests);
-    census.bytes_read += (len * ok.iter().filter(|o| **o).count()) as u64;
-    let mut read = Vec::with_capacity(pages.len());
-    for (bytes, ok) in bufs.iter().zip(ok) {
-        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
-        let flag = |(at, mask): (usize, u8)| bytes[at] & mask != 0;
-        if !ok {
-            census.unreadable_pages += 1;
-            continue;
-        }
-        let start = word(bytes, h.page_start);
-        let slots = short(h.page_total_slots);
-        // Emptied pages (3.4+) are zeroed. Tomb pages (before 3.4) hold only free slots and
-        // zombies, which count_objects counts too: they are read like any other.
-        if start == 0 || slots == 0 {
-            continue;
-        }
-        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
-        let block = start & !(h.page_align as u64 - 1);
-        if slot_size < 16
-            || !start.is_multiple_of(8)
-            || start + (slots * slot_size) as u64 > block + h.page_align as u64
-        {
-            census.unreadable_pages += 1;
-            continue;
-        }
-        let unswept = sweeping && flag(h.page_before_sweep);
-        let marks = if unswept {
-            let bits = &bytes[h.page_mark_bits..];
-            (0..h.page_mark_bits_len / 8)
-                .map(|i| word(bits, i * 8))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        read.push(Page {
-            start,
-            slots,
-            slot_size,
-            unswept,
-            marks,
-        });
-    }
-    read
-}
-
 impl Count<'_> {
     /// Reads the slots of `pages` in one call and counts them. False when `max_bytes` cut
     /// the census short (it is then partial).
@@ -483,7 +406,7 @@ impl Count<'_> {
                 (_, Some(at)) => {
                     let table = word(slot, at);
                     if flags & h.hash_st_flag != 0 && table != 0 {
-                        self.tables.push((klass, table));
+                        self.tables.push((klass, T_HASH, table));
                     } else if table != 0 {
                         return h.ar_table_size.unwrap_or(0) as u64;
                     }
@@ -491,10 +414,20 @@ impl Count<'_> {
                 }
                 _ => 0,
             },
-            T_OBJECT => match h.robject_heap {
-                Some((embed, numiv)) if flags & embed == 0 => {
+            T_OBJECT => match (h.robject_heap, &h.shapes) {
+                (Some((embed, numiv)), _) if flags & embed == 0 => {
                     u32::from_le_bytes(slot[numiv..numiv + 4].try_into().expect("4 bytes")) as u64
                         * 8
+                }
+                (_, Some(s)) => {
+                    match Ivars::of(s, flags, slot) {
+                        Ivars::Shape(id) => *self.shaped.entry((klass, id)).or_default() += 1,
+                        Ivars::Table(table) if table != 0 => {
+                            self.tables.push((klass, T_OBJECT, table))
+                        }
+                        _ => {}
+                    }
+                    0
                 }
                 _ => 0,
             },
@@ -529,8 +462,9 @@ impl Count<'_> {
         self.h.st_table_size as u64 + entries + bins
     }
 
-    /// Reads the st_tables of hashes whose table is outside the slot (before 3.3), many per
-    /// call, and adds each table's bytes to its hash's class.
+    /// Reads the st_tables of hashes whose table is outside the slot (before 3.3) and of
+    /// too-complex objects' ivars, many per call, and adds each table's bytes to its
+    /// object's class.
     fn read_tables<M: Memory>(&mut self, mem: &M) {
         let len = self.h.st_table_size;
         let tables = std::mem::take(&mut self.tables);
@@ -539,20 +473,17 @@ impl Count<'_> {
             let mut requests: Vec<(u64, &mut [u8])> = chunk
                 .iter()
                 .zip(headers.iter_mut())
-                .map(|((_, table), b)| (*table, &mut b[..]))
+                .map(|((_, _, table), b)| (*table, &mut b[..]))
                 .collect();
             let ok = mem.read_each(&mut requests);
             self.census.bytes_read += (chunk.len() * len) as u64;
-            for (((klass, _), header), ok) in chunk.iter().zip(&headers).zip(ok) {
+            for (((klass, t, _), header), ok) in chunk.iter().zip(&headers).zip(ok) {
                 if !ok {
                     self.census.unreadable_tables += 1;
                     continue;
                 }
                 let bytes = self.st_bytes(header);
-                self.by_class
-                    .entry((*klass, T_HASH))
-                    .or_default()
-                    .heap_bytes += bytes;
+                self.by_class.entry((*klass, *t)).or_default().heap_bytes += bytes;
             }
         }
     }

@@ -1,8 +1,8 @@
-//! Unit tests of the heap census (spy/heap.rs): page headers and st_table bytes, on memory
+//! Unit tests of the heap census (spy/heap.rs): page headers, st_table bytes and shapes, on memory
 //! images and the generated 3.3 layouts.
 use super::*;
 use crate::memory::MemoryImage;
-use rbspy_ext_bindings::layout_for_version;
+use rbspy_ext_bindings::{layout_for_version, ShapeList};
 
 fn layouts() -> (&'static Layout, &'static HeapLayout) {
     let l = layout_for_version("3.3.8").expect("3.3 layout");
@@ -55,6 +55,7 @@ fn st_tables_count_their_entries_and_bins_as_st_memsize_does() {
         census: Census::default(),
         by_class: FxHashMap::default(),
         tables: Vec::new(),
+        shaped: FxHashMap::default(),
     };
     let table = |power: u8, bins: u64| {
         let mut t = vec![0u8; h.st_table_size];
@@ -80,4 +81,146 @@ fn st_tables_count_their_entries_and_bins_as_st_memsize_does() {
         count.st_bytes(&table(9, 0xdead_0000)),
         header + 512 * 24 + 0x100 * 8
     );
+}
+
+/// Object flags of type T_OBJECT with shape `id` in the top 32 bits and `extra` flags.
+fn object_flags(id: u64, extra: u64) -> u64 {
+    (id << 32) | extra | u64::from(T_OBJECT)
+}
+
+#[test]
+fn an_objects_ivars_are_where_memsize_of_looks_on_3_3_and_4_0() {
+    let slot = {
+        let mut s = vec![0u8; 40];
+        s[16..24].copy_from_slice(&0xdead_0000u64.to_le_bytes());
+        s
+    };
+    let s = heap_layout_for_version("3.3.8").unwrap().shapes.unwrap();
+    let (embed, _) = s.out_of_slot;
+    let complex = s.too_complex_id.unwrap();
+    assert_eq!(Ivars::of(&s, object_flags(40, embed), &slot), Ivars::InSlot);
+    assert_eq!(Ivars::of(&s, object_flags(40, 0), &slot), Ivars::Shape(40));
+    // Too complex before 4.0 whatever ROBJECT_EMBED says.
+    assert_eq!(
+        Ivars::of(&s, object_flags(complex, embed), &slot),
+        Ivars::Table(0xdead_0000)
+    );
+
+    let s = heap_layout_for_version("4.0.2").unwrap().shapes.unwrap();
+    let (heap, set) = s.out_of_slot;
+    assert!(set, "4.0 marks ivars out of the slot with ROBJECT_HEAP");
+    let complex = s.too_complex_flag.unwrap();
+    assert_eq!(
+        Ivars::of(&s, object_flags(complex | 7, 0), &slot),
+        Ivars::InSlot
+    );
+    assert_eq!(
+        Ivars::of(&s, object_flags(complex | 7, heap), &slot),
+        Ivars::Table(0xdead_0000)
+    );
+    assert_eq!(Ivars::of(&s, object_flags(7, heap), &slot), Ivars::Shape(7));
+}
+
+#[test]
+fn every_layout_from_3_2_sizes_ivars_by_shape_and_none_before() {
+    for (release, h) in rbspy_ext_bindings::HEAP_LAYOUTS {
+        let from_3_2 = !["2.", "3.0.", "3.1."]
+            .iter()
+            .any(|p| release.starts_with(p));
+        assert_eq!(h.shapes.is_some(), from_3_2, "{release}");
+        assert_eq!(h.robject_heap.is_some(), !from_3_2, "{release}");
+        if let Some(s) = h.shapes {
+            assert!([1, 2, 4].contains(&s.capacity_width), "{release}: {s:?}");
+            assert!(
+                s.capacity + s.capacity_width <= s.shape_size,
+                "{release}: {s:?}"
+            );
+            assert_eq!(s.heap_index.is_some(), s.capacities.is_some(), "{release}");
+        }
+    }
+}
+
+#[test]
+fn the_shape_tree_is_found_by_a_scan_where_libruby_does_not_name_it() {
+    let (l, h) = layouts();
+    let s = h.shapes.expect("3.3 has shapes");
+    let ShapeList::TreePointer {
+        shape_list,
+        root_shape,
+        parent_id,
+    } = s.list
+    else {
+        panic!(
+            "3.3 keeps its shape tree behind rb_shape_tree_ptr: {:?}",
+            s.list
+        )
+    };
+    let tree_len = shape_list.max(root_shape) + 8;
+    let mut mem = MemoryImage::new();
+    // A shape list whose first shape is the root (parent INVALID_SHAPE_ID), and one whose
+    // first shape is not.
+    let (list, not_root) = (0x50_0000u64, 0x60_0000u64);
+    for (at, parent) in [(list, u32::MAX), (not_root, 0)] {
+        let mut shapes = vec![0u8; s.shape_size * 4];
+        shapes[parent_id..parent_id + 4].copy_from_slice(&parent.to_le_bytes());
+        mem.map(at, shapes);
+    }
+    // Trees: one whose shape_list and root_shape differ, one over the list whose first shape
+    // is no root, and the real one.
+    let tree = |list: u64, root: u64| {
+        let mut t = vec![0u8; tree_len];
+        t[shape_list..shape_list + 8].copy_from_slice(&list.to_le_bytes());
+        t[root_shape..root_shape + 8].copy_from_slice(&root.to_le_bytes());
+        t
+    };
+    mem.map(0x20_0000, tree(list, list + 8));
+    mem.map(0x30_0000, tree(not_root, not_root));
+    mem.map(0x40_0000, tree(list, list));
+    // libruby's data: zeros, the decoys, then the pointer to the real tree.
+    let data = 0x10_0000u64;
+    let mut words = vec![0u8; 64];
+    for (i, p) in [0x20_0000u64, 0x30_0000, 0x40_0000].iter().enumerate() {
+        words[16 + i * 8..24 + i * 8].copy_from_slice(&p.to_le_bytes());
+    }
+    mem.map(data, words);
+    let roots = crate::vm::VmRoots {
+        vm: 0,
+        main_thread: 0,
+        gvl_owner: 0,
+        thread_list: 0,
+    };
+    let mut spy = Spy::with_memory(1, mem, l, "3.3.8", roots, None);
+    assert!(
+        spy.shape_source(&s).is_none(),
+        "no writable segment to scan yet"
+    );
+    spy.target.writable = vec![(data, data + 64)];
+    let source = spy.shape_source(&s).expect("found by the scan");
+    assert_eq!(spy.target.shape_tree, Some(data + 32));
+    assert_eq!(source.list, list);
+}
+
+#[test]
+fn a_page_list_read_mid_change_is_taken_deduplicated_and_a_sorted_one_as_it_is() {
+    let (_, h) = layouts();
+    let count = h.allocated_pages.expect("3.3 counts its pages");
+    let objspace = 0x1000u64;
+    let array = 0x9000u64;
+    let image = |entries: &[u64]| {
+        let mut mem = MemoryImage::new();
+        let mut space = vec![0u8; h.sorted.max(count) + 8];
+        space[h.sorted..h.sorted + 8].copy_from_slice(&array.to_le_bytes());
+        space[count..count + 8].copy_from_slice(&(entries.len() as u64).to_le_bytes());
+        mem.map(objspace, space);
+        mem.map(
+            array,
+            entries.iter().flat_map(|p| p.to_le_bytes()).collect(),
+        );
+        mem
+    };
+    let sorted = [0x10_0000, 0x20_0000, 0x30_0000];
+    assert_eq!(page_list(&image(&sorted), h, objspace).unwrap(), sorted);
+    // An insertion's move caught halfway: one page twice, out of order.
+    let moving = [0x10_0000, 0x30_0000, 0x20_0000, 0x30_0000];
+    assert_eq!(page_list(&image(&moving), h, objspace).unwrap(), sorted);
 }

@@ -1,0 +1,149 @@
+//! The heap's pages for the census (spy/heap.rs): the list of every page, read whole while
+//! the target adds and frees pages, and the pages' headers, checked before their slots are
+//! read.
+use crate::census::Census;
+use crate::memory::field;
+use crate::objects::word;
+use crate::spy::Memory;
+use rbspy_ext_bindings::HeapLayout;
+
+/// Reads of the page list before the last is taken as it is (see `page_list`).
+const LIST_ATTEMPTS: usize = 8;
+/// More pages than this (a terabyte heap) means the array's length did not read right.
+const MAX_PAGES: u64 = 1 << 24;
+
+/// One page, as its header read.
+pub(super) struct Page {
+    pub(super) start: u64,
+    pub(super) slots: usize,
+    pub(super) slot_size: usize,
+    /// Unmarked slots here are garbage: a lazy sweep runs and has not reached this page.
+    pub(super) unswept: bool,
+    pub(super) marks: Vec<u64>,
+}
+
+/// Every page's `struct heap_page *`, from the objspace's sorted array: before 3.4 a plain
+/// array of `heap_pages.allocated_pages`, from 3.4 an rb_darray that holds its own size.
+///
+/// The target adds and frees pages as it runs: it moves the array's entries, then sets the
+/// count (and a darray may move). A read between the two would miss the last page or see
+/// one twice. So a read counts only when the array and its count read the same after it
+/// as before and its pages are strictly increasing, as a sorted array's are; after
+/// `LIST_ATTEMPTS` reads that never were, the last one, deduplicated.
+pub(super) fn page_list<M: Memory>(
+    mem: &M,
+    h: &HeapLayout,
+    objspace: u64,
+) -> std::result::Result<Vec<u64>, crate::error::MemoryError> {
+    let mut last: Option<Vec<u64>> = None;
+    let mut error = None;
+    for _ in 0..LIST_ATTEMPTS {
+        let before = list_extent(mem, h, objspace)?;
+        let (data, len) = before;
+        if data == 0 || len == 0 || len > MAX_PAGES {
+            return Ok(Vec::new());
+        }
+        let bytes = match mem.read_vec(data, len as usize * 8) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                error = Some(e); // a darray moved meanwhile: read where it is now
+                continue;
+            }
+        };
+        let pages: Vec<u64> = (0..len as usize).map(|i| word(&bytes, i * 8)).collect();
+        let sorted = pages[0] != 0 && pages.windows(2).all(|w| w[0] < w[1]);
+        if sorted && list_extent(mem, h, objspace)? == before {
+            return Ok(pages);
+        }
+        last = Some(pages);
+    }
+    match (last, error) {
+        (Some(mut pages), _) => {
+            pages.retain(|p| *p != 0);
+            pages.sort_unstable();
+            pages.dedup();
+            Ok(pages)
+        }
+        (None, Some(e)) => Err(e),
+        (None, None) => Ok(Vec::new()),
+    }
+}
+
+/// Where the page array's entries are, and how many.
+fn list_extent<M: Memory>(
+    mem: &M,
+    h: &HeapLayout,
+    objspace: u64,
+) -> std::result::Result<(u64, u64), crate::error::MemoryError> {
+    let sorted = mem.read_u64(field(objspace, h.sorted))?;
+    Ok(match (h.darray, h.allocated_pages) {
+        (Some((size, data)), _) if sorted != 0 => {
+            (field(sorted, data), mem.read_u64(field(sorted, size))?)
+        }
+        (None, Some(count)) => (sorted, mem.read_u64(field(objspace, count))?),
+        _ => (0, 0),
+    })
+}
+
+/// The headers of `pages`, in one call: the pages that read and make sense (a live page of
+/// slots inside its aligned block). Tomb pages (before 3.4) and emptied ones (3.4+, whose
+/// header is zeroed) hold no objects and are skipped; the rest count as unreadable.
+pub(super) fn read_headers<M: Memory>(
+    mem: &M,
+    h: &HeapLayout,
+    sweeping: bool,
+    pages: &[u64],
+    census: &mut Census,
+) -> Vec<Page> {
+    let len = h.page_mark_bits + h.page_mark_bits_len;
+    let mut bufs = vec![vec![0u8; len]; pages.len()];
+    let mut requests: Vec<(u64, &mut [u8])> = pages
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(p, b)| (*p, &mut b[..]))
+        .collect();
+    let ok = mem.read_each(&mut requests);
+    census.bytes_read += (len * ok.iter().filter(|o| **o).count()) as u64;
+    let mut read = Vec::with_capacity(pages.len());
+    for (bytes, ok) in bufs.iter().zip(ok) {
+        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
+        let flag = |(at, mask): (usize, u8)| bytes[at] & mask != 0;
+        if !ok {
+            census.unreadable_pages += 1;
+            continue;
+        }
+        let start = word(bytes, h.page_start);
+        let slots = short(h.page_total_slots);
+        // Emptied pages (3.4+) are zeroed. Tomb pages (before 3.4) hold only free slots and
+        // zombies, which count_objects counts too: they are read like any other.
+        if start == 0 || slots == 0 {
+            continue;
+        }
+        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
+        let block = start & !(h.page_align as u64 - 1);
+        if slot_size < 16
+            || !start.is_multiple_of(8)
+            || start + (slots * slot_size) as u64 > block + h.page_align as u64
+        {
+            census.unreadable_pages += 1;
+            continue;
+        }
+        let unswept = sweeping && flag(h.page_before_sweep);
+        let marks = if unswept {
+            let bits = &bytes[h.page_mark_bits..];
+            (0..h.page_mark_bits_len / 8)
+                .map(|i| word(bits, i * 8))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        read.push(Page {
+            start,
+            slots,
+            slot_size,
+            unswept,
+            marks,
+        });
+    }
+    read
+}

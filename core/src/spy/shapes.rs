@@ -1,0 +1,204 @@
+//! Objects' ivars out of their slots from Ruby 3.2, for the heap census (spy/heap.rs).
+//! `ObjectSpace.memsize_of` adds, for an object whose ivars left its slot, its shape's
+//! capacity in words, or, when its shape is too complex, the size of its ivars' st_table.
+//! The census notes each such object's shape id as it reads the pages (`Ivars::of`), then
+//! reads each distinct shape once (`capacities`): a heap of millions of objects has a few
+//! thousand shapes at most.
+use super::{Count, T_OBJECT};
+use crate::memory::field;
+use crate::objects::word;
+use crate::spy::{Memory, Spy};
+use rbspy_ext_bindings::{ShapeList, Shapes};
+use rustc_hash::FxHashMap;
+
+/// The root shape's `parent_id`: `INVALID_SHAPE_ID`, all ones.
+const INVALID_SHAPE_ID: u64 = 0xffff_ffff;
+
+/// Where an object's ivars are, as its flags and slot say.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Ivars {
+    InSlot,
+    /// In a buffer out of the slot, as many words as this shape id's capacity.
+    Shape(u32),
+    /// In the st_table at this address (a too-complex shape).
+    Table(u64),
+}
+
+impl Ivars {
+    /// As `rb_obj_memsize_of` decides: before 4.0 a too-complex shape first, then a buffer
+    /// when `ROBJECT_EMBED` is clear; from 4.0 nothing unless `ROBJECT_HEAP` is set.
+    pub(super) fn of(s: &Shapes, flags: u64, slot: &[u8]) -> Ivars {
+        let id = (flags >> s.id_shift) & 0xffff_ffff;
+        let complex = match (s.too_complex_id, s.too_complex_flag) {
+            (Some(c), _) => id == c,
+            (None, Some(f)) => id & f != 0,
+            _ => false,
+        };
+        let (flag, set) = s.out_of_slot;
+        let out = (flags & flag != 0) == set;
+        match (complex, out) {
+            (true, _) if s.too_complex_id.is_some() => Ivars::Table(word(slot, s.fields)),
+            (_, false) => Ivars::InSlot,
+            (true, true) => Ivars::Table(word(slot, s.fields)),
+            (false, true) => Ivars::Shape(id as u32),
+        }
+    }
+}
+
+/// Where the target's shapes are: the shape list, and (4.0+) the embedded capacity of each
+/// heap, by heap index - 1.
+pub(super) struct ShapeSource {
+    pub(super) list: u64,
+    embedded: Vec<u64>,
+}
+
+/// An unsigned little-endian integer of 1, 2, 4 or 8 bytes (a shape's capacity is a
+/// `uint32_t` on 3.x, an `attr_index_t` of 2 bytes on 4.0 and 1 on 4.1).
+fn uint(bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .rev()
+        .fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
+}
+
+impl<M: Memory> Spy<M> {
+    /// The target's shape list (and 4.0's embedded capacities), or None where it cannot be
+    /// found: the census then says objects' ivars were not counted.
+    pub(super) fn shape_source(&mut self, s: &Shapes) -> Option<ShapeSource> {
+        let list = match s.list {
+            ShapeList::InVm(at) => self.target.mem.read_u64(field(self.target.vm, at)).ok()?,
+            ShapeList::TreePointer {
+                shape_list,
+                root_shape,
+                parent_id,
+            } => {
+                if self.target.shape_tree.is_none() {
+                    self.target.shape_tree =
+                        self.scan_for_shape_tree(shape_list, root_shape, parent_id);
+                }
+                let tree = self.target.mem.read_u64(self.target.shape_tree?).ok()?;
+                self.target.mem.read_u64(field(tree, shape_list)).ok()?
+            }
+            ShapeList::Tree { shape_list } => {
+                let tree = self.target.shape_tree?;
+                self.target.mem.read_u64(field(tree, shape_list)).ok()?
+            }
+        };
+        if list == 0 {
+            return None;
+        }
+        let embedded = match (s.capacities, s.heap_index) {
+            (Some((at, inline)), Some((mask, shift))) => {
+                let tree = self.target.shape_tree?;
+                let mem = &self.target.mem;
+                let array = if inline {
+                    field(tree, at)
+                } else {
+                    mem.read_u64(field(tree, at)).ok()?
+                };
+                // One read per entry: 4.0's array has only its heaps' entries (and a 0),
+                // fewer than the id's bits could name, and may end where memory does.
+                let heaps = (mask >> shift) as usize;
+                let width = s.capacity_width;
+                let mut bytes = vec![0u8; heaps * width];
+                let mut requests: Vec<(u64, &mut [u8])> = bytes
+                    .chunks_mut(width)
+                    .enumerate()
+                    .map(|(i, b)| (array + (i * width) as u64, b))
+                    .collect();
+                let ok = mem.read_each(&mut requests);
+                drop(requests);
+                let entries = bytes.chunks(width).map(uint);
+                entries
+                    .zip(ok)
+                    .map(|(c, ok)| if ok { c } else { 0 })
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        Some(ShapeSource { list, embedded })
+    }
+
+    /// The address of libruby's `rb_shape_tree_ptr` where its symbol is not exported
+    /// (Debian's 3.3 and 3.4): the word of libruby's data that points to a tree whose
+    /// `shape_list` and `root_shape` are one pointer, to a shape whose parent is
+    /// `INVALID_SHAPE_ID` (the root: shape 0, allocated first).
+    fn scan_for_shape_tree(
+        &self,
+        shape_list: usize,
+        root_shape: usize,
+        parent_id: usize,
+    ) -> Option<u64> {
+        let heap = &self.target.heap;
+        let in_heap = |p: u64| heap.is_empty() || heap.iter().any(|(s, e)| (*s..*e).contains(&p));
+        let head_len = shape_list.max(root_shape) + 8;
+        let mem = &self.target.mem;
+        self.target
+            .scan_writable(
+                8,
+                head_len,
+                |bytes| {
+                    Some(word(bytes, 0))
+                        .filter(|p| *p != 0 && in_heap(*p))
+                        .map(|p| (p, ()))
+                },
+                |_, head| {
+                    let list = word(head, shape_list);
+                    list != 0
+                        && list == word(head, root_shape)
+                        && mem
+                            .read_vec(field(list, parent_id), 4)
+                            .is_ok_and(|b| uint(&b) == INVALID_SHAPE_ID)
+                },
+            )
+            .map(|(at, ())| at)
+    }
+}
+
+impl Count<'_> {
+    /// Adds the ivars buffers of the objects counted by shape (`shaped`) to their classes:
+    /// each distinct shape's capacity read once, many per call.
+    pub(super) fn add_shaped<M: Memory>(&mut self, mem: &M, s: &Shapes, source: &ShapeSource) {
+        let shaped = std::mem::take(&mut self.shaped);
+        let mut ids: Vec<u32> = shaped.keys().map(|(_, id)| *id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut capacities: FxHashMap<u32, u64> = FxHashMap::default();
+        for chunk in ids.chunks(1024) {
+            let mut bufs = vec![vec![0u8; s.capacity_width]; chunk.len()];
+            let mut requests: Vec<(u64, &mut [u8])> = chunk
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(id, b)| {
+                    let index = s.index_mask.map_or(u64::from(*id), |m| u64::from(*id) & m);
+                    let at = source.list + index * s.shape_size as u64 + s.capacity as u64;
+                    (at, &mut b[..])
+                })
+                .collect();
+            let ok = mem.read_each(&mut requests);
+            self.census.bytes_read += (chunk.len() * s.capacity_width) as u64;
+            for ((id, buf), ok) in chunk.iter().zip(&bufs).zip(ok) {
+                if !ok {
+                    self.census.unreadable_tables += 1;
+                    continue;
+                }
+                let embedded = s.heap_index.map_or(0, |(mask, shift)| {
+                    let heap = (u64::from(*id) & mask) >> shift;
+                    (heap as usize)
+                        .checked_sub(1)
+                        .and_then(|i| source.embedded.get(i).copied())
+                        .unwrap_or(0)
+                });
+                capacities.insert(*id, uint(buf).max(embedded));
+            }
+        }
+        for ((klass, id), objects) in shaped {
+            if let Some(capacity) = capacities.get(&id) {
+                self.by_class
+                    .entry((klass, T_OBJECT))
+                    .or_default()
+                    .heap_bytes += capacity * 8 * objects;
+            }
+        }
+    }
+}
