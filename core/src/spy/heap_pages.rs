@@ -14,6 +14,8 @@ const MAX_PAGES: u64 = 1 << 24;
 
 /// One page, as its header read.
 pub(super) struct Page {
+    /// The `struct heap_page` (its header).
+    pub(super) header: u64,
     pub(super) start: u64,
     pub(super) slots: usize,
     pub(super) slot_size: usize,
@@ -105,7 +107,7 @@ pub(super) fn read_headers<M: Memory>(
     let ok = mem.read_each(&mut requests);
     census.bytes_read += (len * ok.iter().filter(|o| **o).count()) as u64;
     let mut read = Vec::with_capacity(pages.len());
-    for (bytes, ok) in bufs.iter().zip(ok) {
+    for ((bytes, ok), &header) in bufs.iter().zip(ok).zip(pages) {
         let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
         let flag = |(at, mask): (usize, u8)| bytes[at] & mask != 0;
         if !ok {
@@ -130,14 +132,12 @@ pub(super) fn read_headers<M: Memory>(
         }
         let unswept = sweeping && flag(h.page_before_sweep);
         let marks = if unswept {
-            let bits = &bytes[h.page_mark_bits..];
-            (0..h.page_mark_bits_len / 8)
-                .map(|i| word(bits, i * 8))
-                .collect()
+            marks_of(h, bytes)
         } else {
             Vec::new()
         };
         read.push(Page {
+            header,
             start,
             slots,
             slot_size,
@@ -146,4 +146,38 @@ pub(super) fn read_headers<M: Memory>(
         });
     }
     read
+}
+
+/// A page header's mark bitmap, as words.
+fn marks_of(h: &HeapLayout, header: &[u8]) -> Vec<u64> {
+    let bits = &header[h.page_mark_bits..];
+    (0..h.page_mark_bits_len / 8)
+        .map(|i| word(bits, i * 8))
+        .collect()
+}
+
+/// Which of `pages` read as unswept but, read again after their slots, no longer do or have
+/// other marks: swept while the census read them. Their header read may even have torn
+/// across the sweep (the flag from before it, the marks from after it, when only old
+/// objects stay marked), which would take young live objects for garbage. Their slots are
+/// to be read again and counted as a swept page's.
+pub(super) fn swept_meanwhile<M: Memory>(mem: &M, h: &HeapLayout, pages: &[Page]) -> Vec<bool> {
+    let mut swept = vec![false; pages.len()];
+    let unswept: Vec<usize> = (0..pages.len()).filter(|i| pages[*i].unswept).collect();
+    if unswept.is_empty() {
+        return swept;
+    }
+    let len = h.page_mark_bits + h.page_mark_bits_len;
+    let mut bufs = vec![vec![0u8; len]; unswept.len()];
+    let mut requests: Vec<(u64, &mut [u8])> = unswept
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(i, b)| (pages[*i].header, &mut b[..]))
+        .collect();
+    let ok = mem.read_each(&mut requests);
+    let (at, mask) = h.page_before_sweep;
+    for ((i, bytes), ok) in unswept.iter().zip(&bufs).zip(ok) {
+        swept[*i] = !ok || bytes[at] & mask == 0 || marks_of(h, bytes) != pages[*i].marks;
+    }
+    swept
 }

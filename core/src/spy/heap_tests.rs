@@ -224,3 +224,28 @@ fn a_page_list_read_mid_change_is_taken_deduplicated_and_a_sorted_one_as_it_is()
     let moving = [0x10_0000, 0x30_0000, 0x20_0000, 0x30_0000];
     assert_eq!(page_list(&image(&moving), h, objspace).unwrap(), sorted);
 }
+
+#[test]
+fn a_page_that_reads_as_swept_or_with_other_marks_the_second_time_was_swept_meanwhile() {
+    let (_, h) = layouts();
+    let block = 0x10_0000u64;
+    let (at, mask) = h.page_before_sweep;
+    let unswept = |marks: u64| {
+        let mut bytes = header(h, block + 64, 100, 40);
+        bytes[at] |= mask;
+        bytes[h.page_mark_bits..h.page_mark_bits + 8].copy_from_slice(&marks.to_le_bytes());
+        bytes
+    };
+    let mut mem = MemoryImage::new();
+    mem.map(0x1000, unswept(0b1011));
+    mem.map(0x2000, unswept(0b1011));
+    mem.map(0x3000, unswept(0b1011));
+    let mut census = Census::default();
+    let pages = read_headers(&mem, h, true, &[0x1000, 0x2000, 0x3000], &mut census);
+    assert!(pages.iter().all(|p| p.unswept && p.marks[0] == 0b1011));
+    // Meanwhile the second page is swept (its flag cleared, old objects' marks left) and the
+    // third one reads with other marks.
+    mem.map(0x2000, header(h, block + 64, 100, 40));
+    mem.map(0x3000, unswept(0b0001));
+    assert_eq!(pages::swept_meanwhile(&mem, h, &pages), [false, true, true]);
+}
