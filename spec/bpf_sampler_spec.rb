@@ -5,6 +5,7 @@ require "rbspy_ext"
 require "etc"
 require "open3"
 require "tmpdir"
+require "fileutils"
 
 # The in-kernel sampler (mode: :bpf, rubyspy record --bpf) against real Ruby processes: the
 # snapshot corpus's fixtures spinning where they would park (PARK_SPIN=1, spec/fixtures/lib/
@@ -231,11 +232,14 @@ RSpec.describe "the BPF sampler" do
     it "says what privilege is missing when run as nobody, before attaching" do
       target = spinning("nested_methods")
       nobody = Etc.getpwnam("nobody")
-      out = File.join(Dir.mktmpdir("rubyspy-nobody").tap { |d| File.chmod(0o777, d) }, "p.svg")
+      dir = Dir.mktmpdir("rubyspy-nobody").tap { |d| File.chmod(0o777, d) }
+      out = File.join(dir, "p.svg")
       cmd = ["setpriv", "--reuid=#{nobody.uid}", "--regid=#{nobody.gid}", "--clear-groups",
              RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-d", "1", "-o", out]
       _, err, status = Open3.capture3(*cmd, chdir: RubySpyTest::ROOT)
-      expect(File.exist?(out)).to be(false)
+      written = File.exist?(out)
+      FileUtils.rm_rf(dir)
+      expect(written).to be(false)
       expect(status.exitstatus).to eq(1), err
       expect(err).to include("BPF sampler cannot run").and include("CAP_BPF").and include("uid #{nobody.uid}")
       expect(err.lines.size).to eq(1), err

@@ -30,7 +30,13 @@ RSpec.describe "the heap census" do
   end
 
   it "counts every class and type exactly as the target's own ObjectSpace does, and its bytes as memsize_of" do
-    _, census, answers = census_and_answers
+    target, census, answers = census_and_answers
+    # Tangled's class went too complex where Ruby says so (3.2 to 4.0): its ivar tables are
+    # among the bytes compared below.
+    version = RubySpyTest::TargetRuby.current.version
+    if version >= Gem::Version.new("3.2") && version < Gem::Version.new("4.1")
+      expect(target.info["tangled_shape"]).to eq('"too_complex_shape":true')
+    end
     ratios = answers.fetch("classes").map do |c|
       row = census[c["name"]]
       format("%s %d/%d objects, bytes %.4f of memsize", c["name"][/\A\w+|#<Class/], row ? row[:objects] : 0, c["objects"],

@@ -6,6 +6,7 @@ require "json"
 require "net/http"
 require "socket"
 require "open3"
+require "fileutils"
 
 # The pprof listener (RubySpy::Server, core/src/serve) in real Ruby processes of the target
 # Ruby, read with `go tool pprof` as a scraper would: a port of its own on native threads,
@@ -21,6 +22,9 @@ RSpec.describe "the pprof listener" do
   before do
     skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
   end
+
+  # The directories gvl_holder compiled into (a loaded .so may be removed: Linux keeps it).
+  after { FileUtils.rm_rf(@built) if @built }
 
   def get(port, path, timeout: 10)
     http = Net::HTTP.new("127.0.0.1", port)
@@ -40,6 +44,7 @@ RSpec.describe "the pprof listener" do
       File.directory?(dir) || ruby.host? ? dir : File.join(ruby.root, dir)
     end
     target_dir, host_dir = ruby.mktmpdir("rbspy-gvl-holder")
+    (@built ||= []) << host_dir
     source = File.join(RubySpyTest::FIXTURES, "gvl_holder", "gvl_holder.c")
     so = File.join(host_dir, "gvl_holder.so")
     cc = ["cc", "-shared", "-fPIC", "-O1", *includes.flat_map { |d| ["-I", d] }, source, "-o", so]

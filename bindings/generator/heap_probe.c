@@ -127,6 +127,7 @@ VALUE_OF(too_complex_id, OBJ_TOO_COMPLEX_SHAPE_ID)
 #if API >= 303
 VALUE_OF(tree_shape_list, offsetof(rb_shape_tree_t, shape_list))
 VALUE_OF(tree_root_shape, offsetof(rb_shape_tree_t, root_shape))
+VALUE_OF(tree_next_shape_id, offsetof(rb_shape_tree_t, next_shape_id))
 VALUE_OF(shape_parent_id, offsetof(rb_shape_t, parent_id))
 #else
 VALUE_OF(vm_shape_list, offsetof(rb_vm_t, shape_list))

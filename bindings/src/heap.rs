@@ -115,11 +115,13 @@ pub enum ShapeList {
     InVm(usize),
     /// 3.3 and 3.4: in the `rb_shape_tree_t` that the global `rb_shape_tree_ptr` points to.
     /// Debian's libruby does not name that global, so it may be found by a scan: the tree's
-    /// `shape_list` and `root_shape` are the same pointer, and the root shape's `parent_id`
-    /// is `INVALID_SHAPE_ID` (all ones).
+    /// `shape_list` and `root_shape` are the same pointer, its `next_shape_id` (a u32) is
+    /// above 0, and the root shape's `parent_id` (of `rb_shape_t`) is `INVALID_SHAPE_ID`
+    /// (all ones).
     TreePointer {
         shape_list: usize,
         root_shape: usize,
+        next_shape_id: usize,
         parent_id: usize,
     },
     /// From 4.0: in the global `rb_shape_tree` itself (exported).

@@ -230,6 +230,7 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
                 list: ShapeList::TreePointer {
                     shape_list: 0,
                     root_shape: 8,
+                    next_shape_id: 16,
                     parent_id: 28,
                 },
                 heap_index: None,
@@ -288,6 +289,7 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
                 list: ShapeList::TreePointer {
                     shape_list: 0,
                     root_shape: 8,
+                    next_shape_id: 16,
                     parent_id: 28,
                 },
                 heap_index: None,

@@ -96,7 +96,9 @@ pub struct Census {
     /// Bytes of every page's slots.
     pub heap_bytes_total: u64,
     /// Pages whose header or body did not read, or did not make sense (freed or changed
-    /// while read), and hash tables that did not read: their objects are not counted.
+    /// while read): their objects are not counted. Tables (hashes', too-complex objects'
+    /// ivars) and shapes that did not read or made no sense: their bytes outside the slot
+    /// are not counted.
     pub unreadable_pages: u64,
     pub unreadable_tables: u64,
     /// Bytes read from the target, and whether the census stopped at the caller's

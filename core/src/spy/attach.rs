@@ -44,6 +44,8 @@ pub(super) struct Target<M: Memory> {
     /// `rb_shape_tree` from 4.0, `rb_shape_tree_ptr` on 3.3 and 3.4 (named by the binary, or
     /// found by a scan at the first census). None before 3.2, or until found.
     pub(super) shape_tree: Option<u64>,
+    /// Whether the scan for `rb_shape_tree_ptr` ran (it reads libruby's data: once).
+    pub(super) shape_tree_scanned: bool,
 }
 
 impl Spy<ProcessMemory> {
@@ -332,6 +334,7 @@ impl<M: Memory> Spy<M> {
                 zjit_entry: None,
                 zjit_on: None,
                 shape_tree: None,
+                shape_tree_scanned: false,
             },
             cache: frames::Cache {
                 symbols: symbols.map(SymbolTable::new),

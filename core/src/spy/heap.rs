@@ -5,15 +5,17 @@
 //! Every page is in the objspace's sorted page array; each page is a run of fixed-size
 //! slots whose first two words are `flags` (the type in its low 5 bits, 0 for a free slot)
 //! and `klass`. The census reads the array, then the page headers, then the pages' slots,
-//! many pages per `process_vm_readv`, and counts as it goes; only hash tables outside their
-//! slots (before 3.3) take one more batch of reads. The heap's layout is
+//! many pages per `process_vm_readv`, and counts as it goes; hash tables outside their
+//! slots (before 3.3), objects' ivar tables and shapes (3.2+, spy/shapes.rs) and the
+//! headers of pages a lazy sweep had not reached (spy/heap_pages.rs) take one more batch of
+//! reads each. The heap's layout is
 //! `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
 use super::{Memory, Spy};
 use crate::census::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use crate::error::{Error, Result};
 use crate::memory::field;
 use crate::objects::word;
-use pages::{page_list, read_headers, Page};
+use pages::{page_list, read_headers, Page, Reread};
 use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
 use rustc_hash::FxHashMap;
 use shapes::Ivars;
@@ -32,6 +34,9 @@ const PAGES_PER_CALL: usize = 64;
 /// Passes a census makes at most while compactions keep moving objects under it (or its
 /// page list reads as nothing).
 const ATTEMPTS: u64 = 4;
+
+/// An st_table of more entries than 2^this (a trillion) is not one.
+const MAX_ENTRY_POWER: u8 = 40;
 
 const T_NONE: u8 = 0x00;
 const T_OBJECT: u8 = 0x01;
@@ -83,7 +88,7 @@ impl<M: Memory> Spy<M> {
     /// names and hash tables. A pass that overlapped a compaction (objects moved while it
     /// read, so some were seen twice or not at all) is taken again, up to `ATTEMPTS` passes;
     /// the census says how many were (`compactions`) and whether the last one still did
-    /// (`moving`).
+    /// (`moving`). So is a pass that read no page.
     pub fn census(&mut self, options: CensusOptions) -> Result<Census> {
         let began = Instant::now();
         let pid = self.target.pid;
@@ -104,10 +109,10 @@ impl<M: Memory> Spy<M> {
             let mut census = self.census_pass(h, objspace, options)?;
             census.moving = before.1 || self.compactions(h, objspace)? != (before.0, false);
             passes += 1;
-            // A page list none of whose pages read was read while it changed: once in 500
-            // censuses of a churning 2.7 under load it named 6 pages (of some 320), none
-            // readable.
-            let no_page = census.pages == 0 && census.unreadable_pages > 0;
+            // A live Ruby has pages: a list none of whose pages read was read while it
+            // changed (once in 500 censuses of a churning 2.7 under load it named 6 pages,
+            // of some 320, none readable).
+            let no_page = census.pages == 0;
             if !(census.moving || no_page) || passes >= ATTEMPTS {
                 break census;
             }
@@ -332,32 +337,34 @@ impl Count<'_> {
             .collect();
         let mut ok = mem.read_each(&mut requests);
         drop(requests);
-        let swept = pages::swept_meanwhile(mem, self.h, pages);
-        if swept.contains(&true) {
+        let states = pages::reread(mem, self.h, pages);
+        self.census.bytes_read += (pages.iter().filter(|p| p.unswept).count()
+            * (self.h.page_mark_bits + self.h.page_mark_bits_len))
+            as u64;
+        if states.contains(&Reread::Swept) {
             let mut again: Vec<(u64, &mut [u8])> = pages
                 .iter()
                 .zip(bufs.iter_mut())
-                .zip(&swept)
-                .filter(|(_, s)| **s)
+                .zip(&states)
+                .filter(|(_, s)| **s == Reread::Swept)
                 .map(|((p, b), _)| (p.start, &mut b[..]))
                 .collect();
-            let read = mem.read_each(&mut again);
-            let mut read = read.into_iter();
-            for (ok, swept) in ok.iter_mut().zip(&swept) {
-                if *swept {
+            let mut read = mem.read_each(&mut again).into_iter();
+            for (ok, state) in ok.iter_mut().zip(&states) {
+                if *state == Reread::Swept {
                     *ok = read.next().unwrap_or(false);
                 }
             }
         }
-        for (((page, body), ok), swept) in pages.iter().zip(&bufs).zip(ok).zip(swept) {
-            if !ok {
+        for (((page, body), ok), state) in pages.iter().zip(&bufs).zip(ok).zip(states) {
+            if !ok || state == Reread::Gone {
                 self.census.unreadable_pages += 1;
                 continue;
             }
             self.census.bytes_read += body.len() as u64;
             self.census.pages += 1;
             self.census.heap_bytes_total += body.len() as u64;
-            self.count_page(page, body, page.unswept && !swept);
+            self.count_page(page, body, page.unswept && state == Reread::Same);
         }
         self.census.partial |= cut;
         !cut
@@ -425,7 +432,13 @@ impl Count<'_> {
                 (Some(at), _)
                     if flags & h.hash_st_flag != 0 && at + h.st_table_size <= slot_size =>
                 {
-                    self.st_bytes(&slot[at..at + h.st_table_size]) - h.st_table_size as u64
+                    match self.st_bytes(&slot[at..at + h.st_table_size]) {
+                        Some(bytes) => bytes - h.st_table_size as u64,
+                        None => {
+                            self.census.unreadable_tables += 1;
+                            0
+                        }
+                    }
                 }
                 (_, Some(at)) => {
                     let table = word(slot, at);
@@ -440,8 +453,7 @@ impl Count<'_> {
             },
             T_OBJECT => match (h.robject_heap, &h.shapes) {
                 (Some((embed, numiv)), _) if flags & embed == 0 => {
-                    u32::from_le_bytes(slot[numiv..numiv + 4].try_into().expect("4 bytes")) as u64
-                        * 8
+                    u64::from(crate::objects::word32(slot, numiv)) * 8
                 }
                 (_, Some(s)) => {
                     match Ivars::of(s, flags, slot) {
@@ -462,10 +474,14 @@ impl Count<'_> {
     /// `st_memsize` of the st_table whose header is `table`: the header, its `2^entry_power`
     /// entries and, when it has bins (its `bins` pointer is set, or on 4.1 its entry power
     /// is above `st_bins_above_power`), `2^(entry_power+1)` bins of 1, 2, 4 or 8 bytes each
-    /// as their number needs (st.c's `features`).
-    fn st_bytes(&self, table: &[u8]) -> u64 {
+    /// as their number needs (st.c's `features`). None for a table of more than
+    /// `2^MAX_ENTRY_POWER` entries: not a table (read while freed, or garbage).
+    fn st_bytes(&self, table: &[u8]) -> Option<u64> {
         let entry_power = table[self.h.st_entry_power];
-        let p = u32::from(entry_power.min(62));
+        if entry_power > MAX_ENTRY_POWER {
+            return None;
+        }
+        let p = u32::from(entry_power);
         let entries = (1u64 << p) * self.l.st_table_entry_size as u64;
         let has_bins = match self.h.st_bins {
             Some(at) => word(table, at) != 0,
@@ -483,7 +499,7 @@ impl Count<'_> {
         } else {
             0
         };
-        self.h.st_table_size as u64 + entries + bins
+        Some(self.h.st_table_size as u64 + entries + bins)
     }
 
     /// Reads the st_tables of hashes whose table is outside the slot (before 3.3) and of
@@ -506,7 +522,10 @@ impl Count<'_> {
                     self.census.unreadable_tables += 1;
                     continue;
                 }
-                let bytes = self.st_bytes(header);
+                let Some(bytes) = self.st_bytes(header) else {
+                    self.census.unreadable_tables += 1;
+                    continue;
+                };
                 self.by_class.entry((*klass, *t)).or_default().heap_bytes += bytes;
             }
         }

@@ -30,8 +30,9 @@ pub(super) struct Page {
 /// The target adds and frees pages as it runs: it moves the array's entries, then sets the
 /// count (and a darray may move). A read between the two would miss the last page or see
 /// one twice. So a read counts only when the array and its count read the same after it
-/// as before and its pages are strictly increasing, as a sorted array's are; after
-/// `LIST_ATTEMPTS` reads that never were, the last one, deduplicated.
+/// as before and no page is in it twice (the array is sorted by the pages' bodies, not by
+/// these header pointers, so their order says nothing); after `LIST_ATTEMPTS` reads that
+/// never were, the last one, deduplicated.
 pub(super) fn page_list<M: Memory>(
     mem: &M,
     h: &HeapLayout,
@@ -43,7 +44,7 @@ pub(super) fn page_list<M: Memory>(
         let before = list_extent(mem, h, objspace)?;
         let (data, len) = before;
         if data == 0 || len == 0 || len > MAX_PAGES {
-            return Ok(Vec::new());
+            continue; // read while it moved: read it again
         }
         let bytes = match mem.read_vec(data, len as usize * 8) {
             Ok(bytes) => bytes,
@@ -53,19 +54,17 @@ pub(super) fn page_list<M: Memory>(
             }
         };
         let pages: Vec<u64> = (0..len as usize).map(|i| word(&bytes, i * 8)).collect();
-        let sorted = pages[0] != 0 && pages.windows(2).all(|w| w[0] < w[1]);
-        if sorted && list_extent(mem, h, objspace)? == before {
+        let mut distinct = pages.clone();
+        distinct.retain(|p| *p != 0);
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() == pages.len() && list_extent(mem, h, objspace)? == before {
             return Ok(pages);
         }
-        last = Some(pages);
+        last = Some(distinct);
     }
     match (last, error) {
-        (Some(mut pages), _) => {
-            pages.retain(|p| *p != 0);
-            pages.sort_unstable();
-            pages.dedup();
-            Ok(pages)
-        }
+        (Some(pages), _) => Ok(pages),
         (None, Some(e)) => Err(e),
         (None, None) => Ok(Vec::new()),
     }
@@ -88,8 +87,9 @@ fn list_extent<M: Memory>(
 }
 
 /// The headers of `pages`, in one call: the pages that read and make sense (a live page of
-/// slots inside its aligned block). Tomb pages (before 3.4) and emptied ones (3.4+, whose
-/// header is zeroed) hold no objects and are skipped; the rest count as unreadable.
+/// slots inside its aligned block). Emptied pages (3.4+, whose header is zeroed) hold no
+/// objects and are skipped; tomb pages (before 3.4) are read like any other; the rest
+/// count as unreadable.
 pub(super) fn read_headers<M: Memory>(
     mem: &M,
     h: &HeapLayout,
@@ -156,16 +156,28 @@ fn marks_of(h: &HeapLayout, header: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-/// Which of `pages` read as unswept but, read again after their slots, no longer do or have
-/// other marks: swept while the census read them. Their header read may even have torn
-/// across the sweep (the flag from before it, the marks from after it, when only old
-/// objects stay marked), which would take young live objects for garbage. Their slots are
-/// to be read again and counted as a swept page's.
-pub(super) fn swept_meanwhile<M: Memory>(mem: &M, h: &HeapLayout, pages: &[Page]) -> Vec<bool> {
-    let mut swept = vec![false; pages.len()];
+/// What a page read as unswept reads as when its header is read again after its slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reread {
+    /// As before: before its sweep, with the same marks (or not read as unswept at all).
+    Same,
+    /// Swept meanwhile, or being swept: its flag cleared, or other marks. Its header read
+    /// may even have torn across the sweep (the flag from before it, the marks from after
+    /// it, when only old objects stay marked), which would take young live objects for
+    /// garbage. Its slots are to be read again and counted as a swept page's (garbage the
+    /// sweep has not freed yet then counts as live).
+    Swept,
+    /// No longer this page: the header did not read, or names other slots (freed, or
+    /// reused).
+    Gone,
+}
+
+/// `Reread` of each of `pages` (only unswept pages are read again).
+pub(super) fn reread<M: Memory>(mem: &M, h: &HeapLayout, pages: &[Page]) -> Vec<Reread> {
+    let mut states = vec![Reread::Same; pages.len()];
     let unswept: Vec<usize> = (0..pages.len()).filter(|i| pages[*i].unswept).collect();
     if unswept.is_empty() {
-        return swept;
+        return states;
     }
     let len = h.page_mark_bits + h.page_mark_bits_len;
     let mut bufs = vec![vec![0u8; len]; unswept.len()];
@@ -177,7 +189,20 @@ pub(super) fn swept_meanwhile<M: Memory>(mem: &M, h: &HeapLayout, pages: &[Page]
     let ok = mem.read_each(&mut requests);
     let (at, mask) = h.page_before_sweep;
     for ((i, bytes), ok) in unswept.iter().zip(&bufs).zip(ok) {
-        swept[*i] = !ok || bytes[at] & mask == 0 || marks_of(h, bytes) != pages[*i].marks;
+        let page = &pages[*i];
+        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
+        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
+        states[*i] = if !ok
+            || word(bytes, h.page_start) != page.start
+            || short(h.page_total_slots) != page.slots
+            || slot_size != page.slot_size
+        {
+            Reread::Gone
+        } else if bytes[at] & mask == 0 || marks_of(h, bytes) != page.marks {
+            Reread::Swept
+        } else {
+            Reread::Same
+        };
     }
-    swept
+    states
 }

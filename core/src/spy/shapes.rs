@@ -13,6 +13,8 @@ use rustc_hash::FxHashMap;
 
 /// The root shape's `parent_id`: `INVALID_SHAPE_ID`, all ones.
 const INVALID_SHAPE_ID: u64 = 0xffff_ffff;
+/// A capacity of more ivars than this (16 million in one object) is not a shape's.
+const MAX_CAPACITY: u64 = 1 << 24;
 
 /// Where an object's ivars are, as its flags and slot say.
 #[derive(Debug, PartialEq, Eq)]
@@ -70,11 +72,13 @@ impl<M: Memory> Spy<M> {
             ShapeList::TreePointer {
                 shape_list,
                 root_shape,
+                next_shape_id,
                 parent_id,
             } => {
-                if self.target.shape_tree.is_none() {
-                    self.target.shape_tree =
-                        self.scan_for_shape_tree(shape_list, root_shape, parent_id);
+                if self.target.shape_tree.is_none() && !self.target.shape_tree_scanned {
+                    self.target.shape_tree_scanned = true; // at most once per attach
+                    let tree = (shape_list, root_shape, next_shape_id, parent_id);
+                    self.target.shape_tree = self.scan_for_shape_tree(tree);
                 }
                 let tree = self.target.mem.read_u64(self.target.shape_tree?).ok()?;
                 self.target.mem.read_u64(field(tree, shape_list)).ok()?
@@ -104,7 +108,7 @@ impl<M: Memory> Spy<M> {
                 let mut requests: Vec<(u64, &mut [u8])> = bytes
                     .chunks_mut(width)
                     .enumerate()
-                    .map(|(i, b)| (array + (i * width) as u64, b))
+                    .map(|(i, b)| (field(array, i * width), b))
                     .collect();
                 let ok = mem.read_each(&mut requests);
                 drop(requests);
@@ -121,17 +125,14 @@ impl<M: Memory> Spy<M> {
 
     /// The address of libruby's `rb_shape_tree_ptr` where its symbol is not exported
     /// (Debian's 3.3 and 3.4): the word of libruby's data that points to a tree whose
-    /// `shape_list` and `root_shape` are one pointer, to a shape whose parent is
-    /// `INVALID_SHAPE_ID` (the root: shape 0, allocated first).
-    fn scan_for_shape_tree(
-        &self,
-        shape_list: usize,
-        root_shape: usize,
-        parent_id: usize,
-    ) -> Option<u64> {
+    /// `shape_list` and `root_shape` are one pointer and whose `next_shape_id` is above 0,
+    /// to a shape whose parent is `INVALID_SHAPE_ID` (the root: shape 0, allocated first).
+    /// `tree` is the offsets of those three fields in the tree, and of the parent in a shape.
+    fn scan_for_shape_tree(&self, tree: (usize, usize, usize, usize)) -> Option<u64> {
+        let (shape_list, root_shape, next_shape_id, parent_id) = tree;
         let heap = &self.target.heap;
         let in_heap = |p: u64| heap.is_empty() || heap.iter().any(|(s, e)| (*s..*e).contains(&p));
-        let head_len = shape_list.max(root_shape) + 8;
+        let head_len = shape_list.max(root_shape).max(next_shape_id + 4) + 8;
         let mem = &self.target.mem;
         self.target
             .scan_writable(
@@ -146,6 +147,7 @@ impl<M: Memory> Spy<M> {
                     let list = word(head, shape_list);
                     list != 0
                         && list == word(head, root_shape)
+                        && crate::objects::word32(head, next_shape_id) > 0
                         && mem
                             .read_vec(field(list, parent_id), 4)
                             .is_ok_and(|b| uint(&b) == INVALID_SHAPE_ID)
@@ -171,7 +173,7 @@ impl Count<'_> {
                 .zip(bufs.iter_mut())
                 .map(|(id, b)| {
                     let index = s.index_mask.map_or(u64::from(*id), |m| u64::from(*id) & m);
-                    let at = source.list + index * s.shape_size as u64 + s.capacity as u64;
+                    let at = field(source.list, index as usize * s.shape_size + s.capacity);
                     (at, &mut b[..])
                 })
                 .collect();
@@ -189,7 +191,12 @@ impl Count<'_> {
                         .and_then(|i| source.embedded.get(i).copied())
                         .unwrap_or(0)
                 });
-                capacities.insert(*id, uint(buf).max(embedded));
+                let capacity = uint(buf).max(embedded);
+                if capacity > MAX_CAPACITY {
+                    self.census.unreadable_tables += 1; // not a shape: garbage id
+                    continue;
+                }
+                capacities.insert(*id, capacity);
             }
         }
         for ((klass, id), objects) in shaped {
