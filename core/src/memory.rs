@@ -46,6 +46,30 @@ pub trait Memory {
         self.read(addr, &mut v)?;
         Ok(v)
     }
+
+    /// Reads each `(address, length)` block into a new vector with one `read_each`: None
+    /// for a block that did not read. For the heap census's batches of whole blocks (page
+    /// headers and bodies, tables, shapes), any of which may have been freed meanwhile.
+    fn read_blocks(&self, blocks: impl IntoIterator<Item = (u64, usize)>) -> Vec<Option<Vec<u8>>>
+    where
+        Self: Sized,
+    {
+        let (addrs, mut bufs): (Vec<u64>, Vec<Vec<u8>>) = blocks
+            .into_iter()
+            .map(|(addr, len)| (addr, vec![0u8; len]))
+            .unzip();
+        let mut requests: Vec<(u64, &mut [u8])> = addrs
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(addr, buf)| (*addr, &mut buf[..]))
+            .collect();
+        let ok = self.read_each(&mut requests);
+        drop(requests);
+        bufs.into_iter()
+            .zip(ok)
+            .map(|(b, ok)| ok.then_some(b))
+            .collect()
+    }
 }
 
 /// The address `offset` bytes into the struct at `base`. `base` is usually a word read from

@@ -456,19 +456,13 @@ impl<M: Memory> Target<M> {
                     Some((off, at, c))
                 })
                 .collect();
-            let mut heads = vec![0u8; candidates.len() * head_len];
-            let mut requests: Vec<(u64, &mut [u8])> = candidates
+            let heads = self
+                .mem
+                .read_blocks(candidates.iter().map(|(_, at, _)| (*at, head_len)));
+            let found = heads
                 .iter()
-                .zip(heads.chunks_exact_mut(head_len))
-                .map(|((_, at, _), head)| (*at, head))
-                .collect();
-            let read = self.mem.read_each(&mut requests);
-            let found = requests
-                .iter()
-                .zip(read)
-                .enumerate()
-                .find(|(i, ((_, head), ok))| *ok && confirms(&candidates[*i].2, head))
-                .map(|(i, _)| i);
+                .zip(&candidates)
+                .position(|(head, (_, _, c))| head.as_deref().is_some_and(|h| confirms(c, h)));
             if let Some(i) = found {
                 let (off, _, c) = candidates.into_iter().nth(i).expect("found");
                 return Some((field(start, off), c));

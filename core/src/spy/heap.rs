@@ -326,41 +326,24 @@ impl Count<'_> {
         }
         let cut = take < pages.len();
         let pages = &pages[..take];
-        let mut bufs: Vec<Vec<u8>> = pages
-            .iter()
-            .map(|p| vec![0u8; p.slots * p.slot_size])
-            .collect();
-        let mut requests: Vec<(u64, &mut [u8])> = pages
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(p, b)| (p.start, &mut b[..]))
-            .collect();
-        let mut ok = mem.read_each(&mut requests);
-        drop(requests);
+        let body = |p: &Page| (p.start, p.slots * p.slot_size);
+        let mut bodies = mem.read_blocks(pages.iter().map(body));
         let states = pages::reread(mem, self.h, pages);
-        self.census.bytes_read += (pages.iter().filter(|p| p.unswept).count()
-            * (self.h.page_mark_bits + self.h.page_mark_bits_len))
-            as u64;
-        if states.contains(&Reread::Swept) {
-            let mut again: Vec<(u64, &mut [u8])> = pages
-                .iter()
-                .zip(bufs.iter_mut())
-                .zip(&states)
-                .filter(|(_, s)| **s == Reread::Swept)
-                .map(|((p, b), _)| (p.start, &mut b[..]))
-                .collect();
-            let mut read = mem.read_each(&mut again).into_iter();
-            for (ok, state) in ok.iter_mut().zip(&states) {
-                if *state == Reread::Swept {
-                    *ok = read.next().unwrap_or(false);
-                }
-            }
+        let reread = pages.iter().filter(|p| p.unswept).count();
+        self.census.bytes_read += (reread * pages::header_len(self.h)) as u64;
+        // Pages swept meanwhile: their slots again, as a swept page's.
+        let swept: Vec<usize> = (0..pages.len())
+            .filter(|i| states[*i] == Reread::Swept)
+            .collect();
+        let again = mem.read_blocks(swept.iter().map(|i| body(&pages[*i])));
+        for (i, read) in swept.into_iter().zip(again) {
+            bodies[i] = read;
         }
-        for (((page, body), ok), state) in pages.iter().zip(&bufs).zip(ok).zip(states) {
-            if !ok || state == Reread::Gone {
+        for ((page, body), state) in pages.iter().zip(&bodies).zip(states) {
+            let Some(body) = body.as_deref().filter(|_| state != Reread::Gone) else {
                 self.census.unreadable_pages += 1;
                 continue;
-            }
+            };
             self.census.bytes_read += body.len() as u64;
             self.census.pages += 1;
             self.census.heap_bytes_total += body.len() as u64;
@@ -509,20 +492,10 @@ impl Count<'_> {
         let len = self.h.st_table_size;
         let tables = std::mem::take(&mut self.tables);
         for chunk in tables.chunks(1024) {
-            let mut headers = vec![vec![0u8; len]; chunk.len()];
-            let mut requests: Vec<(u64, &mut [u8])> = chunk
-                .iter()
-                .zip(headers.iter_mut())
-                .map(|((_, _, table), b)| (*table, &mut b[..]))
-                .collect();
-            let ok = mem.read_each(&mut requests);
+            let headers = mem.read_blocks(chunk.iter().map(|(_, _, table)| (*table, len)));
             self.census.bytes_read += (chunk.len() * len) as u64;
-            for (((klass, t, _), header), ok) in chunk.iter().zip(&headers).zip(ok) {
-                if !ok {
-                    self.census.unreadable_tables += 1;
-                    continue;
-                }
-                let Some(bytes) = self.st_bytes(header) else {
+            for ((klass, t, _), header) in chunk.iter().zip(&headers) {
+                let Some(bytes) = header.as_deref().and_then(|h| self.st_bytes(h)) else {
                     self.census.unreadable_tables += 1;
                     continue;
                 };

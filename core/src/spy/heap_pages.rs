@@ -97,31 +97,21 @@ pub(super) fn read_headers<M: Memory>(
     pages: &[u64],
     census: &mut Census,
 ) -> Vec<Page> {
-    let len = h.page_mark_bits + h.page_mark_bits_len;
-    let mut bufs = vec![vec![0u8; len]; pages.len()];
-    let mut requests: Vec<(u64, &mut [u8])> = pages
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(p, b)| (*p, &mut b[..]))
-        .collect();
-    let ok = mem.read_each(&mut requests);
-    census.bytes_read += (len * ok.iter().filter(|o| **o).count()) as u64;
+    let len = header_len(h);
+    let headers = mem.read_blocks(pages.iter().map(|p| (*p, len)));
     let mut read = Vec::with_capacity(pages.len());
-    for ((bytes, ok), &header) in bufs.iter().zip(ok).zip(pages) {
-        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
-        let flag = |(at, mask): (usize, u8)| bytes[at] & mask != 0;
-        if !ok {
+    for (bytes, &header) in headers.iter().zip(pages) {
+        let Some(bytes) = bytes else {
             census.unreadable_pages += 1;
             continue;
-        }
-        let start = word(bytes, h.page_start);
-        let slots = short(h.page_total_slots);
+        };
+        census.bytes_read += len as u64;
+        let (start, slots, slot_size) = geometry(h, bytes);
         // Emptied pages (3.4+) are zeroed. Tomb pages (before 3.4) hold only free slots and
         // zombies, which count_objects counts too: they are read like any other.
         if start == 0 || slots == 0 {
             continue;
         }
-        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
         let block = start & !(h.page_align as u64 - 1);
         if slot_size < 16
             || !start.is_multiple_of(8)
@@ -130,7 +120,8 @@ pub(super) fn read_headers<M: Memory>(
             census.unreadable_pages += 1;
             continue;
         }
-        let unswept = sweeping && flag(h.page_before_sweep);
+        let (at, mask) = h.page_before_sweep;
+        let unswept = sweeping && bytes[at] & mask != 0;
         let marks = if unswept {
             marks_of(h, bytes)
         } else {
@@ -146,6 +137,22 @@ pub(super) fn read_headers<M: Memory>(
         });
     }
     read
+}
+
+/// The bytes of a page header the census reads: up to the end of its mark bitmap.
+pub(super) fn header_len(h: &HeapLayout) -> usize {
+    h.page_mark_bits + h.page_mark_bits_len
+}
+
+/// A page header's `start`, `total_slots` and slot size (one size before 3.1).
+fn geometry(h: &HeapLayout, header: &[u8]) -> (u64, usize, usize) {
+    let short = |at: usize| u16::from_le_bytes([header[at], header[at + 1]]) as usize;
+    let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
+    (
+        word(header, h.page_start),
+        short(h.page_total_slots),
+        slot_size,
+    )
 }
 
 /// A page header's mark bitmap, as words.
@@ -179,29 +186,19 @@ pub(super) fn reread<M: Memory>(mem: &M, h: &HeapLayout, pages: &[Page]) -> Vec<
     if unswept.is_empty() {
         return states;
     }
-    let len = h.page_mark_bits + h.page_mark_bits_len;
-    let mut bufs = vec![vec![0u8; len]; unswept.len()];
-    let mut requests: Vec<(u64, &mut [u8])> = unswept
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(i, b)| (pages[*i].header, &mut b[..]))
-        .collect();
-    let ok = mem.read_each(&mut requests);
+    let headers = mem.read_blocks(unswept.iter().map(|i| (pages[*i].header, header_len(h))));
     let (at, mask) = h.page_before_sweep;
-    for ((i, bytes), ok) in unswept.iter().zip(&bufs).zip(ok) {
+    for (i, bytes) in unswept.iter().zip(&headers) {
         let page = &pages[*i];
-        let short = |at: usize| u16::from_le_bytes([bytes[at], bytes[at + 1]]) as usize;
-        let slot_size = h.page_slot_size.map_or(h.base_slot_size, short);
-        states[*i] = if !ok
-            || word(bytes, h.page_start) != page.start
-            || short(h.page_total_slots) != page.slots
-            || slot_size != page.slot_size
-        {
-            Reread::Gone
-        } else if bytes[at] & mask == 0 || marks_of(h, bytes) != page.marks {
-            Reread::Swept
-        } else {
-            Reread::Same
+        states[*i] = match bytes {
+            Some(b) if geometry(h, b) == (page.start, page.slots, page.slot_size) => {
+                if b[at] & mask == 0 || marks_of(h, b) != page.marks {
+                    Reread::Swept
+                } else {
+                    Reread::Same
+                }
+            }
+            _ => Reread::Gone,
         };
     }
     states

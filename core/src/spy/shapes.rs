@@ -67,8 +67,9 @@ impl<M: Memory> Spy<M> {
     /// The target's shape list (and 4.0's embedded capacities), or None where it cannot be
     /// found: the census then says objects' ivars were not counted.
     pub(super) fn shape_source(&mut self, s: &Shapes) -> Option<ShapeSource> {
-        let list = match s.list {
-            ShapeList::InVm(at) => self.target.mem.read_u64(field(self.target.vm, at)).ok()?,
+        // The struct that holds the list, and where in it.
+        let (holder, at) = match s.list {
+            ShapeList::InVm(at) => (self.target.vm, at),
             ShapeList::TreePointer {
                 shape_list,
                 root_shape,
@@ -81,13 +82,11 @@ impl<M: Memory> Spy<M> {
                     self.target.shape_tree = self.scan_for_shape_tree(tree);
                 }
                 let tree = self.target.mem.read_u64(self.target.shape_tree?).ok()?;
-                self.target.mem.read_u64(field(tree, shape_list)).ok()?
+                (tree, shape_list)
             }
-            ShapeList::Tree { shape_list } => {
-                let tree = self.target.shape_tree?;
-                self.target.mem.read_u64(field(tree, shape_list)).ok()?
-            }
+            ShapeList::Tree { shape_list } => (self.target.shape_tree?, shape_list),
         };
+        let list = self.target.mem.read_u64(field(holder, at)).ok()?;
         if list == 0 {
             return None;
         }
@@ -102,21 +101,10 @@ impl<M: Memory> Spy<M> {
                 };
                 // One read per entry: 4.0's array has only its heaps' entries (and a 0),
                 // fewer than the id's bits could name, and may end where memory does.
-                let heaps = (mask >> shift) as usize;
-                let width = s.capacity_width;
-                let mut bytes = vec![0u8; heaps * width];
-                let mut requests: Vec<(u64, &mut [u8])> = bytes
-                    .chunks_mut(width)
-                    .enumerate()
-                    .map(|(i, b)| (field(array, i * width), b))
-                    .collect();
-                let ok = mem.read_each(&mut requests);
-                drop(requests);
-                let entries = bytes.chunks(width).map(uint);
-                entries
-                    .zip(ok)
-                    .map(|(c, ok)| if ok { c } else { 0 })
-                    .collect()
+                let (heaps, width) = ((mask >> shift) as usize, s.capacity_width);
+                let entries = (0..heaps).map(|i| (field(array, i * width), width));
+                let read = mem.read_blocks(entries);
+                read.iter().map(|b| b.as_deref().map_or(0, uint)).collect()
             }
             _ => Vec::new(),
         };
@@ -167,23 +155,17 @@ impl Count<'_> {
         ids.dedup();
         let mut capacities: FxHashMap<u32, u64> = FxHashMap::default();
         for chunk in ids.chunks(1024) {
-            let mut bufs = vec![vec![0u8; s.capacity_width]; chunk.len()];
-            let mut requests: Vec<(u64, &mut [u8])> = chunk
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(id, b)| {
-                    let index = s.index_mask.map_or(u64::from(*id), |m| u64::from(*id) & m);
-                    let at = field(source.list, index as usize * s.shape_size + s.capacity);
-                    (at, &mut b[..])
-                })
-                .collect();
-            let ok = mem.read_each(&mut requests);
+            let at = |id: u32| {
+                let index = s.index_mask.map_or(u64::from(id), |m| u64::from(id) & m);
+                field(source.list, index as usize * s.shape_size + s.capacity)
+            };
+            let read = mem.read_blocks(chunk.iter().map(|id| (at(*id), s.capacity_width)));
             self.census.bytes_read += (chunk.len() * s.capacity_width) as u64;
-            for ((id, buf), ok) in chunk.iter().zip(&bufs).zip(ok) {
-                if !ok {
+            for (id, buf) in chunk.iter().zip(&read) {
+                let Some(buf) = buf else {
                     self.census.unreadable_tables += 1;
                     continue;
-                }
+                };
                 let embedded = s.heap_index.map_or(0, |(mask, shift)| {
                     let heap = (u64::from(*id) & mask) >> shift;
                     (heap as usize)
