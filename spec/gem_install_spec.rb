@@ -287,7 +287,7 @@ RSpec.describe "installing rbspy_ext", :slow do
       { "snapshot" => -> { RubySpy.snapshot(Process.pid) }, "attach" => -> { RubySpy.attach(1) },
         "record" => -> { RubySpy.record(Process.pid) { 1 } },
         "load" => -> { RubySpy::Profile.load(__FILE__) }, "heap" => -> { RubySpy.heap(Process.pid) },
-        "census" => -> { RubySpy::Census.new('{"classes":[],"types":[]}').render(:text) } }.each do |what, call|
+        "census" => -> { RubySpy::Census.from_json('{"classes":[],"types":[]}').render(:text) } }.each do |what, call|
         call.call
         out[what] = "no error"
       rescue Exception => e

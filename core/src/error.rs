@@ -18,6 +18,22 @@ pub enum MemoryError {
     Other(i32),
 }
 
+/// Why an object could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObjectError {
+    Memory(MemoryError),
+    /// The object's header is not what the caller expected.
+    Shape(&'static str, u64),
+}
+
+impl From<MemoryError> for ObjectError {
+    fn from(e: MemoryError) -> Self {
+        ObjectError::Memory(e)
+    }
+}
+
+pub type ObjResult<T> = std::result::Result<T, ObjectError>;
+
 /// Everything that can go wrong while attaching to or reading a Ruby process.
 #[derive(Debug, Error)]
 pub enum Error {

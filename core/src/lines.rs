@@ -2,8 +2,9 @@
 //! iseq's `insns_info` entries are indexed through a succinct bit vector
 //! (`succ_index_table`, iseq.c) that maps an instruction position to the rank of the entry
 //! covering it.
+use crate::error::{ObjResult, ObjectError};
 use crate::memory::Memory;
-use crate::objects::{word, word32, ObjResult, ObjectError};
+use crate::memory::{word, word32};
 use rbspy_ext_bindings::Layout;
 
 /// Most `insns_info` entries the spy copies for one iseq (Ruby methods have far fewer).

@@ -81,6 +81,23 @@ pub fn field(base: u64, offset: usize) -> u64 {
     base.wrapping_add(offset as u64)
 }
 
+/// The little-endian word at `offset` of bytes read from the target; 0 past their end (a
+/// short read of a struct that moved reads as nothing, never as a panic).
+pub fn word(bytes: &[u8], offset: usize) -> u64 {
+    bytes
+        .get(offset..offset + 8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .unwrap_or(0)
+}
+
+/// The 32-bit little-endian value at `offset`, as [`word`].
+pub fn word32(bytes: &[u8], offset: usize) -> u32 {
+    bytes
+        .get(offset..offset + 4)
+        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .unwrap_or(0)
+}
+
 /// Reads gathered into one reusable arena and made together: [`ReadBatch::add`] a range and
 /// keep its [`Span`], [`ReadBatch::read`] them all with one `read_many` (one
 /// `process_vm_readv` for a live process), then look each up with [`ReadBatch::get`]. The

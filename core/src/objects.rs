@@ -1,8 +1,8 @@
 //! Reading Ruby heap objects out of another process: strings, arrays, symbol names and
 //! class paths. Everything here is bounded (lengths capped, loops limited) because the
 //! memory may be garbage: a racing target, or a wrong guess during the VM search.
-use crate::error::MemoryError;
-use crate::memory::{field, Memory};
+use crate::error::{ObjResult, ObjectError};
+use crate::memory::{field, word, word32, Memory};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -12,39 +12,9 @@ const MAX_STRING: usize = 64 * 1024;
 /// Most iv_tbl entries scanned when looking up a class's name.
 const MAX_IVARS: u64 = 4096;
 
-/// Why an object could not be read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ObjectError {
-    Memory(MemoryError),
-    /// The object's header is not what the caller expected.
-    Shape(&'static str, u64),
-}
-
-impl From<MemoryError> for ObjectError {
-    fn from(e: MemoryError) -> Self {
-        ObjectError::Memory(e)
-    }
-}
-
-pub type ObjResult<T> = Result<T, ObjectError>;
-
 /// True for VALUEs that are pointers to heap objects (not nil/true/false/fixnums/symbols).
 pub fn is_heap_object(value: u64) -> bool {
     value != 0 && value & 0x7 == 0 && value > 0x1000
-}
-
-pub fn word(bytes: &[u8], offset: usize) -> u64 {
-    bytes
-        .get(offset..offset + 8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .unwrap_or(0)
-}
-
-pub fn word32(bytes: &[u8], offset: usize) -> u32 {
-    bytes
-        .get(offset..offset + 4)
-        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-        .unwrap_or(0)
 }
 
 /// Reads a T_STRING's bytes (lossily decoded as UTF-8).

@@ -5,8 +5,8 @@
 //! pointers stored in libruby's writable data, the one whose target validates as a VM
 //! through its own back-pointers (its main thread points back at it; its main ractor names
 //! the same main thread). Candidates are checked in batches, a few system calls in all.
+use crate::memory::word;
 use crate::memory::{field, Memory};
-use crate::objects::word;
 use rbspy_ext_bindings::Layout;
 
 /// What the walker needs from a validated VM.

@@ -1,22 +1,24 @@
 # frozen_string_literal: true
 
-require "json"
-
 module RubySpy
   # What fills a process's memory: its live objects by class and built-in type, read from
-  # its GC's heap pages without stopping it ({RubySpy.heap}, +rubyspy heap+). A census is
-  # the JSON the extension writes, parsed: {#save} writes it back, {.load} reads it, and
-  # {#-} says which classes grew since an earlier one.
+  # its GC's heap pages without stopping it ({RubySpy.heap}, +rubyspy heap+). A census stays
+  # the extension's own data: its rows, {#render} and {#-} (which classes grew since an
+  # earlier one) read it there; JSON is only what {#save} writes and {.load} reads.
   class Census
-    # @return [Hash] every figure, as saved (see {#to_h})
-    attr_reader :data
-
     # @api private
-    def initialize(json)
-      @json = json
-      @data = JSON.parse(json, symbolize_names: true)
-    rescue JSON::ParserError => e
-      raise InvalidCensus, "not a heap census saved as JSON (#{e.message.lines.first.strip})"
+    # @param native [RubySpy::NativeCensus] the census the extension took or read
+    def initialize(native)
+      @native = native
+    end
+
+    # A census from the JSON {#save} writes (or +rubyspy heap --output x.json+).
+    #
+    # @param json [String]
+    # @return [RubySpy::Census]
+    # @raise [RubySpy::InvalidCensus] if it is not one, saying what is wrong with it
+    def self.from_json(json)
+      new(NativeCensus.from_json(String(json)))
     end
 
     # Reads a census saved by {#save} (or +rubyspy heap --output+).
@@ -26,10 +28,9 @@ module RubySpy
     # @raise [RubySpy::InvalidCensus] if the file is not one
     # @raise [SystemCallError] if it cannot be read
     def self.load(path)
-      census = new(File.read(path))
-      raise InvalidCensus, "#{path} is not a heap census (no :classes)" unless census.data[:classes].is_a?(Array)
-
-      census
+      from_json(File.read(path))
+    rescue InvalidCensus => e
+      raise InvalidCensus, "#{path}: #{e.message}"
     end
 
     # Live objects by class and type, most bytes first.
@@ -40,14 +41,14 @@ module RubySpy
     #   and outside bytes together, as +ObjectSpace.memsize_of+ sums them), +:slot_bytes+
     #   and +:heap_bytes+ (outside the slot)
     def classes
-      @classes ||= @data[:classes].map { |row| row.merge(bytes: row[:slot_bytes] + row[:heap_bytes]) }
+      @classes ||= @native.classes.freeze
     end
 
     # Live objects by built-in type alone: the sum of {#classes} per +:type+ (+:name+ is "").
     #
     # @return [Array<Hash>] as {#classes}
     def types
-      @types ||= @data[:types].map { |row| row.merge(bytes: row[:slot_bytes] + row[:heap_bytes]) }
+      @types ||= @native.types.freeze
     end
 
     # The row of one class (of one type, when a name has several).
@@ -61,7 +62,7 @@ module RubySpy
 
     # @return [Integer] live objects
     def objects
-      @data[:live_slots]
+      figures[:live_slots]
     end
 
     # Slots and pages: +:total_slots+, +:free_slots+, +:live_slots+, +:zombie_slots+
@@ -70,50 +71,50 @@ module RubySpy
     #
     # @return [Hash{Symbol => Integer}]
     def slots
-      @data.slice(:total_slots, :free_slots, :live_slots, :zombie_slots, :moved_slots, :garbage_slots,
+      figures.slice(:total_slots, :free_slots, :live_slots, :zombie_slots, :moved_slots, :garbage_slots,
                   :pages, :heap_bytes_total, :unreadable_pages, :unreadable_tables)
     end
 
     # @return [Boolean] true when the census stopped at +max_bytes+ before the last page
     def partial?
-      @data[:partial]
+      figures[:partial]
     end
 
     # @return [Integer] passes taken again because a compaction moved objects while they
     #   were read
     def compactions
-      @data.fetch(:compactions, 0)
+      figures.fetch(:compactions, 0)
     end
 
     # @return [Boolean] true when compactions kept moving objects through every pass: the
     #   counts may then include objects seen before and after they moved, or miss some
     def moving?
-      @data.fetch(:moving, false)
+      figures.fetch(:moving, false)
     end
 
     # @return [Integer] the process the census is of
     def pid
-      @data[:pid]
+      figures[:pid]
     end
 
     # @return [String] its Ruby version
     def ruby_version
-      @data[:ruby_version]
+      figures[:ruby_version]
     end
 
     # @return [Float] seconds the census took
     def duration
-      @data[:duration_us] / 1e6
+      figures[:duration_us] / 1e6
     end
 
     # @return [Integer] bytes read from the process
     def bytes_read
-      @data[:bytes_read]
+      figures[:bytes_read]
     end
 
     # @return [String] what the bytes leave out
     def not_counted
-      @data[:not_counted]
+      figures[:not_counted]
     end
 
     # The classes that changed since +earlier+: those that grew first, most bytes first.
@@ -125,7 +126,7 @@ module RubySpy
     def -(other)
       raise TypeError, "can only subtract a RubySpy::Census, not #{other.class}" unless other.is_a?(Census)
 
-      JSON.parse(NativeCensus.diff(@json, other.to_json, 0).first, symbolize_names: true)
+      @native.diff(other.native)
     end
 
     # The changes since +earlier+ as text: the +limit+ classes that grew most, then shrank.
@@ -134,7 +135,9 @@ module RubySpy
     # @param limit [Integer]
     # @return [String]
     def diff_text(earlier, limit: 20)
-      NativeCensus.diff(@json, earlier.to_json, limit).last
+      raise TypeError, "can only compare with a RubySpy::Census, not #{earlier.class}" unless earlier.is_a?(Census)
+
+      @native.diff_text(earlier.native, Integer(limit))
     end
 
     # The census in a format: +:text+ (the top +limit+ classes), +:json+ (what {.load}
@@ -147,9 +150,9 @@ module RubySpy
     # @raise [ArgumentError] for another format
     def render(format = :text, limit: 30)
       case format.to_sym
-      when :text then NativeCensus.text(@json, limit)
-      when :json then @json
-      when :pprof then NativeCensus.pprof(@json)
+      when :text then @native.text(Integer(limit))
+      when :json then @native.to_json
+      when :pprof then @native.pprof
       else raise ArgumentError, "unknown census format #{format.inspect}: use :text, :json or :pprof"
       end
     end
@@ -166,13 +169,21 @@ module RubySpy
 
     # @return [String] the census as JSON
     def to_json(*)
-      @json
+      @native.to_json
     end
 
-    # @return [Hash] every figure, as saved
+    # @return [Hash] every figure, as saved: {#slots}'s, +:pid+, +:ruby_version+,
+    #   +:taken_at_ms+, +:duration_us+, +:bytes_read+, +:partial+, +:sweeping+,
+    #   +:compactions+, +:moving+, +:not_counted+, and the rows (+:classes+, +:types+)
     def to_h
-      @data
+      figures.merge(classes: classes, types: types)
     end
+    alias data to_h
+
+    # @api private
+    # @return [RubySpy::NativeCensus]
+    attr_reader :native
+    protected :native
 
     # @return [String] the top classes as text
     def to_s
@@ -182,6 +193,12 @@ module RubySpy
     # @return [String]
     def inspect
       "#<RubySpy::Census pid=#{pid} objects=#{objects} classes=#{classes.size}#{" partial" if partial?}>"
+    end
+
+    private
+
+    def figures
+      @figures ||= @native.figures.freeze
     end
   end
 end

@@ -83,7 +83,7 @@ module RubySpy
         raise ArgumentError, "max_bytes: must be a positive Integer (bytes) or nil, got #{max_bytes.inspect}"
       end
 
-      Census.new(@lock.synchronize { @native.census_json(max_bytes) })
+      Census.new(@lock.synchronize { @native.census(max_bytes) })
     end
 
     extend Forwardable

@@ -36,20 +36,10 @@ module RubySpy
     end
   end
 
-  # A saved census loads (it is JSON), but renders nothing here.
-  module NativeCensus
+  # A census is the extension's own data: none is taken or read here.
+  class NativeCensus
     # @api private
-    def self.text(*)
-      Unsupported.raise_error
-    end
-
-    # @api private
-    def self.pprof(*)
-      Unsupported.raise_error
-    end
-
-    # @api private
-    def self.diff(*)
+    def self.from_json(*)
       Unsupported.raise_error
     end
   end

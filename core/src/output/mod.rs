@@ -32,7 +32,6 @@
 pub mod callgrind;
 pub mod collapsed;
 pub mod flamegraph;
-pub mod heap;
 pub mod pprof;
 pub mod raw;
 pub mod speedscope;

@@ -153,20 +153,20 @@ pub mod proto {
 }
 
 /// The string table: index 0 is "" as the format requires.
-pub(super) struct Strings {
-    pub(super) table: Vec<String>,
+pub(crate) struct Strings {
+    pub(crate) table: Vec<String>,
     index: HashMap<String, i64>,
 }
 
 impl Strings {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Strings {
             table: vec![String::new()],
             index: HashMap::from([(String::new(), 0)]),
         }
     }
 
-    pub(super) fn id(&mut self, s: &str) -> i64 {
+    pub(crate) fn id(&mut self, s: &str) -> i64 {
         if let Some(&i) = self.index.get(s) {
             return i;
         }

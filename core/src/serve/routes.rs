@@ -3,10 +3,11 @@
 //! profile at a time (429); bounded parameters (400), and nothing else (no redirect).
 use super::http::{Request, Response};
 use super::Shared;
+use crate::census::{self, render, CensusOptions};
 use crate::output::{self, thread_title, Format, Options};
 use crate::process::{descendants, worker_name};
 use crate::record::{RecordConfig, Recorder};
-use crate::spy::{CensusOptions, Spy, ThreadSelection};
+use crate::spy::{Spy, ThreadSelection};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -258,10 +259,11 @@ fn heap(shared: &Shared, params: &Params) -> Response {
         )
         .with_header("retry-after", "1".into());
     }
-    let census = Spy::attach(pid).and_then(|mut spy| spy.census(CensusOptions::default()));
+    let census = Spy::attach(pid)
+        .and_then(|mut spy| census::take(spy.target_view(), CensusOptions::default()));
     shared.busy.store(false, Ordering::Release);
     match census {
-        Ok(c) if text => Response::text(200, &output::heap::text(&c, 100)),
+        Ok(c) if text => Response::text(200, &render::text(&c, 100)),
         Ok(c) => Response {
             status: 200,
             content_type: "application/octet-stream",
@@ -269,7 +271,7 @@ fn heap(shared: &Shared, params: &Params) -> Response {
                 "content-disposition",
                 "attachment; filename=\"heap.pb.gz\"".into(),
             )],
-            body: output::heap::pprof(&c),
+            body: render::pprof(&c),
         },
         Err(e) => Response::text(500, &format!("cannot take a census: {e}\n")),
     }

@@ -3,9 +3,11 @@
 //! labels and line tables, method names, class names) is cached in the [`Spy`], so a warm
 //! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
 //! environments + iseq headers, and method-entry headers.
+use crate::error::ObjectError;
 use crate::error::{Error, MemoryError, Result};
+use crate::memory::word;
 use crate::memory::{field, Memory, ProcessMemory};
-use crate::objects::{word, ClassNames, ObjectError, SymbolTable};
+use crate::objects::{ClassNames, SymbolTable};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
@@ -13,7 +15,6 @@ mod attach;
 mod batch;
 mod captured;
 mod frames;
-mod heap;
 mod located;
 mod memo;
 mod tags;
@@ -22,8 +23,8 @@ mod threads;
 mod walker;
 mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
+pub use attach::TargetView;
 pub use captured::{CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
-pub use heap::CensusOptions;
 use walker::{Envs, Prefetched, RawFrame, Wanted};
 
 /// Most frames one stack may have: Ruby's default VM stack (1 MiB) holds fewer.
@@ -132,13 +133,13 @@ impl<M: Memory> Spy<M> {
     /// The stack of the thread holding the GVL (the main thread when none does), innermost
     /// frame first. Retries a bounded number of times if the stack changes while read.
     pub fn snapshot(&mut self) -> Result<Vec<Frame>> {
-        self.check_identity(false)?;
+        self.target.check_identity(false)?;
         let mut last = String::new();
         for _ in 0..SNAPSHOT_ATTEMPTS {
             match self.try_snapshot() {
                 Ok(stack) => return Ok(stack.frames.to_vec()),
                 Err(Attempt::Fatal(e)) => {
-                    self.check_identity(true)?;
+                    self.target.check_identity(true)?;
                     return Err(e);
                 }
                 Err(Attempt::Changed(why)) => {
@@ -158,7 +159,7 @@ impl<M: Memory> Spy<M> {
                 pid: self.target.pid,
             });
         }
-        self.check_identity(true)?;
+        self.target.check_identity(true)?;
         Err(Error::StackChanged {
             pid: self.target.pid,
             attempts: SNAPSHOT_ATTEMPTS,

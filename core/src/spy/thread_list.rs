@@ -8,8 +8,9 @@
 //! one entry there, so the list costs it two reads per `LIST_TTL` and nothing per sample.
 use super::{field, Attempt, Memory, Spy};
 use crate::error::{Error, Result};
+use crate::memory::{word, word32};
 use crate::model::ThreadInfo;
-use crate::objects::{is_heap_object, read_string, word, word32};
+use crate::objects::{is_heap_object, read_string};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -19,11 +19,11 @@ impl<M: Memory> Spy<M> {
         &mut self,
         which: ThreadSelection,
     ) -> Result<(Vec<SampledThread>, Vec<&'static str>)> {
-        self.check_identity(false)?;
+        self.target.check_identity(false)?;
         match self.sample_threads_once(which) {
             // A failed read may be the process gone or replaced (see `check_identity`).
             Err(e) if !matches!(e, Error::PermissionDenied { .. }) => {
-                self.check_identity(true)?;
+                self.target.check_identity(true)?;
                 Err(e)
             }
             result => result,

@@ -1,8 +1,8 @@
 //! The walk: a thread's execution context → its control frames and environments → raw
 //! frames, memoised by raw stack, with one batched read per step.
 use super::*;
+use crate::memory::word;
 use crate::memory::{field, Memory, ReadBatch, Span};
-use crate::objects::word;
 use std::borrow::Cow;
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`).
 use super::walker::RawFrame;
 use super::{Attempt, Memory, Spy};
-use crate::objects::word;
+use crate::memory::word;
 use crate::vm::read_words;
 
 impl<M: Memory> Spy<M> {

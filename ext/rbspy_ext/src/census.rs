@@ -1,38 +1,122 @@
-//! `RubySpy::NativeCensus`: a heap census's forms, for `RubySpy::Census`
-//! (lib/rbspy_ext/census.rb), which keeps a census as the JSON the core writes (so that the
-//! Ruby object, the saved file and the diff all read the same thing). Taking a census is
-//! `NativeHandle#census_json` (handle.rs).
+//! `RubySpy::NativeCensus`: a heap census kept as the core's `Census`, which
+//! `RubySpy::Census` (lib/rbspy_ext/census.rb) wraps. Rendering, diffs and the rows all read
+//! it where it is; JSON is only what `save`/`load` and `--output x.json` write and read.
+//! Taking one is `NativeHandle#census` (handle.rs).
 use crate::errors;
-use magnus::{function, prelude::*, Error, RString, Ruby};
-use rbspy_ext_core::census::{self, Census};
-use rbspy_ext_core::output::heap;
+use magnus::{function, method, prelude::*, Error, RArray, RHash, RString, Ruby};
+use rbspy_ext_core::census::{render, Census, ClassDelta, ClassRow};
 
-fn parse(ruby: &Ruby, json: String) -> Result<Census, Error> {
-    Census::from_json(&json).map_err(|e| Error::new(errors::class(ruby, "InvalidCensus"), e))
+#[magnus::wrap(class = "RubySpy::NativeCensus", free_immediately, size)]
+pub(crate) struct NativeCensus(Census);
+
+impl NativeCensus {
+    pub(crate) fn new(census: Census) -> Self {
+        NativeCensus(census)
+    }
+
+    /// A census saved as JSON; `RubySpy::InvalidCensus` says what is wrong with it.
+    fn from_json(ruby: &Ruby, json: String) -> Result<Self, Error> {
+        Census::from_json(&json)
+            .map(NativeCensus)
+            .map_err(|e| Error::new(errors::class(ruby, "InvalidCensus"), e))
+    }
+
+    fn to_json(&self) -> String {
+        self.0.to_json()
+    }
+
+    /// The top `limit` classes as text.
+    fn text(&self, limit: usize) -> String {
+        render::text(&self.0, limit)
+    }
+
+    /// The census as a gzipped pprof heap profile (a binary String).
+    fn pprof(ruby: &Ruby, rb_self: &Self) -> RString {
+        ruby.str_from_slice(&render::pprof(&rb_self.0))
+    }
+
+    /// Every figure but the rows: the counts, `ruby_version`, `partial`, `sweeping`,
+    /// `moving` and `not_counted`, under Symbol keys as saved.
+    fn figures(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        let c = &rb_self.0;
+        let hash = ruby.hash_new();
+        for (name, value) in c.counts() {
+            hash.aset(ruby.to_symbol(name), value)?;
+        }
+        hash.aset(ruby.to_symbol("ruby_version"), c.ruby_version.as_str())?;
+        hash.aset(ruby.to_symbol("partial"), c.partial)?;
+        hash.aset(ruby.to_symbol("sweeping"), c.sweeping)?;
+        hash.aset(ruby.to_symbol("moving"), c.moving)?;
+        hash.aset(ruby.to_symbol("not_counted"), c.not_counted.as_str())?;
+        Ok(hash)
+    }
+
+    /// Live objects by class and type, most bytes first (see `row`).
+    fn classes(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        rows(ruby, &rb_self.0.classes)
+    }
+
+    /// Live objects by type alone.
+    fn types(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        rows(ruby, &rb_self.0.types)
+    }
+
+    /// How this census changed since `earlier`: one Hash per class that did.
+    fn diff(ruby: &Ruby, rb_self: &Self, earlier: &Self) -> Result<RArray, Error> {
+        let deltas = rb_self.0.diff(&earlier.0);
+        let out = ruby.ary_new_capa(deltas.len());
+        for d in &deltas {
+            out.push(delta(ruby, d)?)?;
+        }
+        Ok(out)
+    }
+
+    /// The changes since `earlier` as text, the `limit` that grew most, then shrank.
+    fn diff_text(&self, earlier: &Self, limit: usize) -> String {
+        render::diff_text(&self.0.diff(&earlier.0), limit)
+    }
 }
 
-/// The top `limit` classes as text.
-fn text(ruby: &Ruby, json: String, limit: usize) -> Result<String, Error> {
-    Ok(heap::text(&parse(ruby, json)?, limit))
+/// `{name:, type:, objects:, bytes:, slot_bytes:, heap_bytes:}` per row.
+fn rows(ruby: &Ruby, rows: &[ClassRow]) -> Result<RArray, Error> {
+    let out = ruby.ary_new_capa(rows.len());
+    for r in rows {
+        let hash = ruby.hash_new();
+        hash.aset(ruby.to_symbol("name"), r.name.as_str())?;
+        hash.aset(ruby.to_symbol("type"), r.type_name.as_str())?;
+        hash.aset(ruby.to_symbol("objects"), r.objects)?;
+        hash.aset(ruby.to_symbol("bytes"), r.bytes())?;
+        hash.aset(ruby.to_symbol("slot_bytes"), r.slot_bytes)?;
+        hash.aset(ruby.to_symbol("heap_bytes"), r.heap_bytes)?;
+        out.push(hash)?;
+    }
+    Ok(out)
 }
 
-/// The census as a gzipped pprof heap profile (a binary String).
-fn pprof(ruby: &Ruby, json: String) -> Result<RString, Error> {
-    Ok(ruby.str_from_slice(&heap::pprof(&parse(ruby, json)?)))
-}
-
-/// `[deltas_json, text]`: how the census `now` changed since `before`.
-fn diff(ruby: &Ruby, now: String, before: String, limit: usize) -> Result<(String, String), Error> {
-    let deltas = parse(ruby, now)?.diff(&parse(ruby, before)?);
-    let text = heap::diff_text(&deltas, limit);
-    Ok((census::deltas_to_json(&deltas), text))
+/// `{name:, type:, objects:, bytes:, objects_now:, bytes_now:}` for one class's change.
+fn delta(ruby: &Ruby, d: &ClassDelta) -> Result<RHash, Error> {
+    let hash = ruby.hash_new();
+    hash.aset(ruby.to_symbol("name"), d.name.as_str())?;
+    hash.aset(ruby.to_symbol("type"), d.type_name.as_str())?;
+    hash.aset(ruby.to_symbol("objects"), d.objects)?;
+    hash.aset(ruby.to_symbol("bytes"), d.bytes)?;
+    hash.aset(ruby.to_symbol("objects_now"), d.objects_now)?;
+    hash.aset(ruby.to_symbol("bytes_now"), d.bytes_now)?;
+    Ok(hash)
 }
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
-    let native = module.define_module("NativeCensus")?;
-    native.define_singleton_method("text", function!(text, 2))?;
-    native.define_singleton_method("pprof", function!(pprof, 1))?;
-    native.define_singleton_method("diff", function!(diff, 3))?;
+    let class = module.define_class("NativeCensus", ruby.class_object())?;
+    class.define_singleton_method("from_json", function!(NativeCensus::from_json, 1))?;
+    class.define_method("to_json", method!(NativeCensus::to_json, 0))?;
+    class.define_method("text", method!(NativeCensus::text, 1))?;
+    class.define_method("pprof", method!(NativeCensus::pprof, 0))?;
+    class.define_method("figures", method!(NativeCensus::figures, 0))?;
+    class.define_method("classes", method!(NativeCensus::classes, 0))?;
+    class.define_method("types", method!(NativeCensus::types, 0))?;
+    class.define_method("diff", method!(NativeCensus::diff, 1))?;
+    class.define_method("diff_text", method!(NativeCensus::diff_text, 2))?;
+    crate::classes::resolve::<NativeCensus>(ruby);
     Ok(())
 }

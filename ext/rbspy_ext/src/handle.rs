@@ -1,7 +1,10 @@
 //! `RubySpy::NativeHandle`: one attached process. `RubySpy::Handle` (lib/rbspy_ext/handle.rb)
 //! wraps it and turns the raw frame rows into `RubySpy::Frame` objects.
+use crate::census::NativeCensus;
+use crate::rows::frame_row;
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, RHash, Ruby, Value};
+use rbspy_ext_core::census;
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::{Config, Frame, Spy};
 use std::collections::HashMap;
@@ -18,21 +21,6 @@ struct Handle {
     /// Snapshots of the calling process keep the GVL: releasing it would let another
     /// thread take it, and the snapshot would show that thread instead of the caller.
     own_process: bool,
-}
-
-/// `[label, base_label, path, absolute_path, lineno, c_function]`, what
-/// `RubySpy::Frame.from_row` (lib/rbspy_ext/frame.rb) takes.
-#[allow(clippy::type_complexity)]
-pub(crate) fn frame_row(f: &Frame) -> (&str, &str, Option<&str>, Option<&str>, i32, bool) {
-    (
-        &f.label,
-        &f.base_label,
-        // A C function with no Ruby caller has no path: nil, as in Ruby.
-        Some(&*f.path).filter(|p| !p.is_empty()),
-        f.absolute_path.as_deref(),
-        f.lineno,
-        f.c_function,
-    )
 }
 
 fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
@@ -107,13 +95,14 @@ impl Handle {
         self.spy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A census of the process's heap, as JSON (`RubySpy::Census` parses it). `max_bytes`:
-    /// stop before reading more than this many bytes of pages (the census is then partial).
-    fn census_json(ruby: &Ruby, rb_self: &Self, max_bytes: Option<u64>) -> Result<String, Error> {
-        run(ruby, rb_self.own_process, "taking a heap census", || {
-            let options = rbspy_ext_core::spy::CensusOptions { max_bytes };
-            Ok(rb_self.lock().census(options)?.to_json())
-        })
+    /// A census of the process's heap (`RubySpy::Census` wraps it). `max_bytes`: stop
+    /// before reading more than this many bytes of pages (the census is then partial).
+    fn census(ruby: &Ruby, rb_self: &Self, max_bytes: Option<u64>) -> Result<NativeCensus, Error> {
+        let census = run(ruby, rb_self.own_process, "taking a heap census", || {
+            let options = census::CensusOptions { max_bytes };
+            census::take(rb_self.lock().target_view(), options)
+        })?;
+        Ok(NativeCensus::new(census))
     }
 
     /// `{ids:, fresh:, tags:}`: the frame ids of the current stack, innermost first,
@@ -213,7 +202,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         method!(Handle::profiler_state_offset, 0),
     )?;
     class.define_method("thread_snapshots", method!(Handle::thread_snapshots, 0))?;
-    class.define_method("census_json", method!(Handle::census_json, 1))?;
-    crate::resolve_class::<Handle>(ruby);
+    class.define_method("census", method!(Handle::census, 1))?;
+    crate::classes::resolve::<Handle>(ruby);
     Ok(())
 }

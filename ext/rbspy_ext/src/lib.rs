@@ -3,26 +3,17 @@
 use magnus::{Error, Ruby};
 
 mod census;
+mod classes;
 mod current;
 mod errors;
 mod handle;
 mod hash;
 mod nogvl;
 mod recorder;
+mod rows;
 mod server;
 mod state;
 mod tag;
-
-/// Resolves a wrapped type's Ruby class now, while the extension loads (one thread, holding
-/// the GVL throughout). Invariant: no `OnceLock` of magnus is first taken after load. magnus
-/// looks a wrapped type's class up on first use behind a `OnceLock` whose initialiser calls
-/// `const_get`, where Ruby may switch threads; a second thread wanting the class then blocks
-/// on the lock while holding the GVL, and the first can never finish: the lock-vs-GVL
-/// ordering of <https://github.com/matsadler/magnus/issues/109> (fixed there for `Lazy`, not
-/// for this lookup).
-pub(crate) fn resolve_class<T: magnus::TypedData>(ruby: &Ruby) {
-    let _ = T::class(ruby);
-}
 
 /// The Ruby series ("3.1") this library was compiled for (build.rs).
 const BUILT_FOR: &str = env!("RBSPY_EXT_RUBY_SERIES");
@@ -72,8 +63,8 @@ fn ractor_safe() {
 fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
     ractor_safe();
-    handle::init(ruby)?;
     census::init(ruby)?;
+    handle::init(ruby)?;
     state::init(ruby)?;
     current::init(ruby)?;
     tag::init(ruby)?;

@@ -266,7 +266,7 @@ impl NativeProfile {
     /// Every distinct frame, as rows for `RubySpy::Frame.from_row`; `stacks` index them.
     #[allow(clippy::type_complexity)]
     fn frames(&self) -> Vec<(&str, &str, Option<&str>, Option<&str>, i32, bool)> {
-        self.0.frames.iter().map(crate::handle::frame_row).collect()
+        self.0.frames.iter().map(crate::rows::frame_row).collect()
     }
 
     /// Every distinct stack: `{frames: [indexes into #frames, innermost first], samples:,
@@ -388,7 +388,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     shaped.freeze();
     prof.const_set("VIEW_FORMATS", shaped)?;
     rec.const_set("MAX_RATE_HZ", rbspy_ext_core::record::MAX_RATE_HZ)?;
-    crate::resolve_class::<NativeRecorder>(ruby);
-    crate::resolve_class::<NativeProfile>(ruby);
+    crate::classes::resolve::<NativeRecorder>(ruby);
+    crate::classes::resolve::<NativeProfile>(ruby);
     Ok(())
 }

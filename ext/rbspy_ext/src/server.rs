@@ -76,6 +76,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("port", method!(NativeServer::port, 0))?;
     class.define_method("running?", method!(NativeServer::running, 0))?;
     class.define_method("stop", method!(NativeServer::stop, 0))?;
-    crate::resolve_class::<NativeServer>(ruby);
+    crate::classes::resolve::<NativeServer>(ruby);
     Ok(())
 }

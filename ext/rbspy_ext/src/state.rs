@@ -413,7 +413,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
     class.define_method("table_address", method!(State::table_address, 0))?;
-    crate::resolve_class::<State>(ruby);
+    crate::classes::resolve::<State>(ruby);
     set_grace();
     root_published();
     guard_fork();

@@ -1,10 +1,10 @@
 //! The heap's pages for the census (spy/heap.rs): the list of every page, read whole while
 //! the target adds and frees pages, and the pages' headers, checked before their slots are
 //! read.
-use crate::census::Census;
+use super::Census;
 use crate::memory::field;
-use crate::objects::word;
-use crate::spy::Memory;
+use crate::memory::word;
+use crate::memory::Memory;
 use rbspy_ext_bindings::HeapLayout;
 
 /// Reads of the page list before the last is taken as it is (see `page_list`).

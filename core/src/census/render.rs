@@ -1,11 +1,11 @@
-//! A heap census (`crate::census`) in the forms people read: a text top list (`rubyspy
+//! A heap census in the forms people read: a text top list (`rubyspy
 //! heap`), the classes that grew between two censuses (`rubyspy heap --diff`), and pprof in
 //! the shape of Go's heap profiles (`/debug/pprof/heap`): sample types `inuse_objects` and
 //! `inuse_space`, one sample per class whose "stack" is its type (root) and its class
 //! (leaf), so `go tool pprof -top` lists classes and a flame graph groups them by type.
-use super::pprof::{proto, Strings};
-use super::Interner;
-use crate::census::{Census, ClassDelta, ClassRow};
+use super::{Census, ClassDelta, ClassRow};
+use crate::output::pprof::{proto, Strings};
+use crate::output::Interner;
 use flate2::write::GzEncoder;
 use prost::Message;
 use std::fmt::Write as _;

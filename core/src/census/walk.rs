@@ -1,30 +1,23 @@
-//! The heap census: every live object of the target by class and type, read from its GC's
-//! heap pages without stopping it (`Spy::census`). Beside the stack walker, and sharing its
-//! target (memory, layout, VM), class-name cache and symbol table.
+//! The heap walk: every live object of the target by class and type, read from its GC's
+//! heap pages without stopping it (`take`), through the view of the target the spy lends
+//! (`spy::TargetView`: memory, layout, VM, class names).
 //!
 //! Every page is in the objspace's sorted page array; each page is a run of fixed-size
 //! slots whose first two words are `flags` (the type in its low 5 bits, 0 for a free slot)
 //! and `klass`. The census reads the array, then the page headers, then the pages' slots,
 //! many pages per `process_vm_readv`, and counts as it goes; hash tables outside their
-//! slots (before 3.3), objects' ivar tables and shapes (3.2+, spy/shapes.rs) and the
-//! headers of pages a lazy sweep had not reached (spy/heap_pages.rs) take one more batch of
-//! reads each. The heap's layout is
-//! `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
-use super::{Memory, Spy};
-use crate::census::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
+//! slots (before 3.3), objects' ivar tables and shapes (3.2+, shapes.rs) and the headers of
+//! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each. The
+//! heap's layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+use super::pages::{self, page_list, read_headers, Page, Reread};
+use super::shapes::Ivars;
+use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use crate::error::{Error, Result};
-use crate::memory::field;
-use crate::objects::word;
-use pages::{page_list, read_headers, Page, Reread};
+use crate::memory::{field, word, Memory};
+use crate::spy::TargetView;
 use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
 use rustc_hash::FxHashMap;
-use shapes::Ivars;
 use std::time::Instant;
-
-#[path = "heap_pages.rs"]
-mod pages;
-#[path = "shapes.rs"]
-mod shapes;
 
 /// Appended to `NOT_COUNTED` when objects' ivars could not be sized (3.2+).
 const SHAPES_NOT_FOUND: &str = "; here also T_OBJECT ivar buffers (the shape list was not found)";
@@ -39,7 +32,7 @@ const ATTEMPTS: u64 = 4;
 const MAX_ENTRY_POWER: u8 = 40;
 
 const T_NONE: u8 = 0x00;
-const T_OBJECT: u8 = 0x01;
+pub(super) const T_OBJECT: u8 = 0x01;
 const T_CLASS: u8 = 0x02;
 const T_MODULE: u8 = 0x03;
 const T_STRING: u8 = 0x05;
@@ -61,75 +54,94 @@ pub struct CensusOptions {
 
 /// Live objects of one (class, type), as counted.
 #[derive(Default, Clone, Copy)]
-struct Tally {
+pub(super) struct Tally {
     objects: u64,
     slot_bytes: u64,
-    heap_bytes: u64,
+    pub(super) heap_bytes: u64,
 }
 
 /// A census in progress.
-struct Count<'a> {
+pub(super) struct Count<'a> {
     l: &'a Layout,
-    h: &'a HeapLayout,
-    census: Census,
-    by_class: FxHashMap<(u64, u8), Tally>,
+    pub(super) h: &'a HeapLayout,
+    pub(super) census: Census,
+    pub(super) by_class: FxHashMap<(u64, u8), Tally>,
     /// Hashes whose st_table is outside the slot (before 3.3), and objects whose ivars are
     /// an st_table (too complex, 3.2+): (class, type, table).
     tables: Vec<(u64, u8, u64)>,
     /// Objects whose ivars are in a buffer sized by their shape (3.2+), by (class, shape id):
-    /// how many (see spy/shapes.rs).
-    shaped: FxHashMap<(u64, u32), u64>,
+    /// how many (see shapes.rs).
+    pub(super) shaped: FxHashMap<(u64, u32), u64>,
 }
 
-impl<M: Memory> Spy<M> {
-    /// Counts the target's live objects by class and type, reading its heap pages while it
-    /// runs. A page that does not read, or reads as nonsense (freed or changed meanwhile), is
-    /// counted as unreadable and skipped; nothing is followed beyond a page but the class
-    /// names and hash tables. A pass that overlapped a compaction (objects moved while it
-    /// read, so some were seen twice or not at all) is taken again, up to `ATTEMPTS` passes;
-    /// the census says how many were (`compactions`) and whether the last one still did
-    /// (`moving`). So is a pass that read no page.
-    pub fn census(&mut self, options: CensusOptions) -> Result<Census> {
-        let began = Instant::now();
-        let pid = self.target.pid;
-        let version = self.target.version.clone();
-        let h = heap_layout_for_version(&version).ok_or_else(|| Error::UnsupportedVersion {
-            pid,
-            version: version.clone(),
-            detail: "no heap layout measured for this series".into(),
-        })?;
-        let objspace = self
-            .target
-            .mem
-            .read_u64(field(self.target.vm, self.target.layout.vm_objspace))
-            .map_err(|e| super::attach::memory_error(pid, "reading the VM's objspace", e))?;
-        let (mut passes, mut compactions) = (0, 0);
-        let mut census = loop {
-            let before = self.compactions(h, objspace)?;
-            let mut census = self.census_pass(h, objspace, options)?;
-            census.moving = before.1 || self.compactions(h, objspace)? != (before.0, false);
-            passes += 1;
-            // A live Ruby has pages: a list none of whose pages read was read while it
-            // changed (once in 500 censuses of a churning 2.7 under load it named 6 pages,
-            // of some 320, none readable).
-            let no_page = census.pages == 0;
-            if !(census.moving || no_page) || passes >= ATTEMPTS {
-                break census;
-            }
-            compactions += u64::from(census.moving);
-        };
-        census.compactions = compactions;
-        census.duration_us = began.elapsed().as_micros() as u64;
-        census.taken_at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        Ok(census)
+impl<'a> Count<'a> {
+    pub(super) fn new(l: &'a Layout, h: &'a HeapLayout, census: Census) -> Self {
+        Count {
+            l,
+            h,
+            census,
+            by_class: FxHashMap::default(),
+            tables: Vec::new(),
+            shaped: FxHashMap::default(),
+        }
     }
+}
 
+/// The target's heap, read through the view the spy lends, and its layout.
+pub(super) struct Heap<'a, M: Memory> {
+    pub(super) t: TargetView<'a, M>,
+    pub(super) h: &'static HeapLayout,
+}
+
+/// Counts the target's live objects by class and type, reading its heap pages while it
+/// runs. A page that does not read, or reads as nonsense (freed or changed meanwhile), is
+/// counted as unreadable and skipped; nothing is followed beyond a page but the class names,
+/// hash and ivar tables and shapes. A pass that overlapped a compaction (objects moved while
+/// it read, so some were seen twice or not at all) is taken again, up to `ATTEMPTS` passes;
+/// the census says how many were (`compactions`) and whether the last one still did
+/// (`moving`). So is a pass that read no page.
+pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Result<Census> {
+    let began = Instant::now();
+    let (pid, version) = (target.pid(), target.version().to_string());
+    let h = heap_layout_for_version(&version).ok_or_else(|| Error::UnsupportedVersion {
+        pid,
+        version: version.clone(),
+        detail: "no heap layout measured for this series".into(),
+    })?;
+    let mut heap = Heap { t: target, h };
+    let objspace = heap
+        .t
+        .mem()
+        .read_u64(field(heap.t.vm(), heap.t.layout().vm_objspace))
+        .map_err(|e| heap.t.memory_error("reading the VM's objspace", e))?;
+    let (mut passes, mut compactions) = (0, 0);
+    let mut census = loop {
+        let before = heap.compactions(objspace)?;
+        let mut census = heap.pass(objspace, options)?;
+        census.moving = before.1 || heap.compactions(objspace)? != (before.0, false);
+        passes += 1;
+        // A live Ruby has pages: a list none of whose pages read was read while it
+        // changed (once in 500 censuses of a churning 2.7 under load it named 6 pages,
+        // of some 320, none readable).
+        let no_page = census.pages == 0;
+        if !(census.moving || no_page) || passes >= ATTEMPTS {
+            break census;
+        }
+        compactions += u64::from(census.moving);
+    };
+    census.compactions = compactions;
+    census.duration_us = began.elapsed().as_micros() as u64;
+    census.taken_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    Ok(census)
+}
+
+impl<M: Memory> Heap<'_, M> {
     /// The objspace's compaction count, and whether a compaction runs now.
-    fn compactions(&self, h: &HeapLayout, objspace: u64) -> Result<(u64, bool)> {
-        let mem = &self.target.mem;
-        let memory = |e| super::attach::memory_error(self.target.pid, "reading the GC's state", e);
+    fn compactions(&self, objspace: u64) -> Result<(u64, bool)> {
+        let (h, mem) = (self.h, self.t.mem());
+        let memory = |e| self.t.memory_error("reading the GC's state", e);
         let count = mem
             .read_u64(field(objspace, h.compact_count))
             .map_err(memory)?;
@@ -139,37 +151,29 @@ impl<M: Memory> Spy<M> {
         Ok((count, flag[0] & mask != 0))
     }
 
-    /// One pass over every page (see `census`).
-    fn census_pass(
-        &mut self,
-        h: &'static HeapLayout,
-        objspace: u64,
-        options: CensusOptions,
-    ) -> Result<Census> {
+    /// One pass over every page (see `take`).
+    fn pass(&mut self, objspace: u64, options: CensusOptions) -> Result<Census> {
+        let h = self.h;
         let shapes = h.shapes.and_then(|s| self.shape_source(&s));
-        let pid = self.target.pid;
-        let l = self.target.layout;
-        let mem = &self.target.mem;
-        let memory = |context| move |e| super::attach::memory_error(pid, context, e);
+        let t = &self.t;
+        let (l, mem) = (t.layout(), t.mem());
+        let memory = |context| move |e| t.memory_error(context, e);
         let flags = mem
             .read_u64(field(objspace, l.objspace_flags))
             .map_err(memory("reading the GC's flags"))?;
         let sweeping = flags & 3 == h.gc_mode_sweeping;
         let pages = page_list(mem, h, objspace).map_err(memory("reading the heap's page list"))?;
-        let mut count = Count {
+        let mut count = Count::new(
             l,
             h,
-            census: Census {
-                pid,
-                ruby_version: self.target.version.clone(),
+            Census {
+                pid: t.pid(),
+                ruby_version: t.version().to_string(),
                 sweeping,
                 not_counted: NOT_COUNTED.into(),
                 ..Census::default()
             },
-            by_class: FxHashMap::default(),
-            tables: Vec::new(),
-            shaped: FxHashMap::default(),
-        };
+        );
         for chunk in pages.chunks(PAGES_PER_CALL) {
             let headers = read_headers(mem, h, sweeping, chunk, &mut count.census);
             if !count.read_bodies(mem, &headers, options.max_bytes) {
@@ -186,7 +190,7 @@ impl<M: Memory> Spy<M> {
         }
         if count.census.unreadable_pages > 0 || count.census.unreadable_tables > 0 {
             // Pages freed while read, or the process gone (an error, not a census of part).
-            self.check_identity(true)?;
+            self.t.check_identity()?;
         }
         Ok(self.name_classes(count))
     }
@@ -198,7 +202,6 @@ impl<M: Memory> Spy<M> {
         let Count {
             mut census,
             by_class,
-            h,
             ..
         } = count;
         let mut names: FxHashMap<u64, String> = FxHashMap::default();
@@ -210,26 +213,16 @@ impl<M: Memory> Spy<M> {
                 // An iclass, imemo or node keeps something else than a class in `klass`.
                 T_ICLASS | T_IMEMO | T_NODE => String::new(),
                 _ if klass == 0 => String::new(),
-                _ => match names.get(&klass) {
-                    Some(name) => name.clone(),
-                    None => {
-                        let name = self.class_path(h, klass);
-                        names.insert(klass, name.clone());
-                        name
-                    }
-                },
+                _ => names
+                    .entry(klass)
+                    .or_insert_with(|| self.class_path(klass))
+                    .clone(),
             };
-            let row = classes.entry((name, t)).or_default();
-            row.objects += tally.objects;
-            row.slot_bytes += tally.slot_bytes;
-            row.heap_bytes += tally.heap_bytes;
+            classes.entry((name, t)).or_default().add(tally);
         }
         let mut types: FxHashMap<u8, Tally> = FxHashMap::default();
         for ((_, t), tally) in &classes {
-            let row = types.entry(*t).or_default();
-            row.objects += tally.objects;
-            row.slot_bytes += tally.slot_bytes;
-            row.heap_bytes += tally.heap_bytes;
+            types.entry(*t).or_default().add(*tally);
         }
         census.classes = rows(classes.into_iter().map(|((n, t), tally)| (n, t, tally)));
         census.types = rows(
@@ -239,40 +232,37 @@ impl<M: Memory> Spy<M> {
         );
         census
     }
-}
 
-impl<M: Memory> Spy<M> {
     /// The name `Object#class.name` gives an object whose class pointer is `klass`: a
     /// singleton class stands for the first superclass that is not one (nor an iclass);
     /// `#<Class:0x...>` when that class is anonymous.
-    fn class_path(&mut self, h: &HeapLayout, klass: u64) -> String {
-        let l = self.target.layout;
+    fn class_path(&mut self, klass: u64) -> String {
+        let l = self.t.layout();
         let mut class = klass;
         // rb_class_real has no bound; a singleton extended by a thousand modules is absurd.
         for _ in 0..1024 {
             let flags = self
-                .target
-                .mem
+                .t
+                .mem()
                 .read_u64(field(class, l.rbasic_flags))
                 .unwrap_or(0);
             let iclass = flags & 0x1f == u64::from(T_ICLASS);
             if flags & l.fl_singleton == 0 && !iclass {
                 break;
             }
-            match self.superclass(h, class) {
+            match self.superclass(class) {
                 Some(s) if s != 0 => class = s,
                 _ => break,
             }
         }
-        let symbols = self.target.symbol_table(&mut self.cache.symbols).ok();
-        symbols
-            .and_then(|s| self.cache.classes.class_name(&self.target.mem, l, s, class))
+        self.t
+            .class_name(class)
             .map_or_else(|| format!("#<Class:0x{class:016x}>"), |n| n.to_string())
     }
 
     /// `RCLASS_SUPER(class)`.
-    fn superclass(&self, h: &HeapLayout, class: u64) -> Option<u64> {
-        let (l, mem) = (self.target.layout, &self.target.mem);
+    fn superclass(&self, class: u64) -> Option<u64> {
+        let (h, l, mem) = (self.h, self.t.layout(), self.t.mem());
         let addr = match (h.class_super, h.class_super_in_ext) {
             (Some(o), _) => field(class, o),
             (None, Some(o)) => {
@@ -286,6 +276,14 @@ impl<M: Memory> Spy<M> {
             _ => return None,
         };
         mem.read_u64(addr).ok()
+    }
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.objects += other.objects;
+        self.slot_bytes += other.slot_bytes;
+        self.heap_bytes += other.heap_bytes;
     }
 }
 
@@ -436,7 +434,7 @@ impl Count<'_> {
             },
             T_OBJECT => match (h.robject_heap, &h.shapes) {
                 (Some((embed, numiv)), _) if flags & embed == 0 => {
-                    u64::from(crate::objects::word32(slot, numiv)) * 8
+                    u64::from(crate::memory::word32(slot, numiv)) * 8
                 }
                 (_, Some(s)) => {
                     match Ivars::of(s, flags, slot) {
@@ -459,7 +457,7 @@ impl Count<'_> {
     /// is above `st_bins_above_power`), `2^(entry_power+1)` bins of 1, 2, 4 or 8 bytes each
     /// as their number needs (st.c's `features`). None for a table of more than
     /// `2^MAX_ENTRY_POWER` entries: not a table (read while freed, or garbage).
-    fn st_bytes(&self, table: &[u8]) -> Option<u64> {
+    pub(super) fn st_bytes(&self, table: &[u8]) -> Option<u64> {
         let entry_power = table[self.h.st_entry_power];
         if entry_power > MAX_ENTRY_POWER {
             return None;
@@ -504,7 +502,3 @@ impl Count<'_> {
         }
     }
 }
-
-#[cfg(test)]
-#[path = "heap_tests.rs"]
-mod tests;

@@ -1,8 +1,13 @@
-//! Unit tests of the heap census (spy/heap.rs): page headers, st_table bytes and shapes, on memory
-//! images and the generated 3.3 layouts.
-use super::*;
+//! Unit tests of the heap census (walk.rs, pages.rs, shapes.rs): page headers, st_table
+//! bytes and shapes, on memory images and the generated 3.3 layouts.
+use super::pages::{self, page_list, read_headers};
+use super::shapes::Ivars;
+use super::walk::{Count, Heap, T_OBJECT};
+use super::Census;
 use crate::memory::MemoryImage;
-use rbspy_ext_bindings::{layout_for_version, ShapeList};
+use crate::spy::Spy;
+use rbspy_ext_bindings::ShapeList;
+use rbspy_ext_bindings::{heap_layout_for_version, layout_for_version, HeapLayout, Layout};
 
 fn layouts() -> (&'static Layout, &'static HeapLayout) {
     let l = layout_for_version("3.3.8").expect("3.3 layout");
@@ -49,14 +54,7 @@ fn a_page_header_that_leaves_its_block_or_does_not_read_is_unreadable_and_not_fo
 #[test]
 fn st_tables_count_their_entries_and_bins_as_st_memsize_does() {
     let (l, h) = layouts();
-    let count = Count {
-        l,
-        h,
-        census: Census::default(),
-        by_class: FxHashMap::default(),
-        tables: Vec::new(),
-        shaped: FxHashMap::default(),
-    };
+    let count = Count::new(l, h, Census::default());
     let table = |power: u8, bins: u64| {
         let mut t = vec![0u8; h.st_table_size];
         t[h.st_entry_power] = power;
@@ -193,10 +191,14 @@ fn the_shape_tree_is_found_by_a_scan_where_libruby_does_not_name_it() {
         gvl_owner: 0,
         thread_list: 0,
     };
-    let mut spy = Spy::with_memory(1, mem, l, "3.3.8", roots, None);
-    spy.target.writable = vec![(data, data + 64)];
-    let source = spy.shape_source(&s).expect("found by the scan");
-    assert_eq!(spy.target.shape_tree, Some(data + 32));
+    let mut spy =
+        Spy::with_memory(1, mem, l, "3.3.8", roots, None).with_writable(vec![(data, data + 64)]);
+    let mut heap = Heap {
+        t: spy.target_view(),
+        h: heap_layout_for_version("3.3.8").expect("3.3 heap layout"),
+    };
+    let source = heap.shape_source(&s).expect("found by the scan");
+    assert_eq!(heap.t.shape_tree(), Some(data + 32));
     assert_eq!(source.list, list);
 }
 

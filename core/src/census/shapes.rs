@@ -4,10 +4,9 @@
 //! The census notes each such object's shape id as it reads the pages (`Ivars::of`), then
 //! reads each distinct shape once (`capacities`): a heap of millions of objects has a few
 //! thousand shapes at most.
-use super::{Count, T_OBJECT};
-use crate::memory::field;
-use crate::objects::word;
-use crate::spy::{Memory, Spy};
+use super::walk::{Count, Heap, T_OBJECT};
+use crate::memory::{field, word, word32, Memory};
+use crate::spy::TargetView;
 use rbspy_ext_bindings::{ShapeList, Shapes};
 use rustc_hash::FxHashMap;
 
@@ -63,37 +62,34 @@ fn uint(bytes: &[u8]) -> u64 {
         .fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
 }
 
-impl<M: Memory> Spy<M> {
+impl<M: Memory> Heap<'_, M> {
     /// The target's shape list (and 4.0's embedded capacities), or None where it cannot be
     /// found: the census then says objects' ivars were not counted.
     pub(super) fn shape_source(&mut self, s: &Shapes) -> Option<ShapeSource> {
         // The struct that holds the list, and where in it.
         let (holder, at) = match s.list {
-            ShapeList::InVm(at) => (self.target.vm, at),
+            ShapeList::InVm(at) => (self.t.vm(), at),
             ShapeList::TreePointer {
                 shape_list,
                 root_shape,
                 next_shape_id,
                 parent_id,
             } => {
-                if self.target.shape_tree.is_none() && !self.target.shape_tree_scanned {
-                    self.target.shape_tree_scanned = true; // at most once per attach
-                    let tree = (shape_list, root_shape, next_shape_id, parent_id);
-                    self.target.shape_tree = self.scan_for_shape_tree(tree);
-                }
-                let tree = self.target.mem.read_u64(self.target.shape_tree?).ok()?;
-                (tree, shape_list)
+                let tree = (shape_list, root_shape, next_shape_id, parent_id);
+                let scan = |t: &TargetView<'_, M>| scan_for_shape_tree(t, tree);
+                let pointer = self.t.shape_tree_or_scan(scan)?;
+                (self.t.mem().read_u64(pointer).ok()?, shape_list)
             }
-            ShapeList::Tree { shape_list } => (self.target.shape_tree?, shape_list),
+            ShapeList::Tree { shape_list } => (self.t.shape_tree()?, shape_list),
         };
-        let list = self.target.mem.read_u64(field(holder, at)).ok()?;
+        let list = self.t.mem().read_u64(field(holder, at)).ok()?;
         if list == 0 {
             return None;
         }
         let embedded = match (s.capacities, s.heap_index) {
             (Some((at, inline)), Some((mask, shift))) => {
-                let tree = self.target.shape_tree?;
-                let mem = &self.target.mem;
+                let tree = self.t.shape_tree()?;
+                let mem = self.t.mem();
                 let array = if inline {
                     field(tree, at)
                 } else {
@@ -110,39 +106,41 @@ impl<M: Memory> Spy<M> {
         };
         Some(ShapeSource { list, embedded })
     }
+}
 
-    /// The address of libruby's `rb_shape_tree_ptr` where its symbol is not exported
-    /// (Debian's 3.3 and 3.4): the word of libruby's data that points to a tree whose
-    /// `shape_list` and `root_shape` are one pointer and whose `next_shape_id` is above 0,
-    /// to a shape whose parent is `INVALID_SHAPE_ID` (the root: shape 0, allocated first).
-    /// `tree` is the offsets of those three fields in the tree, and of the parent in a shape.
-    fn scan_for_shape_tree(&self, tree: (usize, usize, usize, usize)) -> Option<u64> {
-        let (shape_list, root_shape, next_shape_id, parent_id) = tree;
-        let heap = &self.target.heap;
-        let in_heap = |p: u64| heap.is_empty() || heap.iter().any(|(s, e)| (*s..*e).contains(&p));
-        let head_len = shape_list.max(root_shape).max(next_shape_id + 4) + 8;
-        let mem = &self.target.mem;
-        self.target
-            .scan_writable(
-                8,
-                head_len,
-                |bytes| {
-                    Some(word(bytes, 0))
-                        .filter(|p| *p != 0 && in_heap(*p))
-                        .map(|p| (p, ()))
-                },
-                |_, head| {
-                    let list = word(head, shape_list);
-                    list != 0
-                        && list == word(head, root_shape)
-                        && crate::objects::word32(head, next_shape_id) > 0
-                        && mem
-                            .read_vec(field(list, parent_id), 4)
-                            .is_ok_and(|b| uint(&b) == INVALID_SHAPE_ID)
-                },
-            )
-            .map(|(at, ())| at)
-    }
+/// The address of libruby's `rb_shape_tree_ptr` where its symbol is not exported (Debian's
+/// 3.3 and 3.4): the word of libruby's data that points to a tree whose `shape_list` and
+/// `root_shape` are one pointer and whose `next_shape_id` is above 0, to a shape whose parent
+/// is `INVALID_SHAPE_ID` (the root: shape 0, allocated first). `tree` is the offsets of those
+/// three fields in the tree, and of the parent in a shape.
+pub(super) fn scan_for_shape_tree<M: Memory>(
+    t: &TargetView<'_, M>,
+    tree: (usize, usize, usize, usize),
+) -> Option<u64> {
+    let (shape_list, root_shape, next_shape_id, parent_id) = tree;
+    let heap = t.heap();
+    let in_heap = |p: u64| heap.is_empty() || heap.iter().any(|(s, e)| (*s..*e).contains(&p));
+    let head_len = shape_list.max(root_shape).max(next_shape_id + 4) + 8;
+    let mem = t.mem();
+    t.scan_writable(
+        8,
+        head_len,
+        |bytes| {
+            Some(word(bytes, 0))
+                .filter(|p| *p != 0 && in_heap(*p))
+                .map(|p| (p, ()))
+        },
+        |_, head| {
+            let list = word(head, shape_list);
+            list != 0
+                && list == word(head, root_shape)
+                && word32(head, next_shape_id) > 0
+                && mem
+                    .read_vec(field(list, parent_id), 4)
+                    .is_ok_and(|b| uint(&b) == INVALID_SHAPE_ID)
+        },
+    )
+    .map(|(at, ())| at)
 }
 
 impl Count<'_> {

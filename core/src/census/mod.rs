@@ -1,7 +1,20 @@
-//! What a heap census found (`Spy::census`, spy/heap.rs): the live objects of one process by
-//! class and built-in type, the slots and pages they sit in, and what could not be read.
-//! Plain data, so that it can be saved (JSON), read back and compared (`Census::diff`).
+//! The heap census: what fills a process's memory, read from outside. A census is the live
+//! objects of one process by class and built-in type, the slots and pages they sit in, and
+//! what could not be read: plain data (this file), so that it can be saved (JSON), read back
+//! and compared (`Census::diff`). The rest of the wing, in the order a census runs:
+//!
+//! - `walk.rs`: [`take`] reads the target's heap through the view of the target the spy
+//!   lends ([`crate::spy::TargetView`]) and counts what it finds;
+//! - `pages.rs`: the list of every heap page, and each page's header;
+//! - `shapes.rs`: objects' ivars out of their slots, sized by their shapes (3.2+);
+//! - `render.rs`: a census as text, a diff as text, and pprof in Go's heap profile shape.
 use serde::{Deserialize, Serialize};
+
+mod pages;
+pub mod render;
+mod shapes;
+mod walk;
+pub use walk::{take, CensusOptions};
 
 /// The names of Ruby's built-in types (`enum ruby_value_type`, `flags & 0x1f`), as
 /// `ObjectSpace.count_objects` spells them; bindings/generator/heap_probe.c checks the
@@ -141,6 +154,28 @@ impl Census {
         serde_json::from_str(json).map_err(|e| format!("not a heap census saved as JSON: {e}"))
     }
 
+    /// Every whole-number figure with its name as saved, for readers that show or hand over
+    /// a census's figures without knowing each (the Ruby layer's `Census#to_h`).
+    pub fn counts(&self) -> [(&'static str, u64); 15] {
+        [
+            ("pid", u64::try_from(self.pid).unwrap_or(0)),
+            ("taken_at_ms", self.taken_at_ms),
+            ("duration_us", self.duration_us),
+            ("pages", self.pages),
+            ("total_slots", self.total_slots),
+            ("free_slots", self.free_slots),
+            ("live_slots", self.live_slots),
+            ("zombie_slots", self.zombie_slots),
+            ("moved_slots", self.moved_slots),
+            ("garbage_slots", self.garbage_slots),
+            ("heap_bytes_total", self.heap_bytes_total),
+            ("unreadable_pages", self.unreadable_pages),
+            ("unreadable_tables", self.unreadable_tables),
+            ("bytes_read", self.bytes_read),
+            ("compactions", self.compactions),
+        ]
+    }
+
     /// Live objects in all.
     pub fn objects(&self) -> u64 {
         self.classes.iter().map(|c| c.objects).sum()
@@ -178,13 +213,11 @@ impl Census {
     }
 }
 
-/// Deltas as JSON (what `RubySpy::Census#-` returns, parsed).
-pub fn deltas_to_json(deltas: &[ClassDelta]) -> String {
-    serde_json::to_string(deltas).expect("deltas serialise")
-}
+#[cfg(test)]
+mod tests;
 
 #[cfg(test)]
-mod tests {
+mod model_tests {
     use super::*;
 
     fn row(name: &str, objects: u64, bytes: u64) -> ClassRow {
