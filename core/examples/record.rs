@@ -93,7 +93,7 @@ fn spin(window: Duration) -> f64 {
 /// median slowdown of `pairs` such windows, over `rate` ticks a second.
 fn interrupt_cost(pid: i32, rate: f64, pairs: usize) {
     let mut spy = rbspy_ext_core::Spy::attach(pid).expect("attaching to learn the layout");
-    let layout = spy.capture_layout();
+    let layout = spy.capture().layout();
     // SAFETY: a CPU set we own, for the calling thread (0).
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();

@@ -2,7 +2,7 @@
 //! CPU-clock event per CPU copies the interrupted Ruby thread's frames, value stack, state
 //! and tag table into a ring buffer without waking anyone; the recorder drains the ring
 //! every `DRAIN_EVERY` (crate::record's `bpf.rs`) and resolves each copy through the spy's walker
-//! (`Spy::resolve_captured`). So a sample costs no thread wake-up and no
+//! (`Capture::resolve`). So a sample costs no thread wake-up and no
 //! `process_vm_readv`; only a batch does.
 //!
 //! Everything here is released by `Drop`: the perf events and links, the program, its maps

@@ -4,7 +4,7 @@
 //! The census notes each such object's shape id as it reads the pages (`Ivars::of`), then
 //! reads each distinct shape once (`capacities`): a heap of millions of objects has a few
 //! thousand shapes at most.
-use super::walk::{Count, Heap, T_OBJECT};
+use super::Census;
 use crate::memory::{field, word, word32, Memory};
 use crate::spy::TargetView;
 use rbspy_ext_bindings::{ShapeList, Shapes};
@@ -62,50 +62,51 @@ fn uint(bytes: &[u8]) -> u64 {
         .fold(0u64, |acc, b| (acc << 8) | u64::from(*b))
 }
 
-impl<M: Memory> Heap<'_, M> {
-    /// The target's shape list (and 4.0's embedded capacities), or None where it cannot be
-    /// found: the census then says objects' ivars were not counted.
-    pub(super) fn shape_source(&mut self, s: &Shapes) -> Option<ShapeSource> {
-        // The struct that holds the list, and where in it.
-        let (holder, at) = match s.list {
-            ShapeList::InVm(at) => (self.t.vm(), at),
-            ShapeList::TreePointer {
-                shape_list,
-                root_shape,
-                next_shape_id,
-                parent_id,
-            } => {
-                let tree = (shape_list, root_shape, next_shape_id, parent_id);
-                let scan = |t: &TargetView<'_, M>| scan_for_shape_tree(t, tree);
-                let pointer = self.t.shape_tree_or_scan(scan)?;
-                (self.t.mem().read_u64(pointer).ok()?, shape_list)
-            }
-            ShapeList::Tree { shape_list } => (self.t.shape_tree()?, shape_list),
-        };
-        let list = self.t.mem().read_u64(field(holder, at)).ok()?;
-        if list == 0 {
-            return None;
+/// The target's shape list (and 4.0's embedded capacities), or None where it cannot be found:
+/// the census then says objects' ivars were not counted.
+pub(super) fn shape_source<M: Memory>(
+    t: &mut TargetView<'_, M>,
+    s: &Shapes,
+) -> Option<ShapeSource> {
+    // The struct that holds the list, and where in it.
+    let (holder, at) = match s.list {
+        ShapeList::InVm(at) => (t.vm(), at),
+        ShapeList::TreePointer {
+            shape_list,
+            root_shape,
+            next_shape_id,
+            parent_id,
+        } => {
+            let tree = (shape_list, root_shape, next_shape_id, parent_id);
+            let scan = |t: &TargetView<'_, M>| scan_for_shape_tree(t, tree);
+            let pointer = t.shape_tree_or_scan(scan)?;
+            (t.mem().read_u64(pointer).ok()?, shape_list)
         }
-        let embedded = match (s.capacities, s.heap_index) {
-            (Some((at, inline)), Some((mask, shift))) => {
-                let tree = self.t.shape_tree()?;
-                let mem = self.t.mem();
-                let array = if inline {
-                    field(tree, at)
-                } else {
-                    mem.read_u64(field(tree, at)).ok()?
-                };
-                // One read per entry: 4.0's array has only its heaps' entries (and a 0),
-                // fewer than the id's bits could name, and may end where memory does.
-                let (heaps, width) = ((mask >> shift) as usize, s.capacity_width);
-                let entries = (0..heaps).map(|i| (field(array, i * width), width));
-                let read = mem.read_blocks(entries);
-                read.iter().map(|b| b.as_deref().map_or(0, uint)).collect()
-            }
-            _ => Vec::new(),
-        };
-        Some(ShapeSource { list, embedded })
+        ShapeList::Tree { shape_list } => (t.shape_tree()?, shape_list),
+    };
+    let list = t.mem().read_u64(field(holder, at)).ok()?;
+    if list == 0 {
+        return None;
     }
+    let embedded = match (s.capacities, s.heap_index) {
+        (Some((at, inline)), Some((mask, shift))) => {
+            let tree = t.shape_tree()?;
+            let mem = t.mem();
+            let array = if inline {
+                field(tree, at)
+            } else {
+                mem.read_u64(field(tree, at)).ok()?
+            };
+            // One read per entry: 4.0's array has only its heaps' entries (and a 0),
+            // fewer than the id's bits could name, and may end where memory does.
+            let (heaps, width) = ((mask >> shift) as usize, s.capacity_width);
+            let entries = (0..heaps).map(|i| (field(array, i * width), width));
+            let read = mem.read_blocks(entries);
+            read.iter().map(|b| b.as_deref().map_or(0, uint)).collect()
+        }
+        _ => Vec::new(),
+    };
+    Some(ShapeSource { list, embedded })
 }
 
 /// The address of libruby's `rb_shape_tree_ptr` where its symbol is not exported (Debian's
@@ -143,12 +144,17 @@ pub(super) fn scan_for_shape_tree<M: Memory>(
     .map(|(at, ())| at)
 }
 
-impl Count<'_> {
-    /// Adds the ivars buffers of the objects counted by shape (`shaped`) to their classes:
-    /// each distinct shape's capacity read once, many per call.
-    pub(super) fn add_shaped<M: Memory>(&mut self, mem: &M, s: &Shapes, source: &ShapeSource) {
-        let shaped = std::mem::take(&mut self.shaped);
-        let mut ids: Vec<u32> = shaped.keys().map(|(_, id)| *id).collect();
+impl ShapeSource {
+    /// The capacity of each of the shapes `ids`, in ivars: each distinct shape read once,
+    /// many per call. What it reads and what does not read as a shape go into `census`.
+    pub(super) fn capacities<M: Memory>(
+        &self,
+        mem: &M,
+        s: &Shapes,
+        mut ids: Vec<u32>,
+        census: &mut Census,
+    ) -> FxHashMap<u32, u64> {
+        let source = self;
         ids.sort_unstable();
         ids.dedup();
         let mut capacities: FxHashMap<u32, u64> = FxHashMap::default();
@@ -158,10 +164,10 @@ impl Count<'_> {
                 field(source.list, index as usize * s.shape_size + s.capacity)
             };
             let read = mem.read_blocks(chunk.iter().map(|id| (at(*id), s.capacity_width)));
-            self.census.bytes_read += (chunk.len() * s.capacity_width) as u64;
+            census.bytes_read += (chunk.len() * s.capacity_width) as u64;
             for (id, buf) in chunk.iter().zip(&read) {
                 let Some(buf) = buf else {
-                    self.census.unreadable_tables += 1;
+                    census.unreadable_tables += 1;
                     continue;
                 };
                 let embedded = s.heap_index.map_or(0, |(mask, shift)| {
@@ -173,19 +179,12 @@ impl Count<'_> {
                 });
                 let capacity = uint(buf).max(embedded);
                 if capacity > MAX_CAPACITY {
-                    self.census.unreadable_tables += 1; // not a shape: garbage id
+                    census.unreadable_tables += 1; // not a shape: garbage id
                     continue;
                 }
                 capacities.insert(*id, capacity);
             }
         }
-        for ((klass, id), objects) in shaped {
-            if let Some(capacity) = capacities.get(&id) {
-                self.by_class
-                    .entry((klass, T_OBJECT))
-                    .or_default()
-                    .heap_bytes += capacity * 8 * objects;
-            }
-        }
+        capacities
     }
 }

@@ -1,8 +1,8 @@
 //! Unit tests of the heap census (walk.rs, pages.rs, shapes.rs): page headers, st_table
 //! bytes and shapes, on memory images and the generated 3.3 layouts.
 use super::pages::{self, page_list, read_headers};
-use super::shapes::Ivars;
-use super::walk::{Count, Heap, T_OBJECT};
+use super::shapes::{shape_source, Ivars};
+use super::walk::{Count, T_OBJECT};
 use super::Census;
 use crate::memory::MemoryImage;
 use crate::spy::Spy;
@@ -193,12 +193,9 @@ fn the_shape_tree_is_found_by_a_scan_where_libruby_does_not_name_it() {
     };
     let mut spy =
         Spy::with_memory(1, mem, l, "3.3.8", roots, None).with_writable(vec![(data, data + 64)]);
-    let mut heap = Heap {
-        t: spy.target_view(),
-        h: heap_layout_for_version("3.3.8").expect("3.3 heap layout"),
-    };
-    let source = heap.shape_source(&s).expect("found by the scan");
-    assert_eq!(heap.t.shape_tree(), Some(data + 32));
+    let mut view = spy.target_view();
+    let source = shape_source(&mut view, &s).expect("found by the scan");
+    assert_eq!(view.shape_tree(), Some(data + 32));
     assert_eq!(source.list, list);
 }
 

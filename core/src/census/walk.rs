@@ -10,12 +10,12 @@
 //! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each. The
 //! heap's layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
 use super::pages::{self, page_list, read_headers, Page, Reread};
-use super::shapes::Ivars;
+use super::shapes::{shape_source, Ivars, ShapeSource};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use crate::error::{Error, Result};
 use crate::memory::{field, word, Memory};
 use crate::spy::TargetView;
-use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
+use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout, Shapes};
 use rustc_hash::FxHashMap;
 use std::time::Instant;
 
@@ -154,7 +154,7 @@ impl<M: Memory> Heap<'_, M> {
     /// One pass over every page (see `take`).
     fn pass(&mut self, objspace: u64, options: CensusOptions) -> Result<Census> {
         let h = self.h;
-        let shapes = h.shapes.and_then(|s| self.shape_source(&s));
+        let shapes = h.shapes.and_then(|s| shape_source(&mut self.t, &s));
         let t = &self.t;
         let (l, mem) = (t.layout(), t.mem());
         let memory = |context| move |e| t.memory_error(context, e);
@@ -276,6 +276,22 @@ impl<M: Memory> Heap<'_, M> {
             _ => return None,
         };
         mem.read_u64(addr).ok()
+    }
+}
+
+impl Count<'_> {
+    /// Adds the ivars buffers of the objects counted by shape (`shaped`) to their classes,
+    /// each shape's capacity in words.
+    fn add_shaped<M: Memory>(&mut self, mem: &M, s: &Shapes, source: &ShapeSource) {
+        let shaped = std::mem::take(&mut self.shaped);
+        let ids = shaped.keys().map(|(_, id)| *id).collect();
+        let capacities = source.capacities(mem, s, ids, &mut self.census);
+        for ((klass, id), objects) in shaped {
+            if let Some(capacity) = capacities.get(&id) {
+                let tally = self.by_class.entry((klass, T_OBJECT)).or_default();
+                tally.heap_bytes += capacity * 8 * objects;
+            }
+        }
     }
 }
 

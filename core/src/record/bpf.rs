@@ -45,7 +45,7 @@ struct Recording {
     /// Samples whose tag table was larger than the program copies, and whose value stack was.
     tags_cut: u64,
     values_cut: u64,
-    /// Samples whose tags were left out (`Spy::captured_tags_expired`), and until when to
+    /// Samples whose tags were left out (`Capture::tags_expired`), and until when to
     /// drain every `DRAIN_FOR_TAGS` since a drain last left some out.
     expired_tags: u64,
     tags_expiring: Option<Instant>,
@@ -59,7 +59,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     let calls_before = spy.memory().calls();
     let cpu_before = thread_cpu_ns();
     let stats_before = bpf.stats();
-    let expired_before = spy.captured_tags_expired();
+    let expired_before = spy.capture().tags_expired();
     let mut refreshed: Option<Instant> = None;
     let mut wakeups = 0u64;
     loop {
@@ -93,9 +93,9 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
         let left = config.duration.map(|d| d.saturating_sub(now - started));
         std::thread::sleep(rec.period(now, left));
         wakeups += 1;
-        let expired = spy.captured_tags_expired();
+        let expired = spy.capture().tags_expired();
         drain(spy, &mut bpf, &config, &mut rec);
-        if spy.captured_tags_expired() > expired {
+        if spy.capture().tags_expired() > expired {
             rec.tags_expiring = Some(Instant::now() + KEEP_DRAINING_FOR_TAGS);
         }
         if let Ok(mut p) = progress.lock() {
@@ -107,7 +107,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     }
     drain(spy, &mut bpf, &config, &mut rec);
     super::note_ractors(spy, &mut rec.agg);
-    rec.expired_tags = spy.captured_tags_expired() - expired_before;
+    rec.expired_tags = spy.capture().tags_expired() - expired_before;
     let stats = bpf.stats();
     // Detach and unload before the profile is handed over.
     drop(bpf);
@@ -221,7 +221,7 @@ fn finish(
 /// Points the program's thread map at the Ruby threads of now; false when the process is
 /// gone.
 fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut Recording) -> bool {
-    let list = match spy.capture_threads() {
+    let list = match spy.capture().threads() {
         Ok(list) => list,
         Err(
             crate::Error::ProcessExited { .. }
@@ -245,7 +245,7 @@ fn drain<M: Memory>(
     config: &RecordConfig,
     rec: &mut Recording,
 ) {
-    spy.begin_captured_batch();
+    spy.capture().begin_batch();
     // Every record of a drain was taken before it began: their ages are counted from then.
     let now = monotonic_ns();
     bpf.drain(|r: &Record| {
@@ -270,7 +270,7 @@ fn drain<M: Memory>(
         rec.tags_cut += u64::from(r.tags_cut);
         let mut captured = r.captured;
         captured.age = Duration::from_nanos(now.saturating_sub(r.time_ns));
-        match spy.resolve_captured(info, &captured) {
+        match spy.capture().resolve(info, &captured) {
             Ok(None) => {}
             Ok(Some(t)) => {
                 if config.on_cpu && !t.state.on_cpu() {

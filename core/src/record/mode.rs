@@ -52,7 +52,7 @@ pub(crate) fn preflight(config: &RecordConfig) -> Result<()> {
 
 #[cfg(feature = "bpf")]
 fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
-    let layout = spy.capture_layout();
+    let layout = spy.capture().layout();
     let kernel = crate::bpf::BpfSampler::start(spy.pid(), config.rate_hz, &layout)?;
     Ok(Mode {
         kernel: Some(kernel),

@@ -357,6 +357,38 @@ impl<M: Memory> Spy<M> {
 }
 
 impl<M: Memory> Target<M> {
+    /// Maps a read failure during a walk: the process being gone or unreadable is fatal,
+    /// an unmapped address means the stack moved under us.
+    pub(super) fn moved(&self, what: &str) -> impl Fn(MemoryError) -> Attempt + '_ {
+        let what = what.to_string();
+        move |e| match e {
+            MemoryError::Gone => Attempt::Fatal(Error::ProcessExited { pid: self.pid }),
+            MemoryError::Denied => Attempt::Fatal(Error::PermissionDenied { pid: self.pid }),
+            other => Attempt::Changed(format!("{what}: {other}")),
+        }
+    }
+
+    /// The word at `base + offset` in the target (wrapping); a failed read is `moved(what)`.
+    pub(super) fn read_word(
+        &self,
+        base: u64,
+        offset: usize,
+        what: &str,
+    ) -> std::result::Result<u64, Attempt> {
+        self.mem
+            .read_u64(field(base, offset))
+            .map_err(self.moved(what))
+    }
+
+    pub(super) fn object_moved(&self, what: &str, e: ObjectError) -> Attempt {
+        match e {
+            ObjectError::Memory(m) => self.moved(what)(m),
+            ObjectError::Shape(kind, addr) => {
+                Attempt::Changed(format!("{what}: {kind} at {addr:#x} does not validate"))
+            }
+        }
+    }
+
     /// Err when the pid no longer holds the process attached to: gone (`ProcessExited`), or
     /// `ProcessReplaced` when it ran exec or the pid was reused, so that nothing read from it
     /// is taken for the old process's. Checked at most every [`IDENTITY_TTL`] (two small
@@ -476,101 +508,5 @@ impl<M: Memory> Target<M> {
             }
         }
         None
-    }
-}
-
-/// What a reader beside the stack walker (the heap census, core/src/census/) may use of an
-/// attached target: its memory, layout and VM, the identity check, libruby's data to scan,
-/// and the names of classes (through the spy's symbol table and class-name cache, shared
-/// with the walker so that a census after a snapshot names classes without reading them
-/// again). Lent by [`Spy::target_view`]; the walker's own state stays out of reach.
-pub struct TargetView<'a, M: Memory> {
-    target: &'a mut Target<M>,
-    symbols: &'a mut Option<SymbolTable>,
-    classes: &'a mut ClassNames,
-}
-
-impl<M: Memory> Spy<M> {
-    /// The view of the target a census reads through (see [`TargetView`]).
-    pub fn target_view(&mut self) -> TargetView<'_, M> {
-        TargetView {
-            target: &mut self.target,
-            symbols: &mut self.cache.symbols,
-            classes: &mut self.cache.classes,
-        }
-    }
-}
-
-impl<M: Memory> TargetView<'_, M> {
-    pub fn pid(&self) -> i32 {
-        self.target.pid
-    }
-
-    pub fn version(&self) -> &str {
-        &self.target.version
-    }
-
-    pub fn mem(&self) -> &M {
-        &self.target.mem
-    }
-
-    pub fn layout(&self) -> &'static Layout {
-        self.target.layout
-    }
-
-    /// The address of the target's `rb_vm_t`.
-    pub fn vm(&self) -> u64 {
-        self.target.vm
-    }
-
-    /// The mappings Ruby objects lived in at attach (empty for a memory image).
-    pub fn heap(&self) -> &[(u64, u64)] {
-        &self.target.heap
-    }
-
-    /// A failed read while `context`, as the error a caller reports.
-    pub fn memory_error(&self, context: &'static str, e: MemoryError) -> Error {
-        memory_error(self.target.pid, context, e)
-    }
-
-    /// Err when the process is gone or the pid holds another (checked now).
-    pub fn check_identity(&mut self) -> Result<()> {
-        self.target.check_identity(true)
-    }
-
-    /// The permanent name of `class`, from the spy's cache (found with the symbol table,
-    /// which is found first if needed); None when it has none or it does not read.
-    pub fn class_name(&mut self, class: u64) -> Option<std::sync::Arc<str>> {
-        let symbols = self.target.symbol_table(self.symbols).ok()?;
-        let (mem, layout) = (&self.target.mem, self.target.layout);
-        self.classes.class_name(mem, layout, symbols, class)
-    }
-
-    /// The address of the shape tree's global (`rb_shape_tree` from 4.0, 3.3's and 3.4's
-    /// `rb_shape_tree_ptr`) as the binary names it, or as `shape_tree_or_scan` found it.
-    pub fn shape_tree(&self) -> Option<u64> {
-        self.target.shape_tree
-    }
-
-    /// `shape_tree`, or where the binary does not name it what `scan` finds; the scan runs
-    /// at most once per attach (it reads libruby's data).
-    pub fn shape_tree_or_scan(&mut self, scan: impl FnOnce(&Self) -> Option<u64>) -> Option<u64> {
-        if self.target.shape_tree.is_none() && !self.target.shape_tree_scanned {
-            self.target.shape_tree_scanned = true;
-            self.target.shape_tree = scan(self);
-        }
-        self.target.shape_tree
-    }
-
-    /// See `Target::scan_writable`: a scan of libruby's writable data for the one word that
-    /// points to a struct `confirms` accepts.
-    pub fn scan_writable<C>(
-        &self,
-        window: usize,
-        head_len: usize,
-        pick: impl Fn(&[u8]) -> Option<(u64, C)>,
-        confirms: impl Fn(&C, &[u8]) -> bool,
-    ) -> Option<(u64, C)> {
-        self.target.scan_writable(window, head_len, pick, confirms)
     }
 }

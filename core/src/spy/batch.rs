@@ -3,14 +3,16 @@
 //! (threads.rs) walks the stacks this read and decodes the tags.
 use super::attach::Target;
 use super::tags::{TagRead, TagReader};
-use super::thread_list::{Listed, RactorEntry, MAX_THREADS};
-use super::{word, Memory};
+use super::thread_list::{read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS};
+use super::{word, Attempt, Memory};
 use crate::error::MemoryError;
+use crate::error::{Error, Result};
 use crate::memory::{field, ReadBatch, Span};
 use crate::model::{ThreadSelection, ThreadState};
 use crate::objects::is_heap_object;
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Debug, Default)]
@@ -63,6 +65,76 @@ const PREFETCH_FRAMES: u64 = 16;
 /// The steps of a sample that need only the target and the sampler's own state; `Spy`
 /// orchestrates them with the walker and the tag reader (`sample_threads_once`).
 impl ThreadSampler {
+    /// Follows every Ractor's thread list (`vm->living_threads` before 3.0).
+    pub(super) fn read_thread_list<M: Memory>(
+        &mut self,
+        t: &Target<M>,
+    ) -> std::result::Result<(), Attempt> {
+        let ractors = read_ractors(t)?;
+        let node_offset = t.layout.thread_list_node as u64;
+        // Under M:N threads (a non-main Ractor's from 3.3) a thread that sleeps holds no
+        // native thread, so it reads tid 0; it keeps the tid it was last seen on, or every
+        // nap would make it a new thread in a profile.
+        let known: FxHashMap<(u64, u32), i64> = self
+            .threads
+            .iter()
+            .filter(|t| t.info.tid != 0)
+            .map(|t| ((t.thread, t.info.ractor), t.info.tid))
+            .collect();
+        let mut threads = Vec::new();
+        for (index, ractor) in ractors.iter().enumerate() {
+            let head = ractor.threads;
+            let mut node = t
+                .mem
+                .read_u64(head)
+                .map_err(t.moved("reading the thread list"))?;
+            while node != head {
+                if threads.len() >= MAX_THREADS || !is_heap_object(node) {
+                    return Err(Attempt::Changed("thread list does not close".into()));
+                }
+                let thread = node - node_offset;
+                let mut info = thread_info(t, thread)?;
+                info.ractor = ractor.id;
+                info.ractor_name = ractor.name.clone();
+                if info.tid == 0 {
+                    info.tid = known.get(&(thread, ractor.id)).copied().unwrap_or(0);
+                }
+                threads.push(Listed {
+                    thread,
+                    info: Arc::new(info),
+                    ractor: index,
+                });
+                node = t
+                    .mem
+                    .read_u64(node)
+                    .map_err(t.moved("reading the thread list"))?;
+            }
+        }
+        self.threads = threads;
+        self.ractors = ractors;
+        self.read_at = Some(Instant::now());
+        Ok(())
+    }
+
+    pub(super) fn fresh_thread_list<M: Memory>(&mut self, t: &Target<M>) -> Result<()> {
+        let stale = self.read_at.is_none_or(|t| t.elapsed() >= LIST_TTL);
+        if !stale {
+            return Ok(());
+        }
+        for _ in 0..super::SNAPSHOT_ATTEMPTS {
+            match self.read_thread_list(t) {
+                Ok(()) => return Ok(()),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Changed(_)) => {}
+            }
+        }
+        Err(Error::StackChanged {
+            pid: t.pid,
+            attempts: super::SNAPSHOT_ATTEMPTS,
+            last: "the thread list kept changing".into(),
+        })
+    }
+
     /// Forgets where stacks were: one may have moved away.
     pub(super) fn forget_stacks(&mut self) {
         self.stacks.clear();

@@ -4,11 +4,13 @@
 //! caches and memo as a snapshot. Only what describes code (iseqs, method entries, names) is
 //! read from the target afterwards; nothing of the thread's own state is.
 //!
-//! A child module of `spy` so that it shares the walker's private machinery.
+//! A child module of `spy` so that it shares the walker's private machinery; the sampler
+//! reaches it through [`Spy::capture`].
 use super::batch::gc_state;
 use super::tags::{Decoder, TABLE_WINDOW};
 use super::walker::Plan;
 use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
+use crate::error::Result;
 use crate::model::{ThreadInfo, ThreadState};
 use crate::objects::is_heap_object;
 use std::sync::Arc;
@@ -74,11 +76,18 @@ pub struct CaptureThread {
 /// The frame that ends a stack the sampler had to cut.
 pub const TRUNCATED_LABEL: &str = "[truncated]";
 
-impl<M: Memory> Spy<M> {
+/// The BPF sampler's side of a spy (`Spy::capture`): what it needs to capture stacks in
+/// the kernel, and the captures turned into samples through the spy's walker, caches, thread
+/// list and tag reader.
+pub struct Capture<'a, M: Memory> {
+    pub(super) spy: &'a mut Spy<M>,
+}
+
+impl<M: Memory> Capture<'_, M> {
     /// The target's layout and addresses as the BPF sampler needs them.
-    pub fn capture_layout(&mut self) -> CaptureLayout {
-        let l = self.target.layout;
-        let objspace = self.sampler.objspace(&self.target);
+    pub fn layout(&mut self) -> CaptureLayout {
+        let l = self.spy.target.layout;
+        let objspace = self.spy.sampler.objspace(&self.spy.target);
         let (thread_nt, nt_thread_id) = match (l.thread_nt, l.native_thread_pthread) {
             (Some(nt), Some(id)) => (nt as u64, id as u64),
             _ => (0, 0),
@@ -91,25 +100,30 @@ impl<M: Memory> Spy<M> {
             cfp_size: l.cfp_size as u64,
             cfp_sp: l.cfp_sp as u64,
             cfp_ep: l.cfp_ep as u64,
-            gvl_owner: self.target.gvl_owner,
+            gvl_owner: self.spy.target.gvl_owner,
             gc_flags: if crate::objects::is_heap_object(objspace) {
                 crate::memory::field(objspace, l.objspace_flags)
             } else {
                 0
             },
-            tag_offset: self.tags.offset(&self.target),
+            tag_offset: self.spy.tags.offset(&self.spy.target),
         }
     }
 
     /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
-    pub fn capture_threads(&mut self) -> crate::Result<Vec<CaptureThread>> {
-        self.fresh_thread_list()?;
-        let threads = self.sampler.threads.clone();
+    pub fn threads(&mut self) -> Result<Vec<CaptureThread>> {
+        self.spy.sampler.fresh_thread_list(&self.spy.target)?;
+        let threads = self.spy.sampler.threads.clone();
         Ok(threads
             .into_iter()
             .map(|t| CaptureThread {
-                thread_pointer: self.tags.thread_pointer(&self.target, t.thread),
-                gvl_owner: self.sampler.ractors.get(t.ractor).map_or(0, |r| r.owner),
+                thread_pointer: self.spy.tags.thread_pointer(&self.spy.target, t.thread),
+                gvl_owner: self
+                    .spy
+                    .sampler
+                    .ractors
+                    .get(t.ractor)
+                    .map_or(0, |r| r.owner),
                 thread: t.thread,
                 info: t.info,
             })
@@ -121,7 +135,7 @@ impl<M: Memory> Spy<M> {
     /// `Ok(None)` for a thread with no Ruby stack yet (or any more), which is not a dropped
     /// sample; `Err` gives why it could not be resolved (a drop reason, as `sample_threads`
     /// has).
-    pub fn resolve_captured(
+    pub fn resolve(
         &mut self,
         info: Arc<ThreadInfo>,
         c: &Captured,
@@ -132,7 +146,7 @@ impl<M: Memory> Spy<M> {
             ThreadState::NoGvl
         };
         let [vm_stack, _, cfp] = c.head;
-        let cfp_size = self.target.layout.cfp_size;
+        let cfp_size = self.spy.target.layout.cfp_size;
         if vm_stack == 0 || c.frames.is_empty() {
             return Ok(None);
         }
@@ -159,7 +173,11 @@ impl<M: Memory> Spy<M> {
             values_from: c.values_from,
             captured: true,
         };
-        let stack = match self.resolve(plan, &c.frames[..usable], c.values) {
+        let stack = match self
+            .spy
+            .walker()
+            .resolve(plan, &c.frames[..usable], c.values)
+        {
             Ok(stack) => stack,
             Err(Attempt::Fatal(_)) => return Err("read failed"),
             Err(Attempt::Changed(_)) if cut => {
@@ -168,8 +186,8 @@ impl<M: Memory> Spy<M> {
             }
             Err(Attempt::Changed(_)) => {
                 // Something cached may be what no longer holds (an escaped environment).
-                self.forget_envs();
-                self.cache.validated_at = None;
+                self.spy.walker().forget_envs();
+                self.spy.cache.validated_at = None;
                 return Err("captured stack did not resolve");
             }
         };
@@ -181,7 +199,7 @@ impl<M: Memory> Spy<M> {
         } else {
             (stack.frames, stack.token)
         };
-        let tags = self.captured_tags(c);
+        let tags = self.tags(c);
         Ok(Some(SampledThread {
             info,
             state,
@@ -194,7 +212,7 @@ impl<M: Memory> Spy<M> {
     /// Bytes of `c.frames` whose environments lie in the copied value stack or off the
     /// stack (escaped to the heap), innermost first: the frames a cut copy can resolve.
     fn frames_with_values(&self, c: &Captured) -> usize {
-        let l = self.target.layout;
+        let l = self.spy.target.layout;
         let below = c.head[0]..c.values_from.saturating_add(16);
         c.frames
             .chunks_exact(l.cfp_size)
@@ -206,7 +224,7 @@ impl<M: Memory> Spy<M> {
     /// Whether the thread publishes the copied table now, with the same words: then the
     /// objects it holds are alive (a freed table's address may hold a new one).
     fn still_published(&mut self, c: &Captured) -> bool {
-        let Some((table, words)) = self.tags.published_table(&self.target, c.thread) else {
+        let Some((table, words)) = self.spy.tags.published_table(&self.spy.target, c.thread) else {
             return false;
         };
         *table == c.tag_table && words.as_slice() == c.tag_words
@@ -214,14 +232,14 @@ impl<M: Memory> Spy<M> {
 
     /// Starts a batch of captured samples (one drain of the BPF sampler's ring): which table
     /// each thread publishes is read again, once, when a sample needs it.
-    pub fn begin_captured_batch(&mut self) {
-        self.tags.published_now.clear();
+    pub fn begin_batch(&mut self) {
+        self.spy.tags.published_now.clear();
     }
 
     /// Captured samples whose tags were left out because their table's values may have been
-    /// freed before they were read (see `captured_tags`).
-    pub fn captured_tags_expired(&self) -> u64 {
-        self.tags.expired
+    /// freed before they were read (see `Capture::tags`).
+    pub fn tags_expired(&self) -> u64 {
+        self.spy.tags.expired
     }
 
     /// The tags of a captured table. Its words (IDs and VALUEs) were copied in the same pass
@@ -231,7 +249,7 @@ impl<M: Memory> Spy<M> {
     /// `TABLE_WINDOW` of its copy, or while its thread still publishes it; otherwise the
     /// sample gets no tags (counted), never the text of whatever took the freed object's
     /// place. Immediates (Integers, static Symbols, true, false, nil) need no such care.
-    fn captured_tags(&mut self, c: &Captured) -> super::Tags {
+    fn tags(&mut self, c: &Captured) -> super::Tags {
         // One empty set for every sample without tags (a new Arc would be an allocation).
         static NONE: std::sync::LazyLock<super::Tags> = std::sync::LazyLock::new(Default::default);
         if c.tag_table == 0 || c.tag_words.len() < 16 {
@@ -241,12 +259,12 @@ impl<M: Memory> Spy<M> {
             .chunks_exact(16)
             .any(|p| word(p, 0) != 0 && is_heap_object(word(p, 8)));
         if objects && c.age > TABLE_WINDOW && !self.still_published(c) {
-            self.tags.expired += 1;
+            self.spy.tags.expired += 1;
             return NONE.clone();
         }
         let mut d = Decoder {
-            target: &self.target,
-            cache: &mut self.cache,
+            target: &self.spy.target,
+            cache: &mut self.spy.cache,
         };
         d.decode(c.tag_words).unwrap_or_default()
     }

@@ -68,7 +68,7 @@ pub(super) struct Cache {
     pub(super) reads: ReadBatch,
 }
 
-impl<M: Memory> Spy<M> {
+impl<M: Memory> Walker<'_, M> {
     /// Iseqs and method entries the frames need. What is cached is trusted between full
     /// validations (every [`REVALIDATE`]): an iseq while the frame's pc lies inside its
     /// instructions, a method entry while it defines the frame's method (checked in
@@ -109,7 +109,7 @@ impl<M: Memory> Spy<M> {
         let me_spans: Vec<Span> = me_addrs.iter().map(|a| reads.add(*a, head_len)).collect();
         let read = reads
             .read(&self.target.mem)
-            .map_err(self.moved("reading iseqs and method entries"))
+            .map_err(self.target.moved("reading iseqs and method entries"))
             .and_then(|()| self.refresh_iseqs(&iseq_addrs, &reads, &iseq_spans))
             .and_then(|()| self.method_entries(&me_addrs, &reads, &me_spans));
         self.cache.reads = reads;
@@ -215,10 +215,10 @@ impl<M: Memory> Spy<M> {
             .target
             .mem
             .read_vec(body, l.body_read_size)
-            .map_err(self.moved("reading an iseq body"))?;
+            .map_err(self.target.moved("reading an iseq body"))?;
         let strings = |spy: &Self, v: u64| {
             read_string(&spy.target.mem, l, v)
-                .map_err(|e| spy.object_moved("reading an iseq label", e))
+                .map_err(|e| spy.target.object_moved("reading an iseq label", e))
         };
         let kind = word32(&b, l.body_type);
         let mut label = strings(self, word(&b, l.body_location_label))?;
@@ -237,17 +237,19 @@ impl<M: Memory> Spy<M> {
             word(&b, l.body_insns_info_succ_index_table),
             size as u64,
         )
-        .map_err(|e| self.object_moved("reading a line table", e))?;
+        .map_err(|e| self.target.object_moved("reading a line table", e))?;
         let local = word(&b, l.body_local_iseq);
         let in_method = if local == 0 {
             false
         } else {
-            let local_body = self.read_word(local, l.iseq_body, "reading a local iseq")?;
+            let local_body = self
+                .target
+                .read_word(local, l.iseq_body, "reading a local iseq")?;
             let mut t = [0u8; 4];
             self.target
                 .mem
                 .read(field(local_body, l.body_type), &mut t)
-                .map_err(self.moved("reading a local iseq"))?;
+                .map_err(self.target.moved("reading a local iseq"))?;
             u32::from_le_bytes(t) == l.iseq_type_method
         };
         Ok(IseqInfo {
@@ -284,12 +286,14 @@ impl<M: Memory> Spy<M> {
             if parent == 0 {
                 break;
             }
-            let parent_body = self.read_word(parent, l.iseq_body, "reading a parent iseq")?;
+            let parent_body =
+                self.target
+                    .read_word(parent, l.iseq_body, "reading a parent iseq")?;
             body = mem
                 .read_vec(parent_body, l.body_read_size)
-                .map_err(self.moved("reading a parent iseq"))?;
+                .map_err(self.target.moved("reading a parent iseq"))?;
             label = read_string(mem, l, word(&body, l.body_location_label))
-                .map_err(|e| self.object_moved("reading an iseq label", e))?;
+                .map_err(|e| self.target.object_moved("reading an iseq label", e))?;
         }
         Ok(label)
     }
@@ -300,12 +304,12 @@ impl<M: Memory> Spy<M> {
         pathobj: u64,
     ) -> std::result::Result<(Arc<str>, Option<Arc<str>>), Attempt> {
         let l = self.target.layout;
-        let fail = |e| self.object_moved("reading an iseq path", e);
+        let fail = |e| self.target.object_moved("reading an iseq path", e);
         let flags = self
             .target
             .mem
             .read_u64(pathobj)
-            .map_err(self.moved("reading an iseq path"))?;
+            .map_err(self.target.moved("reading an iseq path"))?;
         match flags & l.t_mask {
             t if t == l.t_string => {
                 let p: Arc<str> = read_string(&self.target.mem, l, pathobj)
@@ -328,31 +332,6 @@ impl<M: Memory> Spy<M> {
                 "pathobj at {pathobj:#x} is neither String nor Array"
             ))),
         }
-    }
-
-    /// The candidates for a frame's method entry, in Ruby's order
-    /// (`rb_vm_frame_method_entry`): `ep[-2]` of each environment from the frame's own to the
-    /// local one. The first that turns out to be an `imemo_ment` (crefs are skipped) is it;
-    /// their headers are read in one batch afterwards.
-    pub(super) fn method_entry_chain(
-        &mut self,
-        ep: u64,
-        envs: &Envs,
-    ) -> std::result::Result<Vec<u64>, Attempt> {
-        let l = self.target.layout;
-        let mut ep = ep;
-        let mut chain = Vec::new();
-        for _ in 0..MAX_EP_DEPTH {
-            let s = self.env_slots(ep, envs)?;
-            if is_heap_object(s.me_cref) {
-                chain.push(s.me_cref);
-            }
-            if s.flags & l.env_flag_local != 0 {
-                return Ok(chain);
-            }
-            ep = s.specval & !0x3;
-        }
-        Err(Attempt::Changed("environment chain too long".into()))
     }
 
     pub(super) fn build_frames(
@@ -443,7 +422,7 @@ impl<M: Memory> Spy<M> {
                 self.target
                     .mem
                     .read(inner, &mut head)
-                    .map_err(self.moved("reading a method entry"))?;
+                    .map_err(self.target.moved("reading a method entry"))?;
                 imemo = imemo_type(l, word(&head, l.rbasic_flags));
             }
             if imemo != Some(l.imemo_ment) {
@@ -481,18 +460,20 @@ impl<M: Memory> Spy<M> {
             .target
             .mem
             .read_vec(def, l.me_def_original_id.max(l.me_def_iseqptr) + 8)
-            .map_err(self.moved("reading a method definition"))?;
+            .map_err(self.target.moved("reading a method definition"))?;
         let def_type = (word(&d, 0) & l.me_def_type_mask) >> l.me_def_type_shift;
         let mut iseqs = [0, 0];
         if def_type == l.method_type_iseq {
             iseqs[0] = word(&d, l.me_def_iseqptr);
             if let Some(mandatory_only) = l.body_mandatory_only_iseq {
-                let body = self.read_word(iseqs[0], l.iseq_body, "reading a method's iseq")?;
+                let body =
+                    self.target
+                        .read_word(iseqs[0], l.iseq_body, "reading a method's iseq")?;
                 iseqs[1] = self
                     .target
                     .mem
                     .read_u64(field(body, mandatory_only))
-                    .map_err(self.moved("reading a method's iseq"))?;
+                    .map_err(self.target.moved("reading a method's iseq"))?;
             }
         }
         Ok(MethodInfo {

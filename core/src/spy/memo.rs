@@ -3,7 +3,8 @@
 //! answered without resolving anything. The walker is a function of the raw words and of its
 //! caches, and the caches are trusted for exactly one epoch: whoever validates or drops them
 //! calls [`StackMemo::invalidate`].
-use super::walker::{Envs, RawFrame};
+use super::envs::Envs;
+use super::walker::RawFrame;
 use super::{Frame, Stack};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;

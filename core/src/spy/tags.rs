@@ -7,7 +7,7 @@
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::attach::Target;
 use super::frames::Cache;
-use super::{word, Memory, Spy};
+use super::{word, Memory};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
@@ -140,40 +140,6 @@ pub(super) struct Decoder<'a, M: Memory> {
     pub(super) cache: &'a mut Cache,
 }
 
-impl<M: Memory> Spy<M> {
-    /// The offset from a thread pointer to its `ruby_profiler_state`, if the target has
-    /// loaded rbspy_ext (looked for again every second until it has).
-    pub fn profiler_state_offset(&mut self) -> Option<i64> {
-        self.tags.offset(&self.target)
-    }
-
-    /// The tags of the fiber a thread is running now: empty when it has none, when the
-    /// target has not loaded rbspy_ext, or when the table does not read as one (it may have
-    /// been replaced while read; the next sample sees the new one).
-    pub fn thread_tags(&mut self, thread: u64) -> Tags {
-        let mut d = Decoder {
-            target: &self.target,
-            cache: &mut self.cache,
-        };
-        self.tags.thread_tags(&mut d, thread)
-    }
-
-    /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
-    /// reader that found a table pointer by itself. Empty when it does not read as a table.
-    pub fn tags_at(&mut self, table: u64) -> Tags {
-        if table == 0 {
-            return Tags::default();
-        }
-        let mut d = Decoder {
-            target: &self.target,
-            cache: &mut self.cache,
-        };
-        d.read_table(table, Instant::now())
-            .map(|(_, tags)| tags)
-            .unwrap_or_default()
-    }
-}
-
 impl TagReader {
     /// See [`Spy::profiler_state_offset`].
     pub(super) fn offset<M: Memory>(&mut self, t: &Target<M>) -> Option<i64> {
@@ -255,7 +221,7 @@ impl TagReader {
     }
 
     /// See [`Spy::thread_tags`]: everything read now, apart from any sample.
-    fn thread_tags<M: Memory>(&mut self, d: &mut Decoder<M>, thread: u64) -> Tags {
+    pub(super) fn thread_tags<M: Memory>(&mut self, d: &mut Decoder<M>, thread: u64) -> Tags {
         let t = d.target;
         let Some(offset) = self.offset(t) else {
             return Tags::default();
@@ -516,7 +482,11 @@ impl<M: Memory> Decoder<'_, M> {
     /// its bytes (header and every slot) and its tags. None when it does not read as a
     /// table, when a value cannot be read now, or when the decoding ended outside
     /// `TABLE_WINDOW`. Small tables take one read.
-    fn read_table(&mut self, table: u64, pointer_read_at: Instant) -> Option<(Vec<u8>, Tags)> {
+    pub(super) fn read_table(
+        &mut self,
+        table: u64,
+        pointer_read_at: Instant,
+    ) -> Option<(Vec<u8>, Tags)> {
         let mut raw = vec![0u8; 16 + 16 * FIRST_SLOTS];
         if self.target.mem.read(table, &mut raw).is_err() {
             // Maybe a small table near the end of a mapping: the header alone.

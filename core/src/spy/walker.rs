@@ -1,10 +1,26 @@
 //! The walk: a thread's execution context → its control frames and environments → raw
 //! frames, memoised by raw stack, with one batched read per step.
+use super::envs::{slots, Slots};
 use super::*;
 use crate::memory::word;
 use crate::memory::{field, Memory, ReadBatch, Span};
+use crate::objects::is_heap_object;
+use attach::Target;
+use frames::Cache;
+use memo::StackMemo;
 use std::borrow::Cow;
 use std::sync::Arc;
+
+/// The one stack walker: what attaching found, the caches, the walk's own state and the
+/// memo, lent by the spy for one walk (`Spy::walker`). Its steps are here (the execution
+/// context, control frames and environments → raw frames), in frames.rs (raw frames →
+/// iseqs and method entries → frames) and in zjit.rs (4.1's compiled frames).
+pub(super) struct Walker<'a, M: Memory> {
+    pub(super) target: &'a mut Target<M>,
+    pub(super) cache: &'a mut Cache,
+    pub(super) walk: &'a mut WalkState,
+    pub(super) memo: &'a mut StackMemo,
+}
 
 /// The walker's state between samples.
 #[derive(Debug, Default)]
@@ -22,7 +38,7 @@ pub(super) struct WalkState {
     pub(super) frames: Vec<RawFrame>,
 }
 
-impl<M: Memory> Spy<M> {
+impl<M: Memory> Walker<'_, M> {
     /// Reads the current thread's execution context: one call that reads the GVL owner
     /// together with the last thread's `ec` field and that ec's stack fields.
     pub(super) fn current_ec(&mut self) -> std::result::Result<[u64; 3], Attempt> {
@@ -38,7 +54,7 @@ impl<M: Memory> Spy<M> {
                     (field(thread, l.thread_ec), &mut ec_field[..]),
                     (field(ec, l.ec_vm_stack), &mut ec_head[..]),
                 ])
-                .map_err(self.moved("reading the GVL owner"))?;
+                .map_err(self.target.moved("reading the GVL owner"))?;
             let owner = word(&owner, 0);
             let current = if owner == 0 {
                 self.target.main_thread
@@ -53,7 +69,7 @@ impl<M: Memory> Spy<M> {
         self.target
             .mem
             .read(self.target.gvl_owner, &mut owner)
-            .map_err(self.moved("reading the GVL owner"))?;
+            .map_err(self.target.moved("reading the GVL owner"))?;
         let owner = word(&owner, 0);
         self.read_ec_of(if owner == 0 {
             self.target.main_thread
@@ -74,7 +90,7 @@ impl<M: Memory> Spy<M> {
 
     pub(super) fn read_ec_of(&mut self, thread: u64) -> std::result::Result<[u64; 3], Attempt> {
         let l = self.target.layout;
-        let ec = self.read_word(
+        let ec = self.target.read_word(
             thread,
             l.thread_ec,
             "reading the thread's execution context",
@@ -83,7 +99,7 @@ impl<M: Memory> Spy<M> {
         self.target
             .mem
             .read(field(ec, l.ec_vm_stack), &mut head)
-            .map_err(self.moved("reading the execution context"))?;
+            .map_err(self.target.moved("reading the execution context"))?;
         self.walk.last_ec = Some((thread, ec));
         Ok(self.ec_fields(&head))
     }
@@ -230,7 +246,7 @@ impl<M: Memory> Spy<M> {
             return results;
         };
         if plans.len() == 1 {
-            results[0] = Err(self.moved("reading control frames")(e));
+            results[0] = Err(self.target.moved("reading control frames")(e));
             return results;
         }
         for (buf, result) in bufs.iter().zip(results.iter_mut()) {
@@ -239,7 +255,7 @@ impl<M: Memory> Spy<M> {
                 continue;
             }
             if let Err(e) = reads.reread(&self.target.mem, &spans) {
-                *result = Err(self.moved("reading control frames")(e));
+                *result = Err(self.target.moved("reading control frames")(e));
             }
         }
         results
@@ -334,7 +350,7 @@ impl<M: Memory> Spy<M> {
             self.target
                 .mem
                 .read(field(base, have), &mut more[have..])
-                .map_err(self.moved("reading the value stack"))?;
+                .map_err(self.target.moved("reading the value stack"))?;
             Cow::Owned(more)
         } else {
             Cow::Borrowed(values)
@@ -399,6 +415,31 @@ impl<M: Memory> Spy<M> {
         self.build_frames(frames, wanted, &mes)
     }
 
+    /// The candidates for a frame's method entry, in Ruby's order
+    /// (`rb_vm_frame_method_entry`): `ep[-2]` of each environment from the frame's own to the
+    /// local one. The first that turns out to be an `imemo_ment` (crefs are skipped) is it;
+    /// their headers are read in one batch afterwards.
+    pub(super) fn method_entry_chain(
+        &mut self,
+        ep: u64,
+        envs: &Envs,
+    ) -> std::result::Result<Vec<u64>, Attempt> {
+        let l = self.target.layout;
+        let mut ep = ep;
+        let mut chain = Vec::new();
+        for _ in 0..MAX_EP_DEPTH {
+            let s = self.env_slots(ep, envs)?;
+            if is_heap_object(s.me_cref) {
+                chain.push(s.me_cref);
+            }
+            if s.flags & l.env_flag_local != 0 {
+                return Ok(chain);
+            }
+            ep = s.specval & !0x3;
+        }
+        Err(Attempt::Changed("environment chain too long".into()))
+    }
+
     /// `ep[-2..=0]` of an environment: from the value stack copy, or from an environment
     /// that escaped to the heap (a method whose block became a Proc, a block called after
     /// its method returned). Escaped environments do not change, so they are cached; a
@@ -427,7 +468,7 @@ impl<M: Memory> Spy<M> {
         self.target
             .mem
             .read(ep.wrapping_sub(16), &mut buf)
-            .map_err(self.moved("reading an environment"))?;
+            .map_err(self.target.moved("reading an environment"))?;
         let s = slots(&buf);
         if self.walk.heap_envs.len() >= MAX_CACHED_ENVS {
             self.forget_envs();
@@ -442,43 +483,6 @@ pub(super) struct RawFrame {
     pub(super) pc: u64,
     pub(super) iseq: u64,
     pub(super) ep: u64,
-}
-
-/// `ep[-2]`, `ep[-1]`, `ep[0]` of one environment.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Slots {
-    pub(super) me_cref: u64,
-    pub(super) specval: u64,
-    pub(super) flags: u64,
-}
-
-pub(super) fn slots(buf: &[u8; 24]) -> Slots {
-    Slots {
-        me_cref: word(buf, 0),
-        specval: word(buf, 8),
-        flags: word(buf, 16),
-    }
-}
-
-/// The environments of one sample: the value stack `[base, base + len)` as read, out of the
-/// whole stack from `floor` (`vm_stack`; equal to `base` unless the copy was cut).
-#[derive(Debug, Default)]
-pub(super) struct Envs<'a> {
-    pub(super) base: u64,
-    pub(super) floor: u64,
-    pub(super) values: Cow<'a, [u8]>,
-}
-
-impl Envs<'_> {
-    pub(super) fn on_stack(&self, ep: u64) -> Option<Slots> {
-        let start = ep.checked_sub(16)?.checked_sub(self.base)? as usize;
-        let bytes: &[u8; 24] = self
-            .values
-            .get(start..start.checked_add(24)?)?
-            .try_into()
-            .ok()?;
-        Some(slots(bytes))
-    }
 }
 
 /// Where one execution context's frames are (see `Spy::plan`).

@@ -1,11 +1,11 @@
 //! Ruby 4.1's ZJIT: a compiled frame keeps its iseq and pc in a JITFrame rather than in
 //! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`).
 use super::walker::RawFrame;
-use super::{Attempt, Memory, Spy};
+use super::{Attempt, Memory, Walker};
 use crate::memory::word;
 use crate::vm::read_words;
 
-impl<M: Memory> Spy<M> {
+impl<M: Memory> Walker<'_, M> {
     /// 4.1 under ZJIT: a frame whose `jit_return` is set takes its iseq and pc from its
     /// JITFrame (zjit.h's `CFP_ISEQ`/`CFP_PC`), since ZJIT leaves `cfp->_iseq` and `pc`
     /// unwritten. Two batched reads: the JITFrame addresses, then the JITFrames. A JITFrame
@@ -54,7 +54,7 @@ impl<M: Memory> Spy<M> {
             self.target
                 .mem
                 .read_many(&mut requests)
-                .map_err(self.moved("reading ZJIT frames"))?;
+                .map_err(self.target.moved("reading ZJIT frames"))?;
         }
         for ((i, _), b) in pending.iter().zip(bufs.chunks_exact(size)) {
             frames[*i].pc = word(b, l.zjit_frame_pc);
