@@ -2,6 +2,7 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
+require "json"
 require "open3"
 require "tmpdir"
 
@@ -161,6 +162,25 @@ RSpec.describe "rubyspy heap" do
       text, = rubyspy("heap", "--pid", target.pid.to_s, "--limit", "5")
       expect(text).to match(/live objects in \d+ slots/)
       expect(text.lines.grep(/\(T_/).size).to eq(5)
+    end
+  end
+
+  it "keeps a census native: saved and loaded back, it renders and compares as the live one" do
+    target = start_target("heap_leak")
+    live = RubySpy.heap(target.pid)
+    Dir.mktmpdir do |dir|
+      path = live.save(File.join(dir, "census.json"))
+      saved = JSON.parse(File.read(path), symbolize_names: true)
+      loaded = RubySpy::Census.load(path)
+      expect(loaded.to_h).to eq(live.to_h)
+      # The file's rows are the live census's, which add their sum (:bytes).
+      expect(live.classes.map { |row| row.except(:bytes) }).to eq(saved[:classes])
+      expect(live.classes).to all(satisfy { |row| row[:bytes] == row[:slot_bytes] + row[:heap_bytes] })
+      expect([live.objects, live.pid, live.slots[:pages]]).to eq([saved[:live_slots], target.pid, saved[:pages]])
+      expect(loaded - live).to eq([])
+      expect([loaded.render(:text), loaded.render(:pprof)]).to eq([live.render(:text), live.render(:pprof)])
+      expect { RubySpy::Census.from_json("{}") }.to raise_error(RubySpy::InvalidCensus, /not a heap census/)
+      expect { live - saved }.to raise_error(TypeError, /RubySpy::Census/)
     end
   end
 

@@ -1,5 +1,5 @@
 /*
- * The GC heap's layout for the heap census (core/src/spy/heap.rs), measured from one Ruby
+ * The GC heap's layout for the heap census (core/src/census/walk.rs), measured from one Ruby
  * release's own gc.c. Everything the census reads is private to gc.c (gc/default/default.c
  * from 3.4, which gc.c includes): rb_objspace_t, struct heap_page, the page and slot sizes.
  * So this unit includes gc.c itself, compiled as the build compiled it (RUBY_EXPORT, the
@@ -29,7 +29,7 @@ _Static_assert(T_NONE == 0x00 && T_OBJECT == 0x01 && T_CLASS == 0x02 && T_MODULE
                    T_MATCH == 0x0d && T_COMPLEX == 0x0e && T_RATIONAL == 0x0f &&
                    T_SYMBOL == 0x14 && T_IMEMO == 0x1a && T_NODE == 0x1b &&
                    T_ICLASS == 0x1c && T_ZOMBIE == 0x1d && T_MOVED == 0x1e && T_MASK == 0x1f,
-               "enum ruby_value_type changed: update core/src/spy/heap.rs's type names");
+               "enum ruby_value_type changed: update core/src/census/walk.rs's type names");
 _Static_assert(sizeof(bits_t) == 8, "mark bitmaps of 64-bit words");
 _Static_assert(sizeof(((struct heap_page *)0)->total_slots) == 2, "16-bit slot counts");
 
@@ -88,7 +88,7 @@ VALUE_OF(ar_table_size, RHASH_AR_TABLE_MAX_SIZE * 2 * sizeof(VALUE))
 #endif
 VALUE_OF(st_table_size, sizeof(st_table))
 VALUE_OF(st_entry_power, offsetof(st_table, entry_power))
-/* st.c: a table has bins (see core/src/spy/heap.rs) when its `bins` pointer is set (up to
+/* st.c: a table has bins (see core/src/census/walk.rs) when its `bins` pointer is set (up to
  * 4.0), or (4.1, which has no such pointer) when its entry power is above this. */
 VALUE_OF(st_bins_above_power, PROBE_ST_BINS_ABOVE)
 #if API < 401

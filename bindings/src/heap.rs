@@ -1,4 +1,4 @@
-//! The GC heap's layout, for the heap census (core/src/spy/heap.rs): private to each
+//! The GC heap's layout, for the heap census (core/src/census/walk.rs): private to each
 //! release's gc.c, so measured by `script/generate-bindings` from
 //! `bindings/generator/heap_probe.c`, which compiles gc.c itself (never edit
 //! `heap_generated.rs` by hand).
@@ -126,21 +126,4 @@ pub enum ShapeList {
     },
     /// From 4.0: in the global `rb_shape_tree` itself (exported).
     Tree { shape_list: usize },
-}
-
-/// The heap layout of `version` ("3.3.8"): its own when measured, else that of the
-/// measured release of the same minor series (their gc.c rarely differs within a series;
-/// the census checks every page it reads against it). None for an unknown series.
-pub fn heap_layout_for_version(version: &str) -> Option<&'static HeapLayout> {
-    let series = |v: &str| v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
-    let heaps = crate::heap_generated::HEAP_LAYOUTS;
-    heaps
-        .iter()
-        .find(|(release, _)| *release == version)
-        .or_else(|| {
-            heaps
-                .iter()
-                .find(|(release, _)| series(release) == series(version))
-        })
-        .map(|(_, layout)| layout)
 }

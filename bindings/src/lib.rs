@@ -3,15 +3,18 @@
 //! Every Ruby release the walker supports maps (through [`layout_for_version`]) to one
 //! [`Layout`]: the byte offsets and constants the stack walker needs, nothing else. The
 //! entries in `generated.rs` are written by `script/generate-bindings`, which compiles
-//! `bindings/generator/layout_probe.c` against the real headers of each Ruby (Debian source
-//! packages) and prints `offsetof`/`sizeof` values. Never edit `generated.rs` by hand.
+//! `bindings/generator/layout_probe.c` against the real headers of each Ruby (Debian's
+//! source packages and upstream trees, `script/lib/ruby-releases.txt`) and prints
+//! `offsetof`/`sizeof` values; `heap_generated.rs` likewise from `heap_probe.c` (the
+//! census's [`HeapLayout`], defined in heap.rs). Never edit either by hand: `script/add-ruby`
+//! adds a release (docs/adding-a-ruby.md).
 
 mod generated;
 mod heap;
 mod heap_generated;
 
 pub use generated::{LAYOUTS, VERSIONS};
-pub use heap::{heap_layout_for_version, HeapLayout, ShapeList, Shapes};
+pub use heap::{HeapLayout, ShapeList, Shapes};
 pub use heap_generated::HEAP_LAYOUTS;
 
 /// Offsets (in bytes) and constants of one distinct Ruby VM layout.
@@ -315,6 +318,23 @@ pub fn layout_for_version(version: &str) -> Option<&'static Layout> {
         .iter()
         .find(|(v, _)| *v == version)
         .map(|(_, index)| &LAYOUTS[*index])
+}
+
+/// The heap layout of `version` ("3.3.8"): its own when measured, else that of the
+/// measured release of the same minor series (their gc.c rarely differs within a series;
+/// the census checks every page it reads against it). None for an unknown series.
+pub fn heap_layout_for_version(version: &str) -> Option<&'static HeapLayout> {
+    let series = |v: &str| v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
+    let heaps = HEAP_LAYOUTS;
+    heaps
+        .iter()
+        .find(|(release, _)| *release == version)
+        .or_else(|| {
+            heaps
+                .iter()
+                .find(|(release, _)| series(release) == series(version))
+        })
+        .map(|(_, layout)| layout)
 }
 
 /// The oldest and the newest release in [`VERSIONS`], ordered by number (major, minor,

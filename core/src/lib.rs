@@ -8,6 +8,7 @@
 //! - [`vm`]: finding and validating the VM, with or without symbols;
 //! - [`model`]: what a sample is made of (frames, tags, threads and their states);
 //! - [`spy`]: the one stack walker and its caches;
+//! - [`census`]: the heap census, read through the spy's view of its target;
 //! - [`profile`]: samples aggregated into a [`profile::Profile`];
 //! - [`record`]: the recorder over both samplers (user space and BPF);
 //! - [`timeline`]: the order of a profile's samples;

@@ -61,7 +61,9 @@ module Imports
                end
         full = base + segments
         target = full.size.downto(0).map { |n| full[0, n] }.find { |q| @modules[q] }
-        if target == [] && full.size == 1 && reexports.include?(full[0]) && !path.empty?
+        # `crate::Result`: lib.rs's re-export, not error.rs (a `super::` in an inline module
+        # may also read as the root, so only `crate::` counts).
+        if named.start_with?("crate::") && full.size == 1 && reexports.include?(full[0]) && !path.empty?
           @through_root[file] << full[0]
         end
         next if target.nil? || path[0, target.size] == target # itself or an ancestor

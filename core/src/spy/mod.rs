@@ -59,8 +59,8 @@ pub struct Config {
 }
 
 /// A handle on one Ruby process. Each part lives in its own file:
-/// - `target` (attach.rs): what attaching found, fixed for the spy's life, and the
-///   symbol-table scan;
+/// - `target` (attach.rs): what attaching found, fixed for the spy's life, with the identity
+///   check, the scans of libruby's data and the reads every step makes;
 /// - `cache` (frames.rs): iseqs, method entries, class and symbol names, trusted between
 ///   validations;
 /// - `walk` (walker.rs): per-stack state of the walker and the arena of its frame reads;
@@ -70,11 +70,12 @@ pub struct Config {
 /// - `tags` (tags.rs, `TagReader`): where the target publishes `ruby_profiler_state`, what a
 ///   sample reads of it, and the last decoding of each thread's table.
 ///
+/// The stack walker is one type, `walker::Walker`, lent the target and the three parts it
+/// walks with (`Spy::walker`); its steps are in walker.rs, frames.rs and zjit.rs.
 /// `ThreadSampler` and `TagReader` have methods of their own, given the `Target` (and, to
-/// decode names, the `Cache`) they need. The walker's steps (walker.rs, frames.rs) are
-/// `impl Spy` blocks, because each uses the target, the cache, the walk state and the memo
-/// together. This file orchestrates a snapshot; threads.rs orchestrates a sample of every
-/// thread.
+/// decode names, the `Cache`) they need. This file orchestrates a snapshot and a sample of
+/// every thread; the BPF sampler's side is `Capture` (captured.rs), and the census reads
+/// through `TargetView` (view.rs).
 pub struct Spy<M: Memory = ProcessMemory> {
     target: attach::Target<M>,
     cache: frames::Cache,
