@@ -24,7 +24,7 @@ RSpec.describe "target lifecycle" do
   it "killed with SIGKILL mid-recording: the recording ends by itself, keeps its samples and says the process exited" do
     target = start_target("exits_soon", "30")
     recorder = RubySpy::Recorder.new(target.pid, rate: 500).start
-    sleep 0.3
+    wait_for("50 samples before the kill") { recorder.progress[:samples] > 50 }
     target.kill!
     deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
     sleep 0.01 while recorder.running? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
@@ -55,12 +55,18 @@ RSpec.describe "target lifecycle" do
     target = start_target("execs_later", "ruby", "0.3")
     handle = RubySpy.attach(target.pid)
     expect(handle.snapshot.map(&:label)).to include(a_string_matching(/spin/))
-    sleep 0.6 # past the exec
+    # Past the exec: the process's command line is the fresh Ruby's.
+    wait_for("the exec") { File.read("/proc/#{target.pid}/cmdline").include?("AfterExec") }
     expect { handle.snapshot }.to raise_error(RubySpy::ProcessReplaced, /#{target.pid}.*ran exec and now runs \S*ruby/)
     expect(RubySpy::ProcessReplaced.ancestors).to include(RubySpy::ProcessExited)
-    # Attaching again reads the new program.
-    fresh = RubySpy.attach(target.pid)
-    expect(fresh.snapshot.map(&:label).join(" ")).to include("AfterExec")
+    # Attaching again reads the new program, once it has started (before, attaching says it
+    # is not Ruby yet) and runs AfterExec.spin.
+    labels = wait_for("the fresh Ruby in AfterExec.spin") do
+      RubySpy.attach(target.pid).snapshot.map(&:label).join(" ").then { |l| l if l.include?("AfterExec") }
+    rescue RubySpy::NotRubyProcess
+      nil
+    end
+    expect(labels).to include("AfterExec")
   end
 
   it "a handle whose pid was reused by another process raises ProcessReplaced, not that process's stack" do

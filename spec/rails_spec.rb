@@ -217,7 +217,7 @@ RSpec.describe "Rails and Puma" do
         started = Process.clock_gettime(Process::CLOCK_MONOTONIC)
         [server.get("#{base}?seconds=2"), Process.clock_gettime(Process::CLOCK_MONOTONIC) - started]
       end
-      sleep 0.5
+      wait_for("the first profile to start") { sampler_thread?(server.pid) }
       busy = server.get("#{base}?seconds=1")
       expect([busy.code, busy["retry-after"]]).to eq(%w[429 1])
       response, elapsed = first.value

@@ -77,8 +77,15 @@ RSpec.describe "the pprof listener" do
     target = start_target("pprof_listener", "hold_gvl", so, ruby: serving_ruby)
     ticks = target_ruby.host_path(target.info["ticks"])
     port = target.info["port"]
-    sleep 0.3 # the main thread is in GvlHolder.hold by now: the ticker has stopped
-    before = File.read(ticks)
+    wait_for("the main thread in GvlHolder.hold") do
+      RubySpy.snapshot(target.pid).map(&:label).first == "GvlHolder.hold"
+    end
+    # The ticker, which writes every 10 ms while it gets the GVL, has stopped.
+    before = wait_for("the ticker to stop") do
+      count = File.read(ticks)
+      sleep 0.1
+      count if File.read(ticks) == count
+    end
     started = Process.clock_gettime(Process::CLOCK_MONOTONIC)
     threads = get(port, "/debug/pprof/threads").body
     out = go_pprof("-traces", "http://127.0.0.1:#{port}/debug/pprof/profile?seconds=2&rate=199")
@@ -131,7 +138,7 @@ RSpec.describe "the pprof listener" do
     target = start_target("pprof_listener", "park", ruby: serving_ruby)
     port = target.info["port"]
     first = Thread.new { get(port, "/debug/pprof/profile?seconds=2") }
-    sleep 0.5
+    wait_for("the first profile to start") { sampler_thread?(target.pid) }
     busy = get(port, "/debug/pprof/profile?seconds=1")
     expect([busy.code, busy["retry-after"]]).to eq(%w[429 1])
     expect(first.value.code).to eq("200")

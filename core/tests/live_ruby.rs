@@ -245,6 +245,11 @@ fn scanning_for_the_vm_finds_the_one_the_symbol_names() {
 
 /// The BPF sampler through the core alone (root only: it loads a BPF program; the specs in
 /// spec/bpf_sampler_spec.rb compare it with Ruby's own backtraces on the whole corpus).
+///
+/// The kernel samples the target only while it is on a CPU, so how many samples a second
+/// brings depends on what else the machine runs: the recording goes on until it has
+/// `WANTED` samples, however long that takes within a generous deadline; their number is
+/// checked against the CPU time the target had, and the rest is about what they resolved to.
 #[cfg(feature = "bpf")]
 #[test]
 fn the_bpf_sampler_resolves_a_busy_target_to_its_own_frames() {
@@ -254,37 +259,123 @@ fn the_bpf_sampler_resolves_a_busy_target_to_its_own_frames() {
         return;
     }
     use rbspy_ext_core::record::{RecordConfig, Recorder};
+    const WANTED: u64 = 400;
     let target = Target::spawn("busy.rb", &[]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/busy.rb");
     let config = RecordConfig {
         rate_hz: 999.0,
-        duration: Some(Duration::from_millis(500)),
+        duration: None,
         bpf: true,
         ..RecordConfig::default()
     };
+    let cpu_before = main_thread_cpu_seconds(target.pid());
+    let started = Instant::now();
     let recorder = Recorder::start(target.pid(), config).expect("the BPF sampler starts as root");
-    while !recorder.finished() {
+    // About 0.4 s on an idle machine; a busy one only stretches it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while recorder.progress().samples < WANTED && !recorder.finished() {
+        assert!(
+            Instant::now() < deadline,
+            "{} samples of a thread that never leaves the CPU in 60 s",
+            recorder.progress().samples
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let p = recorder.stop();
-    // 0.5 s of a thread that never leaves the CPU, at 999 Hz.
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = main_thread_cpu_seconds(target.pid()) - cpu_before;
     assert!(
-        p.samples > 400,
-        "{} samples, errors {:?}",
+        p.samples >= WANTED,
+        "{} samples, errors {:?}, notes {:?}",
         p.samples,
+        p.errors,
+        p.notes
+    );
+    // Each tick of the CPU the thread runs on is a sample: 999 a second of its CPU time (all
+    // of it on an idle machine, a share on a busy one). Its CPU time within the recording is
+    // all it had, less at most the wall time attaching and stopping took around it.
+    let inside = cpu - (wall - p.duration_ns as f64 / 1e9);
+    let n = p.samples as f64;
+    assert!(
+        n >= 0.9 * 999.0 * inside && n <= 1.1 * 999.0 * cpu + 10.0,
+        "{n} samples for {cpu:.3} s of CPU, at least {inside:.3} s of it while recording"
+    );
+    // The kernel copied each stack as it was: none may fail to resolve.
+    let dropped: u64 = p.errors.values().sum();
+    assert!(
+        dropped * 100 <= p.samples,
+        "{dropped} dropped: {:?}",
         p.errors
     );
     let kernel = p.kernel.expect("a BPF recording reports its kernel cost");
     assert!(kernel.bpf_runs >= p.samples && kernel.bpf_run_ns > 0);
+    let mut depths = std::collections::BTreeSet::new();
     for s in &p.stacks {
         let frames: Vec<_> = s.frames.iter().map(|i| &p.frames[*i as usize]).collect();
-        assert!(frames.iter().any(|f| &*f.label == "<main>"), "{frames:?}");
-        for f in frames
-            .iter()
-            .filter(|f| !f.c_function && !f.path.starts_with("<internal:"))
-        {
-            assert_eq!(Path::new(&*f.path), script.as_path(), "{f:?}");
+        assert!(s.state.on_cpu(), "{:?}: {frames:#?}", s.state);
+        depths.insert(busy_stack_depth(&frames, &script));
+    }
+    // The stack goes through every depth from 0 to 40 spins, each for a time about
+    // proportional to its depth: the samples must follow it, not repeat a few stacks. (Of
+    // 400 samples the shallowest depths get one or two each, so a few may be missed.)
+    assert!(depths.len() >= 30, "spin depths sampled: {depths:?}");
+}
+
+/// Checks one stack of busy.rb (innermost frame first) and returns how many `spin` frames it
+/// has. busy.rb: `loop { spin(i % 40) }` at line 7; spin calls itself at line 3 down to
+/// n == 0, where it maps and sums (line 3 too). Outermost first: <main> and Kernel#loop, then
+/// between two turns nothing more, or block in <main>, 0 to 40 spins (0 around the call, in
+/// `i % 40` or `i += 1`) and what the innermost spin calls. C frames are at their caller's
+/// line; Ruby's own builtins (<internal:...>) at theirs. Any other frame would be invented.
+#[cfg(feature = "bpf")]
+fn busy_stack_depth(frames: &[&rbspy_ext_core::Frame], script: &Path) -> usize {
+    let known = [
+        "<main>",
+        "Kernel#loop",
+        "block in <main>",
+        "Object#spin",
+        "block in Object#spin",
+        "Integer#zero?",
+        "Array#map",
+        "Array#sum",
+        "Integer#*",
+    ];
+    let outer: Vec<_> = frames.iter().rev().take(2).map(|f| &*f.label).collect();
+    assert_eq!(outer, ["<main>", "Kernel#loop"], "{frames:#?}");
+    assert_eq!(frames.last().unwrap().lineno, 7, "{frames:#?}");
+    for f in frames {
+        assert!(known.contains(&&*f.label), "{f:?} in {frames:#?}");
+        if f.path.starts_with("<internal:") {
+            assert!(
+                ["Integer#zero?", "Kernel#loop"].contains(&&*f.label),
+                "{f:?}"
+            );
+        } else {
+            assert_eq!(Path::new(&*f.path), script, "{f:?}");
             assert!((1..=7).contains(&f.lineno), "{f:?}");
         }
     }
+    if frames.len() > 2 {
+        assert_eq!(&*frames[frames.len() - 3].label, "block in <main>");
+    }
+    // Outermost first, after block in <main>: the spins, one after the other.
+    let spins = frames
+        .iter()
+        .rev()
+        .skip(3)
+        .take_while(|f| &*f.label == "Object#spin")
+        .count();
+    let all_spins = frames.iter().filter(|f| &*f.label == "Object#spin").count();
+    assert_eq!(spins, all_spins, "{frames:#?}");
+    assert!(spins <= 40, "{spins} spins: {frames:#?}");
+    spins
+}
+
+/// Seconds the main thread of process `pid` has spent on a CPU (/proc/PID/task/PID/schedstat,
+/// in nanoseconds): what the kernel's CPU clock, and so the BPF sampler, counts.
+#[cfg(feature = "bpf")]
+fn main_thread_cpu_seconds(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/schedstat")).unwrap();
+    let ns: u64 = stat.split_whitespace().next().unwrap().parse().unwrap();
+    ns as f64 / 1e9
 }

@@ -19,6 +19,32 @@ module RubySpyTest
       /\b#{Regexp.escape("#{klass}##{name}")}\b/
     end
 
+    # Records +pid+ (+options+ as for RubySpy::Recorder) until the profile holds at least
+    # +samples+ samples, however long that takes, and fails after +timeout+ seconds or when
+    # the recording ends by itself first. The BPF sampler samples a thread only while it is on
+    # a CPU, so a busy machine gives it fewer samples a second: a spec that needs enough
+    # samples for its proportions waits for them rather than for a fixed time.
+    def record_until_samples(pid, samples:, timeout: 60, **options)
+      recorder = RubySpy::Recorder.new(pid, **options).start
+      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + timeout
+      while recorder.running? && recorder.progress[:samples] < samples &&
+            Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
+        sleep 0.02
+      end
+      profile = recorder.stop
+      unless profile.samples >= samples
+        raise "#{profile.samples} samples, not #{samples}, in #{profile.duration.round(2)} s " \
+              "(deadline #{timeout} s); errors #{profile.errors}; notes #{profile.notes}"
+      end
+      profile
+    end
+
+    # Seconds thread +tid+ of process +pid+ has spent on a CPU (/proc/PID/task/TID/schedstat,
+    # in nanoseconds): what the kernel's CPU clock, and so the BPF sampler, counts for it.
+    def thread_cpu_seconds(pid, tid = pid)
+      Integer(File.read("/proc/#{pid}/task/#{tid}/schedstat").split.first) / 1e9
+    end
+
     # Folded stacks text -> [[stack, count], ...]; raises on a line that does not parse.
     def parse_collapsed(text)
       text.each_line.map do |line|

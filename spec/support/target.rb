@@ -383,6 +383,30 @@ module RubySpyTest
   # Included into every example group (see spec_helper.rb). Targets started through these
   # helpers are killed and reaped after each example, pass or fail.
   module TargetHelpers
+    # Calls the block until it returns something truthy, and returns that; raises naming
+    # +what+ after +timeout+ seconds. For waiting until a process is in a state, rather than
+    # sleeping for a time that a busy machine may not be able to keep to.
+    def wait_for(what, timeout: 10, interval: 0.01)
+      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + timeout
+      loop do
+        value = yield
+        return value if value
+        raise "#{what}: not within #{timeout} s" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+
+        sleep interval
+      end
+    end
+
+    # Whether process +pid+ is recording: a recorder's sampler thread ("rbspy_ext sampler",
+    # which comm cuts to 15 bytes) runs in it.
+    def sampler_thread?(pid)
+      Dir.glob("/proc/#{pid}/task/*/comm").any? do |path|
+        File.read(path).chomp == "rbspy_ext sampl"
+      rescue SystemCallError
+        false
+      end
+    end
+
     def start_target(name, *args, stdio: false, env: {}, ruby: TargetRuby.current)
       target = Target.start(name, *args, stdio: stdio, env: env, ruby: ruby)
       running_targets << target
