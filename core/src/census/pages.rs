@@ -1,4 +1,4 @@
-//! The heap's pages for the census (spy/heap.rs): the list of every page, read whole while
+//! The heap's pages for the census (walk.rs): the list of every page, read whole while
 //! the target adds and frees pages, and the pages' headers, checked before their slots are
 //! read.
 use super::Census;

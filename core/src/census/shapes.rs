@@ -1,4 +1,4 @@
-//! Objects' ivars out of their slots from Ruby 3.2, for the heap census (spy/heap.rs).
+//! Objects' ivars out of their slots from Ruby 3.2, for the heap census (walk.rs).
 //! `ObjectSpace.memsize_of` adds, for an object whose ivars left its slot, its shape's
 //! capacity in words, or, when its shape is too complex, the size of its ivars' st_table.
 //! The census notes each such object's shape id as it reads the pages (`Ivars::of`), then

@@ -40,7 +40,7 @@ pub(super) struct Target<M: Memory> {
     /// last seen set (ZJIT on: frames may keep their iseq and pc in JITFrames) and when.
     pub(super) zjit_entry: Option<u64>,
     pub(super) zjit_on: Option<(bool, std::time::Instant)>,
-    /// The address of the shape tree's global for the heap census (spy/shapes.rs):
+    /// The address of the shape tree's global for the heap census (census/shapes.rs):
     /// `rb_shape_tree` from 4.0, `rb_shape_tree_ptr` on 3.3 and 3.4 (named by the binary, or
     /// found by a scan at the first census). None before 3.2, or until found.
     pub(super) shape_tree: Option<u64>,
