@@ -3,7 +3,7 @@
 use super::pages::{self, page_list, read_headers};
 use super::shapes::{shape_source, Ivars};
 use super::walk::{Count, T_OBJECT};
-use super::Census;
+use super::{Census, ClassRow};
 use crate::memory::MemoryImage;
 use crate::spy::Spy;
 use rbspy_ext_bindings::ShapeList;
@@ -258,4 +258,39 @@ fn a_page_that_reads_as_swept_or_with_other_marks_the_second_time_was_swept_mean
         pages::reread(&mem, h, &pages),
         [Same, Swept, Swept, Gone, Gone]
     );
+}
+
+fn row(name: &str, objects: u64, bytes: u64) -> ClassRow {
+    ClassRow {
+        name: name.into(),
+        type_name: "T_OBJECT".into(),
+        objects,
+        slot_bytes: bytes,
+        heap_bytes: 0,
+    }
+}
+
+#[test]
+fn diff_puts_the_class_that_grew_most_first_and_leaves_out_the_unchanged() {
+    let a = Census {
+        classes: vec![
+            row("Kept", 10, 400),
+            row("Shrank", 5, 200),
+            row("Grew", 1, 40),
+        ],
+        ..Census::default()
+    };
+    let b = Census {
+        classes: vec![
+            row("Kept", 10, 400),
+            row("Grew", 1001, 40040),
+            row("New", 2, 80),
+        ],
+        ..Census::default()
+    };
+    let d = b.diff(&a);
+    let names: Vec<&str> = d.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["Grew", "New", "Shrank"]);
+    assert_eq!((d[0].objects, d[0].bytes), (1000, 40000));
+    assert_eq!((d[2].objects, d[2].bytes, d[2].objects_now), (-5, -200, 0));
 }

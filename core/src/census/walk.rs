@@ -54,24 +54,24 @@ pub struct CensusOptions {
 
 /// Live objects of one (class, type), as counted.
 #[derive(Default, Clone, Copy)]
-pub(super) struct Tally {
+struct Tally {
     objects: u64,
     slot_bytes: u64,
-    pub(super) heap_bytes: u64,
+    heap_bytes: u64,
 }
 
 /// A census in progress.
 pub(super) struct Count<'a> {
     l: &'a Layout,
-    pub(super) h: &'a HeapLayout,
-    pub(super) census: Census,
-    pub(super) by_class: FxHashMap<(u64, u8), Tally>,
+    h: &'a HeapLayout,
+    census: Census,
+    by_class: FxHashMap<(u64, u8), Tally>,
     /// Hashes whose st_table is outside the slot (before 3.3), and objects whose ivars are
     /// an st_table (too complex, 3.2+): (class, type, table).
     tables: Vec<(u64, u8, u64)>,
     /// Objects whose ivars are in a buffer sized by their shape (3.2+), by (class, shape id):
     /// how many (see shapes.rs).
-    pub(super) shaped: FxHashMap<(u64, u32), u64>,
+    shaped: FxHashMap<(u64, u32), u64>,
 }
 
 impl<'a> Count<'a> {
@@ -88,9 +88,9 @@ impl<'a> Count<'a> {
 }
 
 /// The target's heap, read through the view the spy lends, and its layout.
-pub(super) struct Heap<'a, M: Memory> {
-    pub(super) t: TargetView<'a, M>,
-    pub(super) h: &'static HeapLayout,
+struct Heap<'a, M: Memory> {
+    t: TargetView<'a, M>,
+    h: &'static HeapLayout,
 }
 
 /// Counts the target's live objects by class and type, reading its heap pages while it
