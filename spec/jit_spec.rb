@@ -133,7 +133,8 @@ RSpec.describe "recording a JIT-compiled CPU-bound target" do
 
         problems << "frame #{i}: line #{a.lineno}, expected #{e.lineno}" unless a.lineno == e.lineno
       end
-      unless work_range.cover?(frames.first.lineno)
+      # Line 0 is Ruby's own answer at the nop Ruby 3.0 gives line 0 (see the fixture).
+      unless work_range.cover?(frames.first.lineno) || (frames.first.lineno.zero? && target.info["line_zero"])
         problems << "innermost line #{frames.first.lineno} outside Inner#work's #{work_range}"
       end
       next if problems.empty?
