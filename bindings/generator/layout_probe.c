@@ -3,8 +3,9 @@
  * against the real internal headers of one Ruby release. Built by script/generate-bindings
  * with -I pointing at a Ruby source tree (a Debian source package, or an upstream tree of
  * ../shared/rubies with its generated headers made by the script) and its configured
- * config.h; LAYOUT_NAME names the layout, OBJSPACE_FLAGS is measured by the script (see
- * objspace_flags below).
+ * config.h; LAYOUT_NAME names the layout; OBJSPACE_FLAGS and OBJSPACE_DURING_GC_BIT are
+ * measured by the script (see objspace_flags below), which also defines
+ * PROBE_RACTOR_OBJSPACE when each Ractor owns its heap (`void *objspace;` in rb_ractor_t).
  *
  * Why C and not hand-typed numbers: the compiler resolves every #if (USE_RVARGC,
  * SIZEOF_SERIAL_T, VM_DEBUG_BP_CHECK...) exactly as the Ruby build did.
@@ -74,6 +75,9 @@ struct probe_sym_id_entry {
 #endif
 #else
 #define SYMBOLS_LAST_ID last_id
+#endif
+#ifndef OBJSPACE_DURING_GC_BIT
+#error "OBJSPACE_DURING_GC_BIT: the bit of during_gc in rb_objspace's flags, measured by the script"
 #endif
 #ifndef OBJSPACE_FLAGS
 #error "OBJSPACE_FLAGS: the offset of flags in struct rb_objspace, measured by the script"
@@ -193,13 +197,20 @@ int main(void) {
 #endif
     /* The GC's flags: rb_objspace is private to gc.c (gc/default/default.c in 3.4+, which
      * gc.c includes), so the script measures offsetof(rb_objspace_t, flags) by compiling
-     * gc.c itself, and checks there that `mode` and `during_gc` are its bits 0-1 and 5. */
-#if RV >= 304
-    OFF(vm_objspace, rb_vm_t, gc.objspace);
+     * gc.c itself, with the bit of `during_gc` (`mode` must be bits 0-1: checked there). */
+#if defined(PROBE_RACTOR_OBJSPACE)
+    /* Each Ractor owns its heap (r->objspace); the VM points only at the global page pool. */
+    NONE(vm_objspace);
+    SOMEOFF(ractor_objspace, rb_ractor_t, objspace);
+#elif RV >= 304
+    SOMEOFF(vm_objspace, rb_vm_t, gc.objspace);
+    NONE(ractor_objspace);
 #else
-    OFF(vm_objspace, rb_vm_t, objspace);
+    SOMEOFF(vm_objspace, rb_vm_t, objspace);
+    NONE(ractor_objspace);
 #endif
     U(objspace_flags, OBJSPACE_FLAGS);
+    U(objspace_during_gc_bit, OBJSPACE_DURING_GC_BIT);
     OFF(ec_vm_stack, rb_execution_context_t, vm_stack);
     OFF(ec_vm_stack_size, rb_execution_context_t, vm_stack_size);
     OFF(ec_cfp, rb_execution_context_t, cfp);
@@ -397,6 +408,7 @@ int main(void) {
     X(shape_invalid_id, 0);
 #endif
     OFF(st_table_entries_start, st_table, entries_start);
+    U(st_table_entries_start_size, sizeof(((st_table *)0)->entries_start));
     OFF(st_table_entries_bound, st_table, entries_bound);
     OFF(st_table_entries, st_table, entries);
     U(st_table_entry_size, sizeof(struct probe_st_table_entry));

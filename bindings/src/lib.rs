@@ -81,11 +81,18 @@ pub struct Layout {
     /// linked node means waiting for the GVL only while no unblocking function is set
     /// (Ruby clears it before queueing for the GVL).
     pub thread_unblock_func: Option<usize>,
-    /// The GC: `vm->objspace` (before 3.4) or `vm->gc.objspace`.
-    pub vm_objspace: usize,
-    /// Offset of `flags` in `rb_objspace` (private to gc.c, copied from the sources): a
-    /// 2-bit `mode` (none, marking, sweeping, compacting) at bit 0 and `during_gc` at bit 5.
+    /// The GC: `vm->objspace` (before 3.4) or `vm->gc.objspace`; None where each Ractor
+    /// owns its heap (see `ractor_objspace`).
+    pub vm_objspace: Option<usize>,
+    /// `r->objspace`: each Ractor's own GC heap and flags (4.1.0 from the master of
+    /// 2026-08); None where the VM has one objspace.
+    pub ractor_objspace: Option<usize>,
+    /// Offset of `flags` in `rb_objspace` (private to gc.c, measured by compiling it): a
+    /// 2-bit `mode` (none, marking, sweeping, compacting) at bit 0, then `during_gc` at
+    /// `objspace_during_gc_bit`.
     pub objspace_flags: usize,
+    /// The bit of `during_gc` in those flags (5 until 4.1's `user_gc_disabled` moved it to 6).
+    pub objspace_during_gc_bit: u32,
 
     // rb_execution_context_t
     pub ec_vm_stack: usize,
@@ -262,6 +269,8 @@ pub struct Layout {
     /// `INVALID_SHAPE_ID`, the root's parent.
     pub shape_invalid_id: u64,
     pub st_table_entries_start: usize,
+    /// Its width in bytes: 8 (`st_index_t`), or 4 since 4.1 packed it beside `rebuilds_num`.
+    pub st_table_entries_start_size: usize,
     pub st_table_entries_bound: usize,
     pub st_table_entries: usize,
     pub st_table_entry_size: usize,

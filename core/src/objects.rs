@@ -432,7 +432,10 @@ fn ivar<M: Memory>(
     }
     let mut head = [0u8; 64];
     mem.read(table, &mut head[..l.st_table_entries + 8])?;
-    let start = word(&head, l.st_table_entries_start);
+    let start = match l.st_table_entries_start_size {
+        4 => u64::from(word32(&head, l.st_table_entries_start)),
+        _ => word(&head, l.st_table_entries_start),
+    };
     let bound = word(&head, l.st_table_entries_bound);
     if bound < start || bound - start > MAX_IVARS {
         return Err(ObjectError::Shape("st_table", table));

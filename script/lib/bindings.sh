@@ -137,10 +137,11 @@ check_copies() {
   grep -q 'enum id_entry_type { ID_ENTRY_STR, ID_ENTRY_SYM, ID_ENTRY_SIZE };' <<<"$symbol_c" ||
     grep -q 'struct sym_id_entry { VALUE sym; VALUE str; };' <<<"$symbol_c" ||
     { stale "symbol.c's id_entry_type / sym_id_entry" layout_probe.c; return 1; }
-  # 4.1's ZJIT keeps a frame's iseq and pc in a JITFrame that the probe copies.
+  # 4.1's ZJIT keeps a frame's iseq and pc in a JITFrame whose head the probe copies (the
+  # master of 2026-08 appends a stack map after materialize_block_code).
   if [ -f "$src/zjit.h" ] && grep -q 'CFP_ZJIT_FRAME' "$src/zjit.h"; then
     zjit_h=$(tr -s ' \t\n' ' ' <"$src/zjit.h")
-    grep -q 'typedef struct zjit_jit_frame { // [^}]*const VALUE \*pc; // [^}]*const rb_iseq_t \*iseq; // [^}]*bool materialize_block_code; } zjit_jit_frame_t;' <<<"$zjit_h" ||
+    grep -q 'typedef struct zjit_jit_frame { // [^}]*const VALUE \*pc; // [^}]*const rb_iseq_t \*iseq; // [^}]*bool materialize_block_code; [^}]*} zjit_jit_frame_t;' <<<"$zjit_h" ||
       { stale "zjit.h's zjit_jit_frame_t" layout_probe.c; return 1; }
     grep -q '#define ZJIT_JIT_RETURN_C_FRAME 0x1' "$src/zjit.h" ||
       { stale "zjit.h's ZJIT_JIT_RETURN_C_FRAME" layout_probe.c; return 1; }
@@ -149,19 +150,20 @@ check_copies() {
   grep -q '} rb_symbols_t;' "$src/symbol.h" ||
     grep -q 'typedef struct { rb_atomic_t next_id; VALUE sym_set; VALUE ids; } rb_symbols_t;' <<<"$symbol_c" ||
     { stale "symbol.c's rb_symbols_t" layout_probe.c; return 1; }
-  # The GC's flags, private to gc.c: measured (see objspace_flags_at); the probe's reader
-  # also relies on mode being bits 0-1 and during_gc bit 5 of them, which this checks.
+  # The GC's flags, private to gc.c: their offset and during_gc's bit are measured (see
+  # objspace_flags_at); the reader relies on mode being their first two bits.
   gc_c=$src/gc.c
   [ -f "$src/gc/default/default.c" ] && gc_c=$src/gc/default/default.c
-  objspace=$(awk '/^typedef struct rb_objspace \{/,/\} flags;/' "$gc_c" | tr -s ' \t\n' ' ')
-  grep -q '{ unsigned int mode : 2; unsigned int immediate_sweep : 1; unsigned int dont_gc : 1; unsigned int dont_incremental : 1; unsigned int during_gc : 1;' <<<"$objspace" ||
+  objspace=$(awk '/^typedef struct rb_objspace \{/,/\} flags;/' "$gc_c" | sed 's|/\*[^/]*\*/||g' | tr -s ' \t\n' ' ')
+  grep -q 'struct { unsigned int mode : 2; [^}]*unsigned int during_gc : 1;' <<<"$objspace" ||
     { stale "${gc_c#"$src/"}'s rb_objspace flags (mode, during_gc)" layout_probe.c; return 1; }
 }
 
-# offsetof(rb_objspace_t, flags): struct rb_objspace is private to gc.c (and the
-# gc/default/default.c it includes from 3.4), so compile gc.c itself as the build did
-# (RUBY_EXPORT), with a dummy probes.h if the tree has none and an empty gc.rbinc (only its
-# builtin functions, at the end), and read the offset as the size of an array (nm -S).
+# "OFFSET BIT": offsetof(rb_objspace_t, flags) and the bit of `during_gc` in them. struct
+# rb_objspace is private to gc.c (and the gc/default/default.c it includes from 3.4), so
+# compile gc.c itself as the build did (RUBY_EXPORT), with a dummy probes.h if the tree has
+# none and an empty gc.rbinc (only its builtin functions, at the end); read the offset as the
+# size of an array (nm -S) and the bit from an image of the flags with only during_gc set.
 objspace_flags_at() {
   local src=$1 confdir=$2 release=$3 scratch=$src_cache/gc-probe-$3
   mkdir -p "$scratch"
@@ -169,12 +171,19 @@ objspace_flags_at() {
   [ -f "$src/probes.h" ] ||
     "${BASERUBY:-ruby}" "$src/tool/gen_dummy_probes.rb" "$src/probes.d" >"$scratch/probes.h"
   printf '%s\n' '#include "gc.c"' \
-    'char rbspy_ext_objspace_flags[offsetof(rb_objspace_t, flags)];' >"$scratch/gc_probe.c"
+    'char rbspy_ext_objspace_flags[offsetof(rb_objspace_t, flags)];' \
+    '#undef during_gc /* gc.c names the field through a macro of that name */' \
+    '__attribute__((section(".rbspy_during_gc"), used))' \
+    'static __typeof__(((rb_objspace_t *)0)->flags) rbspy_ext_during_gc = { .during_gc = 1 };' \
+    >"$scratch/gc_probe.c"
   gcc -w -c -DRUBY_EXPORT -I"$src" -I"$src/include" -I"$confdir" -I"$scratch" \
     "$scratch/gc_probe.c" -o "$scratch/gc_probe.o"
-  local size
+  local size bit
   size=$(nm -S "$scratch/gc_probe.o" | awk '$4 == "rbspy_ext_objspace_flags" { print $2 }')
-  [ -z "$size" ] || echo $((16#$size))
+  objcopy -O binary --only-section=.rbspy_during_gc "$scratch/gc_probe.o" "$scratch/during_gc.bin"
+  bit=$(od -An -tu1 -v -w1 "$scratch/during_gc.bin" |
+    awk '$1 != 0 { b = 0; for (v = $1; v > 1; v /= 2) b++; print (NR - 1) * 8 + b; exit }')
+  [ -z "$size" ] || [ -z "$bit" ] || echo "$((16#$size)) $bit"
 }
 
 # The GC heap's layout for the heap census (bindings/src/heap.rs): compile
@@ -314,7 +323,12 @@ measure_release() {
   flags_at=$(objspace_flags_at "$src" "$confdir" "$release")
   [ -n "$flags_at" ] || { echo "$release: could not measure rb_objspace flags" >&2; return 1; }
   heap_body=$(heap_layout_of "$src" "$confdir" "$release") || return 1
-  gcc -w -DLAYOUT_NAME="\"${release%.*}\"" -DOBJSPACE_FLAGS="$flags_at" \
+  # Each Ractor owns its heap from the master of 2026-08 (4.1.0): rb_ractor_t has `objspace`.
+  local per_ractor= ractor_struct
+  ractor_struct=$(awk '/^struct rb_ractor_struct \{/,/^\};/' "$src/ractor_core.h" 2>/dev/null || true)
+  if grep -q '^ *void \*objspace;' <<<"$ractor_struct"; then per_ractor=-DPROBE_RACTOR_OBJSPACE; fi
+  gcc -w -DLAYOUT_NAME="\"${release%.*}\"" -DOBJSPACE_FLAGS="${flags_at% *}" \
+    -DOBJSPACE_DURING_GC_BIT="${flags_at#* }" $per_ractor \
     -I"$src" -I"$src/include" -I"$confdir" \
     "$root/bindings/generator/layout_probe.c" -o "$src_cache/probe-$release" ||
     { echo "$release: bindings/generator/layout_probe.c does not compile against it" >&2; return 1; }

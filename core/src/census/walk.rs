@@ -108,11 +108,18 @@ pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Res
         version: version.clone(),
         detail: "no heap layout measured for this series".into(),
     })?;
+    let Some(vm_objspace) = target.layout().vm_objspace else {
+        return Err(Error::UnsupportedVersion {
+            pid,
+            version,
+            detail: "each Ractor owns its heap here, which the census does not read yet".into(),
+        });
+    };
     let mut heap = Heap { t: target, h };
     let objspace = heap
         .t
         .mem()
-        .read_u64(field(heap.t.vm(), heap.t.layout().vm_objspace))
+        .read_u64(field(heap.t.vm(), vm_objspace))
         .map_err(|e| heap.t.memory_error("reading the VM's objspace", e))?;
     let (mut passes, mut compactions) = (0, 0);
     let mut census = loop {

@@ -357,6 +357,22 @@ impl<M: Memory> Spy<M> {
 }
 
 impl<M: Memory> Target<M> {
+    /// The `rb_objspace` of the VM (`vm->gc.objspace`), or of the main Ractor where each
+    /// Ractor owns its heap (`r->objspace`); 0 when unreadable (then GC is simply not told
+    /// apart).
+    pub(super) fn main_objspace(&self) -> u64 {
+        let l = self.layout;
+        let at = match (l.vm_objspace, l.ractor_objspace, l.vm_main_ractor) {
+            (Some(o), _, _) => field(self.vm, o),
+            (None, Some(o), Some(r)) => match self.mem.read_u64(field(self.vm, r)) {
+                Ok(ractor) if crate::objects::is_heap_object(ractor) => field(ractor, o),
+                _ => return 0,
+            },
+            _ => return 0,
+        };
+        self.mem.read_u64(at).unwrap_or(0)
+    }
+
     /// Maps a read failure during a walk: the process being gone or unreadable is fatal,
     /// an unmapped address means the stack moved under us.
     pub(super) fn moved(&self, what: &str) -> impl Fn(MemoryError) -> Attempt + '_ {

@@ -28,13 +28,16 @@ pub(super) struct ThreadSampler {
     stacks: FxHashMap<u64, StackGuess>,
     /// The threads that held a GVL (one per Ractor) at the last sample.
     pub(super) last_owners: Vec<u64>,
-    /// The GC's `rb_objspace` (read once: it lives as long as the VM).
+    /// The main Ractor's `rb_objspace` (read once: it lives as long as the VM), for the BPF
+    /// sampler, which reads one objspace's flags.
     pub(super) objspace: Option<u64>,
     /// The arena of a sample's one call, reused from sample to sample (no allocation per
     /// sample in the steady state).
     pub(super) reads: ReadBatch,
     /// The spans of each Ractor's GVL owner word, reused likewise.
     owner_spans: Vec<Span>,
+    /// The spans of each Ractor's GC flags, reused likewise.
+    gc_flag_spans: Vec<Span>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -46,9 +49,9 @@ struct StackGuess {
 }
 
 /// The state of the thread holding the GVL, from the GC's flags (`rb_objspace.flags`: a
-/// 2-bit mode at bit 0, `during_gc` at bit 5; see `Layout::objspace_flags`).
-pub(super) fn gc_state(flags: u32) -> ThreadState {
-    if flags & (1 << 5) == 0 {
+/// 2-bit mode at bit 0, `during_gc` at `Layout::objspace_during_gc_bit`).
+pub(super) fn gc_state(l: &Layout, flags: u32) -> ThreadState {
+    if flags & (1 << l.objspace_during_gc_bit) == 0 {
         return ThreadState::Running;
     }
     match flags & 0x3 {
@@ -174,17 +177,21 @@ impl ThreadSampler {
         ];
         let span_from = fields.iter().copied().min().unwrap_or(0);
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
-        let objspace = self.objspace(t);
         let mut reads = std::mem::take(&mut self.reads);
         reads.clear();
         let mut owners = std::mem::take(&mut self.owner_spans);
         owners.clear();
         owners.extend(self.ractors.iter().map(|r| reads.add(r.owner, 8)));
-        let gc_flags = if is_heap_object(objspace) {
-            reads.add(field(objspace, l.objspace_flags), 4)
-        } else {
-            Span::default()
-        };
+        // Each Ractor's GC flags (one objspace for all before 4.1).
+        let mut gc_flags = std::mem::take(&mut self.gc_flag_spans);
+        gc_flags.clear();
+        gc_flags.extend(self.ractors.iter().map(|r| {
+            if is_heap_object(r.objspace) {
+                reads.add(field(r.objspace, l.objspace_flags), 4)
+            } else {
+                Span::default()
+            }
+        }));
         let tag_offset = tags.offset(t);
         let mut threads = Vec::with_capacity(count);
         for i in 0..count {
@@ -238,8 +245,7 @@ impl ThreadSampler {
         if let Some(o) = self.objspace {
             return o;
         }
-        let addr = field(t.vm, t.layout.vm_objspace);
-        let o = t.mem.read_u64(addr).unwrap_or(0);
+        let o = t.main_objspace();
         self.objspace = Some(o);
         o
     }
@@ -272,8 +278,6 @@ impl ThreadSampler {
         let owners = batch.owners.iter().map(|o| word(batch.reads.get(*o), 0));
         self.last_owners.extend(owners);
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
-        let gc_flags = batch.reads.get(batch.gc_flags);
-        let holder_state = gc_state(gc_flags.try_into().map_or(0, u32::from_le_bytes));
         let mut chosen = Vec::new();
         for (i, listed) in self.threads.iter().enumerate() {
             let thread = &listed.thread;
@@ -289,7 +293,17 @@ impl ThreadSampler {
                 && l.thread_unblock_func
                     .is_none_or(|f| word(batch.field(i, f), 0) == 0);
             let state = if *thread == owner {
-                holder_state
+                // Its Ractor's GC flags say whether it is collecting.
+                let flags = batch
+                    .gc_flags
+                    .get(listed.ractor)
+                    .map(|s| batch.reads.get(*s));
+                gc_state(
+                    l,
+                    flags
+                        .and_then(|f| f.try_into().ok())
+                        .map_or(0, u32::from_le_bytes),
+                )
             } else if queued || status_mask == 0 || u64::from(status) == runnable {
                 ThreadState::WaitingForGvl
             } else {
@@ -373,6 +387,7 @@ impl ThreadSampler {
     pub(super) fn discard(&mut self, batch: Batch) {
         self.reads = batch.reads;
         self.owner_spans = batch.owners;
+        self.gc_flag_spans = batch.gc_flags;
     }
 }
 
@@ -383,8 +398,9 @@ pub(super) struct Batch {
     pub(super) span_from: usize,
     /// Each Ractor's GVL owner, in `ThreadSampler::ractors` order.
     pub(super) owners: Vec<Span>,
-    /// `rb_objspace.flags` (empty when the objspace is unknown).
-    pub(super) gc_flags: Span,
+    /// Each Ractor's `rb_objspace.flags`, in `ThreadSampler::ractors` order (empty where
+    /// the objspace is unknown).
+    pub(super) gc_flags: Vec<Span>,
     pub(super) threads: Vec<ThreadReads>,
     /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`): from the
     /// sample's call for the context it had last time, refreshed for one that changed.

@@ -141,7 +141,7 @@ impl<M: Memory> Capture<'_, M> {
         c: &Captured,
     ) -> std::result::Result<Option<SampledThread>, &'static str> {
         let state = if c.thread == c.gvl_owner {
-            gc_state(c.gc_flags)
+            gc_state(self.spy.target.layout, c.gc_flags)
         } else {
             ThreadState::NoGvl
         };

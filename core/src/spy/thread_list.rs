@@ -41,6 +41,9 @@ pub(super) struct RactorEntry {
     pub(super) threads: u64,
     /// Address of the word naming its thread that holds its GVL (0 when none does).
     pub(super) owner: u64,
+    /// The `rb_objspace` whose flags say whether its threads are in GC: its own where each
+    /// Ractor owns a heap (`r->objspace`), else the VM's (0 when unknown).
+    pub(super) objspace: u64,
 }
 
 /// Every Ractor along `vm->ractor.set`, each read in one call (its list node, id and
@@ -54,6 +57,7 @@ pub(super) fn read_ractors<M: Memory>(
         name: None,
         threads: t.thread_list_head,
         owner: t.gvl_owner,
+        objspace: t.main_objspace(),
     };
     let (Some(set), Some(threads), Some(owner)) =
         (l.vm_ractor_set, l.ractor_threads_set, l.ractor_gvl_owner)
@@ -61,9 +65,11 @@ pub(super) fn read_ractors<M: Memory>(
         return Ok(vec![main]);
     };
     let head = field(t.vm, set);
-    let offsets = [l.ractor_list_node, l.ractor_id, l.ractor_name];
-    let from = offsets.iter().copied().min().unwrap_or(0);
-    let span = offsets.iter().copied().max().unwrap_or(0) + 8 - from;
+    let offsets = [l.ractor_list_node, l.ractor_id, l.ractor_name]
+        .into_iter()
+        .chain(l.ractor_objspace);
+    let from = offsets.clone().min().unwrap_or(0);
+    let span = offsets.max().unwrap_or(0) + 8 - from;
     let mut ractors = Vec::new();
     let mut node = t.read_word(head, 0, "reading the ractor list")?;
     while node != head {
@@ -83,6 +89,9 @@ pub(super) fn read_ractors<M: Memory>(
                 .flatten(),
             threads: field(ractor, threads),
             owner: field(ractor, owner),
+            objspace: l
+                .ractor_objspace
+                .map_or(main.objspace, |o| word(&bytes, o - from)),
         });
         node = word(&bytes, l.ractor_list_node - from);
     }

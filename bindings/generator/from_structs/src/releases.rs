@@ -61,6 +61,8 @@ macro_rules! since {
 
 /// gc.c, gc/default/default.c: where `flags` sits in the private `struct rb_objspace`.
 /// The probe's value is measured by compiling gc.c; these are those measurements.
+const FROM_GC_FLAGS: &str =
+    "from gc.c (gc/default/default.c from 3.4): rb_objspace's flags (during_gc: bit 5 in 2.7.4-4.0.2)";
 const FROM_GC_C: &str = "from gc.c: struct rb_objspace (private; 16 in 2.7.4-3.3.8)";
 const FROM_GC_DEFAULT_C: &str =
     "from gc/default/default.c: struct rb_objspace (private; 20 in 3.4.5)";
@@ -382,18 +384,24 @@ macro_rules! layout {
             );
             l.some("thread_unblock_func", offset_of!(r::rb_thread_t, unblock.func));
         });
-        // The GC's flags; rb_objspace is private to gc.c (see layout_probe.c).
+        // The GC's flags; rb_objspace is private to gc.c (see layout_probe.c). One objspace
+        // per VM in every release the crate has, and during_gc is bit 5 of its flags.
         since!($rv >= 304 {
-            l.dec("vm_objspace", offset_of!(r::rb_vm_t, gc.objspace));
-            since!($rv >= 400 {
-                l.copied("objspace_flags", Val::Dec(28), FROM_GC_DEFAULT_C_4_0);
-            } else {
-                l.copied("objspace_flags", Val::Dec(20), FROM_GC_DEFAULT_C);
-            });
+            l.some("vm_objspace", offset_of!(r::rb_vm_t, gc.objspace));
         } else {
-            l.dec("vm_objspace", offset_of!(r::rb_vm_t, objspace));
-            l.copied("objspace_flags", Val::Dec(16), FROM_GC_C);
+            l.some("vm_objspace", offset_of!(r::rb_vm_t, objspace));
         });
+        l.none("ractor_objspace");
+        since!($rv >= 400 {
+            l.copied("objspace_flags", Val::Dec(28), FROM_GC_DEFAULT_C_4_0);
+        } else {
+            since!($rv >= 304 {
+                l.copied("objspace_flags", Val::Dec(20), FROM_GC_DEFAULT_C);
+            } else {
+                l.copied("objspace_flags", Val::Dec(16), FROM_GC_C);
+            });
+        });
+        l.copied("objspace_during_gc_bit", Val::Dec(5), FROM_GC_FLAGS);
         l.dec("ec_vm_stack", offset_of!(r::rb_execution_context_t, vm_stack));
         l.dec("ec_vm_stack_size", offset_of!(r::rb_execution_context_t, vm_stack_size));
         l.dec("ec_cfp", offset_of!(r::rb_execution_context_t, cfp));
@@ -702,6 +710,7 @@ macro_rules! layout {
             shapes_unused(&mut l);
         });
         l.dec("st_table_entries_start", offset_of!(r::st_table, entries_start));
+        l.dec("st_table_entries_start_size", field_size(|t: &r::st_table| &t.entries_start));
         l.dec("st_table_entries_bound", offset_of!(r::st_table, entries_bound));
         l.dec("st_table_entries", offset_of!(r::st_table, entries));
         l.copied("st_table_entry_size", Val::Dec(size_of::<StTableEntry>() as u64), FROM_ST_C);
@@ -788,4 +797,10 @@ pub fn measure(release: &str) -> Option<Layout> {
 
 pub fn known_releases() -> impl Iterator<Item = String> {
     RELEASES.iter().map(|(module, _)| release_of(module))
+}
+
+/// The size of the field `f` picks out of a `T`, for fields whose width changed between
+/// releases (offset_of! gives only where they start).
+fn field_size<T, F>(_f: fn(&T) -> &F) -> usize {
+    std::mem::size_of::<F>()
 }
