@@ -72,6 +72,14 @@ struct probe_sym_id_entry {
     VALUE sym;
     VALUE str;
 };
+#ifdef PROBE_ID_ENTRY_DIR
+/* The master of 2026-08: symbol.c's directory of chunks, which `ids` wraps (the script
+ * defines PROBE_ID_ENTRY_DIR when symbol.c has it, and checks it is this). */
+struct probe_id_entry_dir {
+    long capa;
+    VALUE *entries;
+};
+#endif
 #endif
 #else
 #define SYMBOLS_LAST_ID last_id
@@ -430,10 +438,17 @@ int main(void) {
     SOMEOFF(id_chunk_data, struct RTypedData, data);
     U(id_chunk_header, sizeof(rb_darray_meta_t));
     U(id_entry_str, offsetof(struct probe_sym_id_entry, str) / sizeof(VALUE));
+#ifdef PROBE_ID_ENTRY_DIR
+    printf("    id_dir: Some((%lu, %lu)),\n", (unsigned long)offsetof(struct probe_id_entry_dir, capa),
+           (unsigned long)offsetof(struct probe_id_entry_dir, entries));
+#else
+    NONE(id_dir);
+#endif
 #else
     NONE(id_chunk_data);
     U(id_chunk_header, 0);
     U(id_entry_str, 0); /* ID_ENTRY_STR */
+    NONE(id_dir);
 #endif
     printf("}\n");
     return 0;

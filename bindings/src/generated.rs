@@ -165,6 +165,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.0",
@@ -325,6 +326,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.1",
@@ -485,6 +487,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.2",
@@ -645,6 +648,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.3",
@@ -805,6 +809,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.4",
@@ -965,6 +970,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "4.0",
@@ -1126,6 +1132,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "4.1",
@@ -1287,6 +1294,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: Some(32),
         id_chunk_header: 16,
         id_entry_str: 1,
+        id_dir: None,
     },
     Layout {
         name: "3.1",
@@ -1461,6 +1469,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.2",
@@ -1638,6 +1647,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "3.2",
@@ -1815,6 +1825,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
     Layout {
         name: "4.0",
@@ -1988,6 +1999,7 @@ pub static LAYOUTS: &[Layout] = &[
         id_chunk_data: None,
         id_chunk_header: 0,
         id_entry_str: 0,
+        id_dir: None,
     },
 ];
 

@@ -294,6 +294,11 @@ pub struct Layout {
     /// Which VALUE of an ID's entry is its name (a String): `ID_ENTRY_STR` (0) before 4.1,
     /// `sym_id_entry.str` (1) in 4.1.
     pub id_entry_str: u64,
+    /// 4.1 from the master of 2026-08: `ids` is itself a T_DATA (data at `id_chunk_data`)
+    /// over a directory `struct id_entry_dir { long capa; VALUE *entries; }` whose entries
+    /// are the chunks (0 where none was made yet): the offsets of `capa` and `entries` in
+    /// it. None where `ids` is an Array of chunks.
+    pub id_dir: Option<(usize, usize)>,
 }
 
 impl Layout {

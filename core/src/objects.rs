@@ -179,6 +179,9 @@ fn flonum(v: u64) -> f64 {
     f64::from_bits(t.rotate_right(3))
 }
 
+/// `RUBY_T_DATA`: the same in every Ruby (ruby/internal/value_type.h).
+const T_DATA: u64 = 0x0c;
+
 /// Resolves IDs (method and ivar names) through the target's global symbol table
 /// (`ruby_global_symbols`), caching every answer: IDs never change meaning.
 #[derive(Debug)]
@@ -207,8 +210,12 @@ impl SymbolTable {
     }
 
     /// Whether `head` (`array_head_len` bytes read at a candidate's `ids`) is an Array with
-    /// exactly one chunk per `id_entry_unit` IDs up to the serial `last_id`.
+    /// exactly one chunk per `id_entry_unit` IDs up to the serial `last_id`, or, where the
+    /// chunks live in a directory, a T_DATA (its capacity is checked when an ID is read).
     pub fn confirms(l: &Layout, last_id: u64, head: &[u8]) -> bool {
+        if l.id_dir.is_some() {
+            return word(head, l.rbasic_flags) & l.t_mask == T_DATA;
+        }
         array_len(l, head) == Some(last_id / l.id_entry_unit + 1)
     }
 
@@ -229,7 +236,27 @@ impl SymbolTable {
             return Err(ObjectError::Shape("ID", id));
         }
         let ids = word(&head, l.symbols_ids);
-        let chunk = read_array_entry(mem, l, ids, serial / l.id_entry_unit)?;
+        let chunk = match l.id_dir {
+            None => read_array_entry(mem, l, ids, serial / l.id_entry_unit)?,
+            Some((capa_at, entries_at)) => {
+                // `ids` wraps a directory {capa, entries}: chunk i at entries[i].
+                let data_at = l
+                    .id_chunk_data
+                    .ok_or(ObjectError::Shape("ID directory", ids))?;
+                if !is_heap_object(ids) {
+                    return Err(ObjectError::Shape("ID directory", ids));
+                }
+                let dir = mem.read_u64(field(ids, data_at))?;
+                let mut d = [0u8; 16];
+                mem.read(dir, &mut d)?;
+                let (capa, entries) = (word(&d, capa_at), word(&d, entries_at));
+                let index = serial / l.id_entry_unit;
+                if index >= capa {
+                    return Err(ObjectError::Shape("ID directory index", ids));
+                }
+                mem.read_u64(entries.wrapping_add(index * 8))?
+            }
+        };
         let entry = (serial % l.id_entry_unit) * l.id_entry_size + l.id_entry_str;
         let str_value = match l.id_chunk_data {
             None => read_array_entry(mem, l, chunk, entry)?,

@@ -146,6 +146,11 @@ check_copies() {
     grep -q '#define ZJIT_JIT_RETURN_C_FRAME 0x1' "$src/zjit.h" ||
       { stale "zjit.h's ZJIT_JIT_RETURN_C_FRAME" layout_probe.c; return 1; }
   fi
+  # The master of 2026-08 wraps the chunks in a directory, which the probe copies.
+  if grep -q 'struct id_entry_dir {' "$src/symbol.c"; then
+    grep -q 'struct id_entry_dir { long capa; VALUE \*entries; };' <<<"$symbol_c" ||
+      { stale "symbol.c's struct id_entry_dir" layout_probe.c; return 1; }
+  fi
   # 4.0 moved rb_symbols_t from symbol.h into symbol.c, which the probe copies.
   grep -q '} rb_symbols_t;' "$src/symbol.h" ||
     grep -q 'typedef struct { rb_atomic_t next_id; VALUE sym_set; VALUE ids; } rb_symbols_t;' <<<"$symbol_c" ||
@@ -323,12 +328,15 @@ measure_release() {
   flags_at=$(objspace_flags_at "$src" "$confdir" "$release")
   [ -n "$flags_at" ] || { echo "$release: could not measure rb_objspace flags" >&2; return 1; }
   heap_body=$(heap_layout_of "$src" "$confdir" "$release") || return 1
-  # Each Ractor owns its heap from the master of 2026-08 (4.1.0): rb_ractor_t has `objspace`.
-  local per_ractor= ractor_struct
+  # What the master of 2026-08 (4.1.0) changed beyond offsets, told by the tree itself:
+  # each Ractor owns its heap (rb_ractor_t has `objspace`), and the symbol table keeps its
+  # chunks in a directory (symbol.c's struct id_entry_dir, checked by check_copies).
+  local defines=() ractor_struct
   ractor_struct=$(awk '/^struct rb_ractor_struct \{/,/^\};/' "$src/ractor_core.h" 2>/dev/null || true)
-  if grep -q '^ *void \*objspace;' <<<"$ractor_struct"; then per_ractor=-DPROBE_RACTOR_OBJSPACE; fi
+  if grep -q '^ *void \*objspace;' <<<"$ractor_struct"; then defines+=(-DPROBE_RACTOR_OBJSPACE); fi
+  if grep -q 'struct id_entry_dir {' "$src/symbol.c"; then defines+=(-DPROBE_ID_ENTRY_DIR); fi
   gcc -w -DLAYOUT_NAME="\"${release%.*}\"" -DOBJSPACE_FLAGS="${flags_at% *}" \
-    -DOBJSPACE_DURING_GC_BIT="${flags_at#* }" $per_ractor \
+    -DOBJSPACE_DURING_GC_BIT="${flags_at#* }" "${defines[@]}" \
     -I"$src" -I"$src/include" -I"$confdir" \
     "$root/bindings/generator/layout_probe.c" -o "$src_cache/probe-$release" ||
     { echo "$release: bindings/generator/layout_probe.c does not compile against it" >&2; return 1; }

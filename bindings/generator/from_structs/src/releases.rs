@@ -743,6 +743,7 @@ macro_rules! layout {
         l.copied("id_chunk_data", Val::None, FROM_SYMBOL_C);
         l.copied("id_chunk_header", Val::Dec(0), FROM_SYMBOL_C);
         l.copied("id_entry_str", Val::Dec(0), FROM_SYMBOL_C);
+        l.copied("id_dir", Val::None, FROM_SYMBOL_C);
         l
     }};
 }
