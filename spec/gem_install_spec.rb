@@ -194,8 +194,8 @@ RSpec.describe "installing rbspy_ext", :slow do
       end
     end
 
-    it "is refused by 4.1-dev's RubyGems, which the source gem serves until 4.1.0 is released" do
-      site = gi::Site.new("4.1")
+    it "is refused by 4.1-dev's RubyGems (head), which the source gem serves until 4.1.0 is released" do
+      site = gi::Site.new("head")
       site_dir, host_dir = site.mktmpdir("rbspy-platform-")
       begin
         FileUtils.cp(platform_gem, host_dir)

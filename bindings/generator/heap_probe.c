@@ -15,6 +15,7 @@
  * PROBE_ARY_SHARED_ROOT (FL_USERn), PROBE_ST_BINS_ABOVE (MAX_POWER2_FOR_TABLES_WITHOUT_BINS).
  */
 #include "gc.c"
+#undef heaps
 #include "ruby/version.h"
 
 #define API (RUBY_API_VERSION_MAJOR * 100 + RUBY_API_VERSION_MINOR)
@@ -106,7 +107,33 @@ VALUE_OF(shape_id_shift, SHAPE_FLAG_SHIFT)
 VALUE_OF(shape_size, sizeof(rb_shape_t))
 VALUE_OF(shape_capacity, offsetof(rb_shape_t, capacity))
 VALUE_OF(shape_capacity_width, sizeof(((rb_shape_t *)0)->capacity))
-#if API >= 400
+#if API >= 400 && !defined(ROBJECT_HEAP)
+/* Master of 2026-08: an object whose ivars left its slot points (as.extended) at an
+ * imemo_fields object of its own, which the census counts as a T_IMEMO like
+ * ObjectSpace.memsize_of does (a T_OBJECT's memsize is its slot alone). A complex
+ * fields object embeds its st_table at as.complex.table, whose memsize beyond
+ * sizeof(st_table) is the imemo's. */
+VALUE_OF(robject_extended, offsetof(struct RObject, as.extended))
+VALUE_OF(shape_layout_mask, SHAPE_ID_LAYOUT_MASK)
+VALUE_OF(shape_layout_extended, SHAPE_ID_LAYOUT_EXTENDED)
+VALUE_OF(shape_capacity_mask, SHAPE_ID_CAPACITY_MASK)
+VALUE_OF(shape_index_mask, SHAPE_ID_OFFSET_MASK)
+VALUE_OF(too_complex_flag, SHAPE_ID_FL_COMPLEX)
+VALUE_OF(imemo_fields, imemo_fields)
+VALUE_OF(imemo_type_shift, FL_USHIFT)
+VALUE_OF(imemo_type_mask, IMEMO_MASK)
+VALUE_OF(fields_complex_table, offsetof(struct rb_fields, as.complex.table))
+VALUE_OF(tree_shape_list, offsetof(rb_shape_tree_t, shape_list))
+/* Each Ractor owns an objspace; the VM-global page index lists every objspace's pages. */
+VALUE_OF(page_objspace, offsetof(struct heap_page, objspace))
+VALUE_OF(global_page_index, offsetof(rb_global_objspace_t, page_index.pages))
+VALUE_OF(global_page_count, offsetof(rb_global_objspace_t, page_index.n_pages))
+VALUE_OF(vm_zombie_objspaces, offsetof(rb_vm_t, gc.zombie_objspaces))
+VALUE_OF(vm_zombie_objspaces_count, offsetof(rb_vm_t, gc.zombie_objspaces_count))
+VALUE_OF(zombie_objspace_size, sizeof(struct rb_objspace_zombie))
+VALUE_OF(zombie_objspace_owner, offsetof(struct rb_objspace_zombie, owner))
+VALUE_OF(ractor_creating_child_objspace, offsetof(rb_ractor_t, creating_child_objspace))
+#elif API >= 400
 VALUE_OF(robject_heap_flag, ROBJECT_HEAP)
 VALUE_OF(robject_fields, offsetof(struct RObject, as.heap.fields))
 VALUE_OF(shape_index_mask, SHAPE_ID_OFFSET_MASK)
@@ -148,6 +175,11 @@ VALUE_OF(class_super, offsetof(struct RClass, super))
     struct heap_page rbspy_heap_flag_##name __attribute__((section(".rbspy_" #name))) = { \
         .flags = {.member = 1}};
 FLAG_IMAGE(before_sweep, before_sweep)
+#undef during_gc
+rb_objspace_t rbspy_heap_flag_during_gc __attribute__((section(".rbspy_during_gc"))) = {.flags = {.during_gc = 1}};
+#if API >= 400 && !defined(ROBJECT_HEAP)
+rb_objspace_t rbspy_heap_flag_during_global_gc __attribute__((section(".rbspy_during_global_gc"))) = {.flags = {.during_global_gc = 1}};
+#endif
 rb_objspace_t rbspy_heap_flag_during_compacting
     __attribute__((section(".rbspy_during_compacting"))) = {.flags = {.during_compacting = 1}};
 #if API < 304

@@ -265,7 +265,8 @@ heap_layout_of() {
   local robject=None
   [ -n "${v[robject_embed]+x}" ] && robject="Some((0x$(printf %x "${v[robject_embed]}"), ${v[robject_numiv]}))"
   local shapes=None
-  [ -n "${v[shape_size]+x}" ] && shapes=$(shapes_of)
+  # (The master of 2026-08's shapes, with ivars in an imemo_fields object, are not read yet.)
+  [ -n "${v[shape_size]+x}" ] && [ -n "${v[robject_fields]+x}" ] && shapes=$(shapes_of)
   cat <<RUST
 ("$release", HeapLayout {
     sorted: ${v[sorted]},
