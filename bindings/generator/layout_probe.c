@@ -5,7 +5,8 @@
  * ../shared/rubies with its generated headers made by the script) and its configured
  * config.h; LAYOUT_NAME names the layout; OBJSPACE_FLAGS and OBJSPACE_DURING_GC_BIT are
  * measured by the script (see objspace_flags below), which also defines
- * PROBE_RACTOR_OBJSPACE when each Ractor owns its heap (`void *objspace;` in rb_ractor_t).
+ * PROBE_RACTOR_OBJSPACE when each Ractor owns its heap (`void *objspace;` in rb_ractor_t),
+ * PROBE_ID_ENTRY_DIR and PROBE_ORIGINAL_MODULE likewise (see measure_release).
  *
  * Why C and not hand-typed numbers: the compiler resolves every #if (USE_RVARGC,
  * SIZEOF_SERIAL_T, VM_DEBUG_BP_CHECK...) exactly as the Ruby build did.
@@ -284,6 +285,11 @@ int main(void) {
     OFF(me_def, rb_callable_method_entry_t, def);
     OFF(me_owner, rb_callable_method_entry_t, owner);
     OFF(me_def_original_id, rb_method_definition_t, original_id);
+#ifdef PROBE_ORIGINAL_MODULE
+    SOMEOFF(me_def_original_module, rb_method_definition_t, original_module);
+#else
+    NONE(me_def_original_module);
+#endif
     OFF(me_def_iseqptr, rb_method_definition_t, body.iseq.iseqptr);
     {
         /* `type` is a bitfield: find its bits in the first word by setting them all. */

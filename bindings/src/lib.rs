@@ -160,6 +160,10 @@ pub struct Layout {
     pub me_def: usize,
     pub me_owner: usize,
     pub me_def_original_id: usize,
+    /// `def->original_module` (the master of 2026-08, 4.1.0): the module a method was
+    /// defined in, which backtraces label it by (vm_backtrace.c, `location_original_module`:
+    /// an alias in a subclass is shown as `Parent#name`). None before: labels use the owner.
+    pub me_def_original_module: Option<usize>,
     /// `def->body.iseq.iseqptr`: the method body a Ruby method's frames must be running.
     pub me_def_iseqptr: usize,
     /// `def->type` is a bitfield in the definition's first word.

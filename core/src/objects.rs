@@ -386,6 +386,25 @@ fn method_prefix<M: Memory>(
     }
 }
 
+/// The module whose name labels a method (vm_backtrace.c, `location_original_module`): the
+/// module its definition was made in (`defined_in`, 0 when unrecorded), except for a copy
+/// that `module_function` put in that module's own singleton class, which keeps `owner`.
+pub fn label_module<M: Memory>(mem: &M, l: &Layout, owner: u64, defined_in: u64) -> ObjResult<u64> {
+    if defined_in == 0 || defined_in == owner {
+        return Ok(owner);
+    }
+    let (Some(flags), Some(attached_at)) =
+        (class_flags(mem, l, owner)?, l.classext_attached_object)
+    else {
+        return Ok(defined_in);
+    };
+    let singleton = flags & l.t_mask == l.t_class && flags & l.fl_singleton != 0;
+    if singleton && mem.read_u64(field(class_ext(mem, l, owner)?, attached_at))? == defined_in {
+        return Ok(owner);
+    }
+    Ok(defined_in)
+}
+
 /// The address of a class's `rb_classext_t`.
 fn class_ext<M: Memory>(mem: &M, l: &Layout, class: u64) -> ObjResult<u64> {
     match (l.rclass_ext_inline, l.rclass_ext_ptr) {

@@ -331,7 +331,8 @@ measure_release() {
   heap_body=$(heap_layout_of "$src" "$confdir" "$release") || return 1
   # What the master of 2026-08 (4.1.0) changed beyond offsets, told by the tree itself:
   # each Ractor owns its heap (rb_ractor_t has `objspace`), and the symbol table keeps its
-  # chunks in a directory (symbol.c's struct id_entry_dir, checked by check_copies).
+  # chunks in a directory (symbol.c's struct id_entry_dir, checked by check_copies), and a
+  # method definition records the module it was defined in (method.h's original_module).
   local defines=() ractor_struct
   ractor_struct=$(awk '/^struct rb_ractor_struct \{/,/^\};/' "$src/ractor_core.h" 2>/dev/null || true)
   if grep -q '^ *void \*objspace;' <<<"$ractor_struct"; then defines+=(-DPROBE_RACTOR_OBJSPACE); fi
@@ -343,3 +344,4 @@ measure_release() {
     { echo "$release: bindings/generator/layout_probe.c does not compile against it" >&2; return 1; }
   layout_body=$("$src_cache/probe-$release") || return 1
 }
+  if grep -q '^ *VALUE original_module;' "$src/method.h"; then defines+=(-DPROBE_ORIGINAL_MODULE); fi

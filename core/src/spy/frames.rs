@@ -5,7 +5,7 @@ use super::*;
 use crate::lines::LineTable;
 use crate::memory::{field, Memory, ReadBatch, Span};
 use crate::memory::{word, word32};
-use crate::objects::{is_heap_object, read_array_entry, read_string};
+use crate::objects::{is_heap_object, label_module, read_array_entry, read_string};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -39,6 +39,9 @@ pub(super) struct IseqInfo {
 pub(super) struct MethodInfo {
     pub(super) def: u64,
     pub(super) owner: u64,
+    /// The module whose name labels the method's frames: `owner`, or from 4.1.0 the module
+    /// the definition was made in (`label_module`).
+    pub(super) label_owner: u64,
     pub(super) def_type: u64,
     pub(super) original_id: u64,
     /// For Ruby methods: the iseqs its frames may run (the body, and the
@@ -381,7 +384,7 @@ impl<M: Memory> Walker<'_, M> {
             let owner = me
                 .and_then(|m| mes.get(&m))
                 .filter(|m| !info.in_method || m.iseqs.contains(&info.local_iseq))
-                .map(|m| m.owner);
+                .map(|m| m.label_owner);
             if owner.is_none() && info.is_method {
                 // Every method frame has a method entry: not finding one means the frame
                 // was being pushed or popped while we read it.
@@ -459,8 +462,19 @@ impl<M: Memory> Walker<'_, M> {
         let d = self
             .target
             .mem
-            .read_vec(def, l.me_def_original_id.max(l.me_def_iseqptr) + 8)
+            .read_vec(
+                def,
+                l.me_def_original_id
+                    .max(l.me_def_iseqptr)
+                    .max(l.me_def_original_module.unwrap_or(0))
+                    + 8,
+            )
             .map_err(self.target.moved("reading a method definition"))?;
+        let label_owner = match l.me_def_original_module {
+            Some(at) => label_module(&self.target.mem, l, owner, word(&d, at))
+                .map_err(|e| self.target.object_moved("reading a method's module", e))?,
+            None => owner,
+        };
         let def_type = (word(&d, 0) & l.me_def_type_mask) >> l.me_def_type_shift;
         let mut iseqs = [0, 0];
         if def_type == l.method_type_iseq {
@@ -479,6 +493,7 @@ impl<M: Memory> Walker<'_, M> {
         Ok(MethodInfo {
             def,
             owner,
+            label_owner,
             def_type,
             original_id: word(&d, l.me_def_original_id),
             iseqs,
@@ -505,7 +520,7 @@ impl<M: Memory> Walker<'_, M> {
         let label: Arc<str> = self
             .cache
             .classes
-            .qualify(&self.target.mem, l, symbols, info.owner, &name)
+            .qualify(&self.target.mem, l, symbols, info.label_owner, &name)
             .into();
         if let Some(m) = self.cache.methods.get_mut(&me) {
             m.cfunc_label = Some(label.clone());

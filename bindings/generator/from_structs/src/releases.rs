@@ -498,6 +498,7 @@ macro_rules! layout {
         l.dec("me_owner", offset_of!(r::rb_method_entry_struct, owner));
         type Def = r::rb_method_definition_struct;
         l.dec("me_def_original_id", offset_of!(Def, original_id));
+        l.none("me_def_original_module");
         l.dec("me_def_iseqptr", offset_of!(Def, body.iseq.iseqptr));
         {
             // `type` is a bitfield: set all its bits (bindgen's setter masks to the field's
