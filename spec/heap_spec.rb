@@ -76,6 +76,45 @@ RSpec.describe "the heap census" do
     expect(census).not_to be_partial
   end
 
+  it "counts objects that other Ractors made and keep, each Ractor's heap apart where each owns one" do
+    skip "no Ractors before 3.0" if RubySpyTest::TargetRuby.current.version < Gem::Version.new("3.0")
+    target = start_target("heap_ractors")
+    info = target.info
+    handle = RubySpy.attach(target.pid)
+    line = info.fetch("sleep_line")
+    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
+    until (stack = handle.snapshot).first&.label == "Kernel#sleep" && stack[1]&.lineno == line
+      raise "the target never slept on line #{line}: #{stack.first(2).map(&:to_s)}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+
+      sleep 0.05
+    end
+    census = handle.heap
+    Process.kill(:USR1, target.pid)
+    answers = target.result(".answers")
+    keepers = info.fetch("keepers")
+    foos = info.fetch("main_foos") + (keepers.size * info.fetch("per_keeper"))
+    warn "#{RubySpyTest::TargetRuby.current}: #{census["Foo"][:objects]} Foos in the census, #{answers["main_foos"]} " \
+         "by the main Ractor's each_object; heaps: " +
+         census.ractors.map { |r| "#{r[:name] || r[:id]} #{r[:objects]} objects/#{r[:total_slots]} slots" }.join(", ")
+    expect(census["Foo"]).to include(objects: foos, type: "T_OBJECT")
+    expect(census.slots).to include(unreadable_pages: 0, garbage_slots: 0)
+    expect(census).not_to be_heaps_changed
+    next expect(census.ractors).to eq([]) unless answers["main_foos"] == info.fetch("main_foos") && census.ractors.any?
+
+    # Each Ractor owns its heap: the main Ractor's ObjectSpace sees its own heap alone,
+    # which the census's row for it matches slot for slot; every keeper's heap holds its
+    # Foos; and the heaps add up to the census.
+    main, *others = census.ractors
+    expect(main).to include(id: 1, state: "running", total_slots: answers["counts"]["TOTAL"],
+                            free_slots: answers["counts"]["FREE"])
+    expect(others.map { |r| r.values_at(:name, :state) }).to eq(keepers.map { |k| [k, "running"] })
+    expect(others.map { |r| r[:objects] }).to all(be >= info.fetch("per_keeper"))
+    %i[pages total_slots free_slots].each { |k| expect(census.ractors.sum { |r| r[k] }).to eq(census.slots[k]) }
+    expect(census.ractors.sum { |r| r[:objects] }).to eq(census.objects)
+    expect(census.ractors.sum { |r| r[:bytes] }).to eq(census.classes.sum { |r| r[:bytes] })
+    expect(RubySpy::Census.from_json(census.render(:json)).ractors).to eq(census.ractors)
+  end
+
   it "reads a heap that allocates, frees and compacts under it: bounded drift, no crash, no hang" do
     target = start_target("heap_churn")
     keepers = target.info.fetch("keepers")

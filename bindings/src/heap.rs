@@ -74,6 +74,45 @@ pub struct HeapLayout {
     /// the class its singleton class's superclass chain reaches, as `Object#class` says.
     pub class_super: Option<usize>,
     pub class_super_in_ext: Option<usize>,
+    /// Where each Ractor owns its heap (the master of 2026-08): where the objspaces are
+    /// besides each living Ractor's `r->objspace` (`Layout::ractor_objspace`).
+    pub ractor_heaps: Option<RactorHeaps>,
+    /// The master of 2026-08: what `ObjectSpace.memsize_of` adds for a T_IMEMO fields
+    /// object, which holds the ivars that left an object's slot (`as.extended`).
+    pub fields: Option<Fields>,
+}
+
+/// The objspaces of a VM whose Ractors each own one (`rb_gc_vm_each_objspace`'s list): each
+/// living Ractor's, a child Ractor's while it is created, and terminated Ractors' (zombies)
+/// until a living objspace absorbs their pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RactorHeaps {
+    /// `r->creating_child_objspace`: a child's objspace, before the child joins the VM's
+    /// Ractor list.
+    pub creating_child: usize,
+    /// `vm->gc.zombie_objspaces` (an array of `zombie_count` entries of `zombie_size` bytes,
+    /// each an objspace pointer at 0 and its terminated Ractor at `zombie_owner`, NULL once
+    /// that Ractor is collected) and `vm->gc.zombie_objspaces_count`.
+    pub zombies: usize,
+    pub zombie_count: usize,
+    pub zombie_size: usize,
+    pub zombie_owner: usize,
+    /// `page->objspace`: the objspace a page belongs to (rewritten when a zombie's pages are
+    /// absorbed by another).
+    pub page_objspace: usize,
+}
+
+/// A T_IMEMO of type `imemo_type` (`(flags >> type_shift) & type_mask`) whose shape id
+/// (`flags >> id_shift`) has `complex_flag` holds its ivars in an st_table embedded at
+/// `table`; its memsize is its slot plus that table's bytes beyond `sizeof(st_table)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fields {
+    pub imemo_type: u64,
+    pub type_shift: u32,
+    pub type_mask: u64,
+    pub id_shift: u32,
+    pub complex_flag: u64,
+    pub table: usize,
 }
 
 /// What `ObjectSpace.memsize_of` adds for an object's ivars from 3.2 (shape.h): the

@@ -43,6 +43,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             shapes: None,
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -84,6 +86,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             shapes: None,
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -125,6 +129,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             shapes: None,
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -179,6 +185,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             }),
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -238,6 +246,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             }),
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -297,6 +307,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             }),
             class_super: Some(16),
             class_super_in_ext: None,
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -351,6 +363,8 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             }),
             class_super: None,
             class_super_in_ext: Some(8),
+            ractor_heaps: None,
+            fields: None,
         },
     ),
     (
@@ -392,6 +406,22 @@ pub static HEAP_LAYOUTS: &[(&str, HeapLayout)] = &[
             shapes: None,
             class_super: None,
             class_super_in_ext: Some(8),
+            ractor_heaps: Some(crate::heap::RactorHeaps {
+                creating_child: 584,
+                zombies: 1408,
+                zombie_count: 1416,
+                zombie_size: 32,
+                zombie_owner: 16,
+                page_objspace: 48,
+            }),
+            fields: Some(crate::heap::Fields {
+                imemo_type: 13,
+                type_shift: 12,
+                type_mask: 0xf,
+                id_shift: 32,
+                complex_flag: 0x4000000,
+                table: 16,
+            }),
         },
     ),
 ];

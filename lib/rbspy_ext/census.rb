@@ -92,6 +92,25 @@ module RubySpy
       figures.fetch(:moving, false)
     end
 
+    # Each Ractor's heap, where each Ractor owns one (Ruby master of 2026-08 and later): the
+    # census counts them all, where the target's own +ObjectSpace.count_objects+ and
+    # +each_object+ see only the calling Ractor's.
+    #
+    # @return [Array<Hash>] one per heap, the main Ractor's first: +:id+ and +:name+ of its
+    #   Ractor (+nil+ where unknown), +:state+ (+"running"+, +"creating"+ for a child not
+    #   started yet, +"terminated"+ for a heap awaiting absorption by a living one),
+    #   +:pages+, +:total_slots+, +:free_slots+, +:objects+, +:bytes+, +:slot_bytes+ and
+    #   +:heap_bytes+ as in {#classes}; empty where the VM has one heap
+    def ractors
+      @ractors ||= @native.ractors.freeze
+    end
+
+    # @return [Boolean] true when a Ractor started or ended through every pass: a heap may
+    #   then be missing from the counts, or counted twice
+    def heaps_changed?
+      figures.fetch(:heaps_changed, false)
+    end
+
     # @return [Integer] the process the census is of
     def pid
       figures[:pid]
@@ -174,9 +193,10 @@ module RubySpy
 
     # @return [Hash] every figure, as saved: {#slots}'s, +:pid+, +:ruby_version+,
     #   +:taken_at_ms+, +:duration_us+, +:bytes_read+, +:partial+, +:sweeping+,
-    #   +:compactions+, +:moving+, +:not_counted+, and the rows (+:classes+, +:types+)
+    #   +:compactions+, +:moving+, +:heaps_changed+, +:not_counted+, and the rows
+    #   (+:classes+, +:types+, +:ractors+)
     def to_h
-      figures.merge(classes: classes, types: types)
+      figures.merge(classes: classes, types: types, ractors: ractors)
     end
     alias data to_h
 

@@ -264,9 +264,16 @@ heap_layout_of() {
   objdump -h "$scratch/heap_probe.o" | grep -q '\.rbspy_in_tomb' && tomb="Some($(flag in_tomb))"
   local robject=None
   [ -n "${v[robject_embed]+x}" ] && robject="Some((0x$(printf %x "${v[robject_embed]}"), ${v[robject_numiv]}))"
-  local shapes=None
-  # (The master of 2026-08's shapes, with ivars in an imemo_fields object, are not read yet.)
+  local shapes=None ractor_heaps=None fields=None
+  # The master of 2026-08 needs no shape list: an object's ivars out of its slot are an
+  # imemo_fields object of their own (`fields`), sized apart.
   [ -n "${v[shape_size]+x}" ] && [ -n "${v[robject_fields]+x}" ] && shapes=$(shapes_of)
+  if [ -n "${v[fields_complex_table]+x}" ]; then
+    fields="Some(crate::heap::Fields { imemo_type: ${v[imemo_fields]}, type_shift: ${v[imemo_type_shift]}, type_mask: 0x$(printf %x "${v[imemo_type_mask]}"), id_shift: ${v[shape_id_shift]}, complex_flag: 0x$(printf %x "${v[too_complex_flag]}"), table: ${v[fields_complex_table]} })"
+  fi
+  if [ -n "${v[page_objspace]+x}" ]; then
+    ractor_heaps="Some(crate::heap::RactorHeaps { creating_child: ${v[ractor_creating_child_objspace]}, zombies: ${v[vm_zombie_objspaces]}, zombie_count: ${v[vm_zombie_objspaces_count]}, zombie_size: ${v[zombie_objspace_size]}, zombie_owner: ${v[zombie_objspace_owner]}, page_objspace: ${v[page_objspace]} })"
+  fi
   cat <<RUST
 ("$release", HeapLayout {
     sorted: ${v[sorted]},
@@ -305,6 +312,8 @@ heap_layout_of() {
     shapes: $shapes,
     class_super: $(opt class_super),
     class_super_in_ext: $(opt class_super_in_ext),
+    ractor_heaps: $ractor_heaps,
+    fields: $fields,
 }),
 RUST
 }
@@ -337,6 +346,7 @@ measure_release() {
   ractor_struct=$(awk '/^struct rb_ractor_struct \{/,/^\};/' "$src/ractor_core.h" 2>/dev/null || true)
   if grep -q '^ *void \*objspace;' <<<"$ractor_struct"; then defines+=(-DPROBE_RACTOR_OBJSPACE); fi
   if grep -q 'struct id_entry_dir {' "$src/symbol.c"; then defines+=(-DPROBE_ID_ENTRY_DIR); fi
+  if grep -q '^ *VALUE original_module;' "$src/method.h"; then defines+=(-DPROBE_ORIGINAL_MODULE); fi
   gcc -w -DLAYOUT_NAME="\"${release%.*}\"" -DOBJSPACE_FLAGS="${flags_at% *}" \
     -DOBJSPACE_DURING_GC_BIT="${flags_at#* }" "${defines[@]}" \
     -I"$src" -I"$src/include" -I"$confdir" \
@@ -344,4 +354,3 @@ measure_release() {
     { echo "$release: bindings/generator/layout_probe.c does not compile against it" >&2; return 1; }
   layout_body=$("$src_cache/probe-$release") || return 1
 }
-  if grep -q '^ *VALUE original_module;' "$src/method.h"; then defines+=(-DPROBE_ORIGINAL_MODULE); fi

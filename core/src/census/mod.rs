@@ -5,11 +5,13 @@
 //!
 //! - `walk.rs`: [`take`] reads the target's heap through the view of the target the spy
 //!   lends ([`crate::spy::TargetView`]) and counts what it finds;
+//! - `heaps.rs`: the heaps to read: the VM's one, or every Ractor's where each owns one;
 //! - `pages.rs`: the list of every heap page, and each page's header;
 //! - `shapes.rs`: objects' ivars out of their slots, sized by their shapes (3.2+);
 //! - `render.rs`: a census as text, a diff as text, and pprof in Go's heap profile shape.
 use serde::{Deserialize, Serialize};
 
+mod heaps;
 mod pages;
 pub mod render;
 mod shapes;
@@ -128,6 +130,36 @@ pub struct Census {
     #[serde(default)]
     pub moving: bool,
     pub not_counted: String,
+    /// Where each Ractor owns its heap (Ruby master of 2026-08 and later): every heap
+    /// counted, with its Ractor, in the order the VM lists them (living Ractors, the main
+    /// one first, then children being created, then terminated Ractors' heaps not yet
+    /// absorbed). Empty where the VM has one heap.
+    #[serde(default)]
+    pub ractors: Vec<RactorHeap>,
+    /// The set of heaps changed while the last pass read them (a Ractor started or ended
+    /// through every pass): a heap may then be missing or counted twice.
+    #[serde(default)]
+    pub heaps_changed: bool,
+}
+
+/// One Ractor's heap (its objspace) and what the census counted in it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RactorHeap {
+    /// The Ractor's id (`Ractor#inspect`'s number; the main Ractor is 1) and name, where
+    /// known: a child's heap is populated before the child has either, and a terminated
+    /// Ractor's heap outlives the Ractor object.
+    pub id: Option<u32>,
+    pub name: Option<String>,
+    /// "running" (a living Ractor's), "creating" (a child's, before it joins the VM) or
+    /// "terminated" (awaiting absorption by a living heap).
+    pub state: String,
+    pub pages: u64,
+    pub total_slots: u64,
+    pub free_slots: u64,
+    /// Live objects, and their slot and outside bytes (as `ClassRow`'s).
+    pub objects: u64,
+    pub slot_bytes: u64,
+    pub heap_bytes: u64,
 }
 
 /// One class's change between two censuses (`Census::diff`).

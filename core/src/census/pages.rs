@@ -22,6 +22,8 @@ pub(super) struct Page {
     /// Unmarked slots here are garbage: a lazy sweep runs and has not reached this page.
     pub(super) unswept: bool,
     pub(super) marks: Vec<u64>,
+    /// `page->objspace` where each Ractor owns its heap (else 0): the heap it belongs to now.
+    pub(super) objspace: u64,
 }
 
 /// Every page's `struct heap_page *`, from the objspace's sorted array: before 3.4 a plain
@@ -127,6 +129,7 @@ pub(super) fn read_headers<M: Memory>(
         } else {
             Vec::new()
         };
+        let objspace = h.ractor_heaps.map_or(0, |r| word(bytes, r.page_objspace));
         read.push(Page {
             header,
             start,
@@ -134,6 +137,7 @@ pub(super) fn read_headers<M: Memory>(
             slot_size,
             unswept,
             marks,
+            objspace,
         });
     }
     read

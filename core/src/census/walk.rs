@@ -9,6 +9,7 @@
 //! slots (before 3.3), objects' ivar tables and shapes (3.2+, shapes.rs) and the headers of
 //! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each. The
 //! heap's layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+use super::heaps::{addresses, objspaces, Objspace};
 use super::pages::{self, page_list, read_headers, Page, Reread};
 use super::shapes::{shape_source, Ivars, ShapeSource};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
@@ -21,6 +22,11 @@ use std::time::Instant;
 
 /// Appended to `NOT_COUNTED` when objects' ivars could not be sized (3.2+).
 const SHAPES_NOT_FOUND: &str = "; here also T_OBJECT ivar buffers (the shape list was not found)";
+/// Appended to `NOT_COUNTED` where ivars that left their object's slot are an object of
+/// their own (the master of 2026-08): `ObjectSpace.memsize_of` counts them apart, so does
+/// the census.
+const FIELDS_APART: &str = "; here an object's ivars out of its slot are an object of their own \
+     (an imemo_fields T_IMEMO), counted under T_IMEMO as memsize_of counts them";
 
 /// Pages per `process_vm_readv` (4 MiB of 64 KiB pages): large reads, bounded memory.
 const PAGES_PER_CALL: usize = 64;
@@ -72,6 +78,10 @@ pub(super) struct Count<'a> {
     /// Objects whose ivars are in a buffer sized by their shape (3.2+), by (class, shape id):
     /// how many (see shapes.rs).
     shaped: FxHashMap<(u64, u32), u64>,
+    /// The index in `census.ractors` of the Ractor whose heap is being counted (None where
+    /// the VM has one heap). Tables read after the pages (`tables`, before 3.3) never occur
+    /// where Ractors own heaps, so each Ractor's bytes are complete without them.
+    ractor: Option<usize>,
 }
 
 impl<'a> Count<'a> {
@@ -83,6 +93,7 @@ impl<'a> Count<'a> {
             by_class: FxHashMap::default(),
             tables: Vec::new(),
             shaped: FxHashMap::default(),
+            ractor: None,
         }
     }
 }
@@ -102,39 +113,34 @@ struct Heap<'a, M: Memory> {
 /// (`moving`). So is a pass that read no page.
 pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Result<Census> {
     let began = Instant::now();
-    let (pid, version) = (target.pid(), target.version().to_string());
-    let h = heap_layout_for_version(&version).ok_or_else(|| Error::UnsupportedVersion {
-        pid,
-        version: version.clone(),
+    let h = heap_layout_for_version(target.version()).ok_or_else(|| Error::UnsupportedVersion {
+        pid: target.pid(),
+        version: target.version().to_string(),
         detail: "no heap layout measured for this series".into(),
     })?;
-    let Some(vm_objspace) = target.layout().vm_objspace else {
-        return Err(Error::UnsupportedVersion {
-            pid,
-            version,
-            detail: "each Ractor owns its heap here, which the census does not read yet".into(),
-        });
-    };
     let mut heap = Heap { t: target, h };
-    let objspace = heap
-        .t
-        .mem()
-        .read_u64(field(heap.t.vm(), vm_objspace))
-        .map_err(|e| heap.t.memory_error("reading the VM's objspace", e))?;
+    let mut spaces = objspaces(&heap.t, h)?;
     let (mut passes, mut compactions) = (0, 0);
     let mut census = loop {
-        let before = heap.compactions(objspace)?;
-        let mut census = heap.pass(objspace, options)?;
-        census.moving = before.1 || heap.compactions(objspace)? != (before.0, false);
+        let before = heap.compactions(&spaces)?;
+        let mut census = heap.pass(&spaces, options)?;
+        // A Ractor that started or ended meanwhile (its heap absorbed by another, whose
+        // pages then moved from one list to the other) may have been missed or counted
+        // twice: the pass is taken again, like one that overlapped a compaction.
+        let now = objspaces(&heap.t, h)?;
+        census.heaps_changed |= addresses(&now) != addresses(&spaces);
+        census.moving =
+            before.1 || (!census.heaps_changed && heap.compactions(&spaces)? != (before.0, false));
         passes += 1;
         // A live Ruby has pages: a list none of whose pages read was read while it
         // changed (once in 500 censuses of a churning 2.7 under load it named 6 pages,
         // of some 320, none readable).
         let no_page = census.pages == 0;
-        if !(census.moving || no_page) || passes >= ATTEMPTS {
+        if !(census.moving || no_page || census.heaps_changed) || passes >= ATTEMPTS {
             break census;
         }
         compactions += u64::from(census.moving);
+        spaces = now;
     };
     census.compactions = compactions;
     census.duration_us = began.elapsed().as_micros() as u64;
@@ -145,46 +151,78 @@ pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Res
 }
 
 impl<M: Memory> Heap<'_, M> {
-    /// The objspace's compaction count, and whether a compaction runs now.
-    fn compactions(&self, objspace: u64) -> Result<(u64, bool)> {
+    /// The heaps' compactions so far (a global compaction counts in each), and whether one
+    /// runs now.
+    fn compactions(&self, spaces: &[Objspace]) -> Result<(u64, bool)> {
         let (h, mem) = (self.h, self.t.mem());
         let memory = |e| self.t.memory_error("reading the GC's state", e);
-        let count = mem
-            .read_u64(field(objspace, h.compact_count))
-            .map_err(memory)?;
-        let (at, mask) = h.during_compacting;
-        let mut flag = [0u8];
-        mem.read(field(objspace, at), &mut flag).map_err(memory)?;
-        Ok((count, flag[0] & mask != 0))
+        let (mut count, mut running) = (0u64, false);
+        for space in spaces {
+            count = count.wrapping_add(
+                mem.read_u64(field(space.address, h.compact_count))
+                    .map_err(memory)?,
+            );
+            let (at, mask) = h.during_compacting;
+            let mut flag = [0u8];
+            mem.read(field(space.address, at), &mut flag)
+                .map_err(memory)?;
+            running |= flag[0] & mask != 0;
+        }
+        Ok((count, running))
     }
 
-    /// One pass over every page (see `take`).
-    fn pass(&mut self, objspace: u64, options: CensusOptions) -> Result<Census> {
+    /// One pass over every page of every heap (see `take`).
+    fn pass(&mut self, spaces: &[Objspace], options: CensusOptions) -> Result<Census> {
         let h = self.h;
         let shapes = h.shapes.and_then(|s| shape_source(&mut self.t, &s));
         let t = &self.t;
         let (l, mem) = (t.layout(), t.mem());
-        let memory = |context| move |e| t.memory_error(context, e);
-        let flags = mem
-            .read_u64(field(objspace, l.objspace_flags))
-            .map_err(memory("reading the GC's flags"))?;
-        let sweeping = flags & 3 == h.gc_mode_sweeping;
-        let pages = page_list(mem, h, objspace).map_err(memory("reading the heap's page list"))?;
         let mut count = Count::new(
             l,
             h,
             Census {
                 pid: t.pid(),
                 ruby_version: t.version().to_string(),
-                sweeping,
-                not_counted: NOT_COUNTED.into(),
+                not_counted: NOT_COUNTED.to_string()
+                    + if h.fields.is_some() { FIELDS_APART } else { "" },
+                ractors: spaces.iter().filter_map(|s| s.ractor.clone()).collect(),
                 ..Census::default()
             },
         );
-        for chunk in pages.chunks(PAGES_PER_CALL) {
-            let headers = read_headers(mem, h, sweeping, chunk, &mut count.census);
-            if !count.read_bodies(mem, &headers, options.max_bytes) {
-                break;
+        'heaps: for (i, space) in spaces.iter().enumerate() {
+            let memory = |context| move |e| t.memory_error(context, e);
+            let read = mem
+                .read_u64(field(space.address, l.objspace_flags))
+                .map_err(memory("reading the GC's flags"))
+                .and_then(|flags| {
+                    let pages = page_list(mem, h, space.address)
+                        .map_err(memory("reading the heap's page list"))?;
+                    Ok((flags, pages))
+                });
+            let (flags, pages) = match read {
+                Ok(read) => read,
+                // A terminated Ractor's heap freed once absorbed: the set changed.
+                Err(_) if i > 0 => {
+                    count.census.heaps_changed = true;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            // Each heap sweeps lazily on its own.
+            let sweeping = flags & 3 == h.gc_mode_sweeping;
+            count.census.sweeping |= sweeping;
+            count.ractor = space.ractor.is_some().then_some(i);
+            for chunk in pages.chunks(PAGES_PER_CALL) {
+                let mut headers = read_headers(mem, h, sweeping, chunk, &mut count.census);
+                if h.ractor_heaps.is_some() {
+                    // A page of another heap now (absorbed meanwhile) is counted there.
+                    let listed = headers.len();
+                    headers.retain(|p| p.objspace == space.address);
+                    count.census.heaps_changed |= headers.len() != listed;
+                }
+                if !count.read_bodies(mem, &headers, options.max_bytes) {
+                    break 'heaps;
+                }
             }
         }
         count.read_tables(mem);
@@ -368,6 +406,9 @@ impl Count<'_> {
             self.census.bytes_read += body.len() as u64;
             self.census.pages += 1;
             self.census.heap_bytes_total += body.len() as u64;
+            if let Some(r) = self.ractor {
+                self.census.ractors[r].pages += 1;
+            }
             self.count_page(page, body, page.unswept && state == Reread::Same);
         }
         self.census.partial |= cut;
@@ -376,13 +417,16 @@ impl Count<'_> {
 
     /// Counts one page's slots; unmarked ones as garbage when `unswept` (see `Page`).
     fn count_page(&mut self, page: &Page, body: &[u8], unswept: bool) {
+        let (mut total, mut free, mut live) = (0, 0, Tally::default());
         for i in 0..page.slots {
             let slot = &body[i * page.slot_size..(i + 1) * page.slot_size];
+            // Only word 0 of a free slot means anything: on the master of 2026-08 the
+            // slots after a free run's first hold what the dead object left.
             let flags = word(slot, 0);
             let t = (flags & 0x1f) as u8;
-            self.census.total_slots += 1;
+            total += 1;
             match t {
-                _ if flags == 0 || t == T_NONE => self.census.free_slots += 1,
+                _ if flags == 0 || t == T_NONE => free += 1,
                 T_ZOMBIE => self.census.zombie_slots += 1,
                 T_MOVED => self.census.moved_slots += 1,
                 _ if unswept && !self.marked(page, i) => self.census.garbage_slots += 1,
@@ -390,12 +434,25 @@ impl Count<'_> {
                     self.census.live_slots += 1;
                     let klass = word(slot, 8);
                     let heap_bytes = self.heap_bytes(t, flags, klass, slot, page.slot_size);
-                    let tally = self.by_class.entry((klass, t)).or_default();
-                    tally.objects += 1;
-                    tally.slot_bytes += page.slot_size as u64;
-                    tally.heap_bytes += heap_bytes;
+                    let one = Tally {
+                        objects: 1,
+                        slot_bytes: page.slot_size as u64,
+                        heap_bytes,
+                    };
+                    self.by_class.entry((klass, t)).or_default().add(one);
+                    live.add(one);
                 }
             }
+        }
+        self.census.total_slots += total;
+        self.census.free_slots += free;
+        if let Some(r) = self.ractor {
+            let row = &mut self.census.ractors[r];
+            row.total_slots += total;
+            row.free_slots += free;
+            row.objects += live.objects;
+            row.slot_bytes += live.slot_bytes;
+            row.heap_bytes += live.heap_bytes;
         }
     }
 
@@ -452,6 +509,24 @@ impl Count<'_> {
                         return h.ar_table_size.unwrap_or(0) as u64;
                     }
                     0
+                }
+                _ => 0,
+            },
+            T_IMEMO => match h.fields {
+                // A fields object (the master of 2026-08) whose ivars are a table
+                // embedded in its slot: the table's bytes beyond its header.
+                Some(f)
+                    if (flags >> f.type_shift) & f.type_mask == f.imemo_type
+                        && (flags >> f.id_shift) & f.complex_flag != 0
+                        && f.table + h.st_table_size <= slot_size =>
+                {
+                    match self.st_bytes(&slot[f.table..f.table + h.st_table_size]) {
+                        Some(bytes) => bytes - h.st_table_size as u64,
+                        None => {
+                            self.census.unreadable_tables += 1;
+                            0
+                        }
+                    }
                 }
                 _ => 0,
             },

@@ -1,6 +1,8 @@
 //! The narrow view of an attached target that a reader beside the stack walker (the heap
 //! census, core/src/census/) reads through.
 use super::attach::{memory_error, Target};
+use super::thread_list::read_ractors;
+use super::Attempt;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::Memory;
 use crate::objects::{ClassNames, SymbolTable};
@@ -15,6 +17,18 @@ pub struct TargetView<'a, M: Memory> {
     pub(super) target: &'a mut Target<M>,
     pub(super) symbols: &'a mut Option<SymbolTable>,
     pub(super) classes: &'a mut ClassNames,
+}
+
+/// A Ractor along the VM's list, for the census (`TargetView::ractors`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RactorRef {
+    /// Its `rb_ractor_t`.
+    pub address: u64,
+    pub id: u32,
+    pub name: Option<String>,
+    /// Its `rb_objspace` (`r->objspace`) where each Ractor owns its heap, else the VM's; 0
+    /// while a Ractor still shares its parent's.
+    pub objspace: u64,
 }
 
 impl<M: Memory> TargetView<'_, M> {
@@ -88,5 +102,26 @@ impl<M: Memory> TargetView<'_, M> {
         confirms: impl Fn(&C, &[u8]) -> bool,
     ) -> Option<(u64, C)> {
         self.target.scan_writable(window, head_len, pick, confirms)
+    }
+
+    /// Every Ractor along `vm->ractor.set` (the stack walker's own walk of it); Ok(None)
+    /// when the list changed while it was read (read it again).
+    pub fn ractors(&self) -> Result<Option<Vec<RactorRef>>> {
+        let threads = self.target.layout.ractor_threads_set.unwrap_or(0) as u64;
+        match read_ractors(self.target) {
+            // The walk keeps each Ractor's thread list head, `threads` bytes into it.
+            Ok(list) => Ok(Some(
+                list.into_iter()
+                    .map(|r| RactorRef {
+                        address: r.threads.wrapping_sub(threads),
+                        id: r.id,
+                        name: r.name,
+                        objspace: r.objspace,
+                    })
+                    .collect(),
+            )),
+            Err(Attempt::Changed(_)) => Ok(None),
+            Err(Attempt::Fatal(e)) => Err(e),
+        }
     }
 }

@@ -4,7 +4,7 @@
 //! Taking one is `NativeHandle#census` (handle.rs).
 use crate::errors;
 use magnus::{function, method, prelude::*, Error, RArray, RHash, RString, Ruby};
-use rbspy_ext_core::census::{render, Census, ClassDelta, ClassRow};
+use rbspy_ext_core::census::{render, Census, ClassDelta, ClassRow, RactorHeap};
 
 #[magnus::wrap(class = "RubySpy::NativeCensus", free_immediately, size)]
 pub(crate) struct NativeCensus(Census);
@@ -47,6 +47,7 @@ impl NativeCensus {
         hash.aset(ruby.to_symbol("partial"), c.partial)?;
         hash.aset(ruby.to_symbol("sweeping"), c.sweeping)?;
         hash.aset(ruby.to_symbol("moving"), c.moving)?;
+        hash.aset(ruby.to_symbol("heaps_changed"), c.heaps_changed)?;
         hash.aset(ruby.to_symbol("not_counted"), c.not_counted.as_str())?;
         Ok(hash)
     }
@@ -59,6 +60,16 @@ impl NativeCensus {
     /// Live objects by type alone.
     fn types(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         rows(ruby, &rb_self.0.types)
+    }
+
+    /// Each Ractor's heap where each owns one (see `ractor`); empty where the VM has one.
+    fn ractors(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let heaps = &rb_self.0.ractors;
+        let out = ruby.ary_new_capa(heaps.len());
+        for r in heaps {
+            out.push(ractor(ruby, r)?)?;
+        }
+        Ok(out)
     }
 
     /// How this census changed since `earlier`: one Hash per class that did.
@@ -93,6 +104,27 @@ fn rows(ruby: &Ruby, rows: &[ClassRow]) -> Result<RArray, Error> {
     Ok(out)
 }
 
+/// `{id:, name:, state:, pages:, total_slots:, free_slots:, objects:, bytes:, slot_bytes:,
+/// heap_bytes:}` for one Ractor's heap (`id` and `name` nil where unknown).
+fn ractor(ruby: &Ruby, r: &RactorHeap) -> Result<RHash, Error> {
+    let hash = ruby.hash_new();
+    hash.aset(ruby.to_symbol("id"), r.id)?;
+    hash.aset(ruby.to_symbol("name"), r.name.as_deref())?;
+    hash.aset(ruby.to_symbol("state"), r.state.as_str())?;
+    for (key, value) in [
+        ("pages", r.pages),
+        ("total_slots", r.total_slots),
+        ("free_slots", r.free_slots),
+        ("objects", r.objects),
+        ("bytes", r.slot_bytes + r.heap_bytes),
+        ("slot_bytes", r.slot_bytes),
+        ("heap_bytes", r.heap_bytes),
+    ] {
+        hash.aset(ruby.to_symbol(key), value)?;
+    }
+    Ok(hash)
+}
+
 /// `{name:, type:, objects:, bytes:, objects_now:, bytes_now:}` for one class's change.
 fn delta(ruby: &Ruby, d: &ClassDelta) -> Result<RHash, Error> {
     let hash = ruby.hash_new();
@@ -115,6 +147,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("figures", method!(NativeCensus::figures, 0))?;
     class.define_method("classes", method!(NativeCensus::classes, 0))?;
     class.define_method("types", method!(NativeCensus::types, 0))?;
+    class.define_method("ractors", method!(NativeCensus::ractors, 0))?;
     class.define_method("diff", method!(NativeCensus::diff, 1))?;
     class.define_method("diff_text", method!(NativeCensus::diff_text, 2))?;
     crate::classes::resolve::<NativeCensus>(ruby);
