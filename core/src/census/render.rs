@@ -77,6 +77,28 @@ pub fn text(census: &Census, limit: usize) -> String {
             "  compactions kept moving objects while they were read: counts are approximate"
         );
     }
+    if census.heaps_changed {
+        let _ = writeln!(
+            out,
+            "  Ractors started or ended while their heaps were read: counts are approximate"
+        );
+    }
+    // One line per heap where each Ractor owns one (a single Ractor's says nothing more).
+    for r in census.ractors.iter().filter(|_| census.ractors.len() > 1) {
+        let who = match (r.id, &r.name) {
+            (Some(id), Some(name)) => format!("Ractor {id} ({name})"),
+            (Some(id), None) => format!("Ractor {id}"),
+            _ => "a Ractor".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "  {who}, {}: {} live objects, {}, in {} pages",
+            r.state,
+            r.objects,
+            human_bytes(r.slot_bytes + r.heap_bytes),
+            r.pages
+        );
+    }
     let _ = writeln!(
         out,
         "\n{:>12} {:>12} {:>12}  class (type)",
