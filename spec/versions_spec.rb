@@ -2,6 +2,8 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
+require "etc"
+require "open3"
 
 # Version detection and overrides, against a live target (the Ruby set by
 # RUBYSPY_TARGET_RUBY, or the host's).
@@ -34,11 +36,38 @@ RSpec.describe "RubySpy version handling" do
     end
   end
 
-  it "raises a RubySpy::Error (not a crash) when the forced layout does not fit the process" do
-    known = %w[2.7.4 3.1.2 3.3.8 3.4.11]
-    wrong = known.find { |v| v[0, 3] != target.ruby_version[0, 3] }
-    expect { RubySpy.attach(target.pid, force_version: wrong).snapshot }
-      .to raise_error(RubySpy::Error, /#{target.pid}/)
+  # A layout that does not fit a Ruby past its start-up (2 s, see attach.rs) is reported as
+  # such, naming the Ruby by its own RUBY_DESCRIPTION (with its revision, and a dev build's date) and
+  # the Rubies this build knows: never "not a Ruby process", never garbage frames. Forced here
+  # with the layouts of other series, as an unknown release's guessed layout would be.
+  it "names the Ruby, its revision and the Rubies it knows when the forced layout does not fit" do
+    series = target.ruby_version[0, 3]
+    wrong = %w[2.7.4 3.1.2 3.3.8 3.4.11 4.0.2].reject { |v| v[0, 3] == series }
+    revision, = Open3.capture2(*RubySpyTest::TargetRuby.current.command("-e", "print RUBY_REVISION[0, 10]"))
+    wait_for("the target to be past its start-up") { process_age(target.pid) > 2.2 }
+    own = RubySpy.snapshot(target.pid)
+    refused = wrong.select do |version|
+      frames = RubySpy.attach(target.pid, force_version: version).snapshot
+      # A neighbouring series' layout may fit this Ruby as well (3.4's fits 3.3 here): then
+      # its frames must be this Ruby's own, never garbage (labelled as the forced release
+      # labels them: 3.4 qualifies `sleep` as `Kernel#sleep`).
+      where = ->(list) { list.map { |f| [f.path, f.lineno, f.base_label] } }
+      expect(where.call(frames)).to eq(where.call(own)), "the forced layout of #{version} gave other frames"
+      false
+    rescue RubySpy::UnsupportedVersion => e
+      expect(e.message).to include("ruby #{target.ruby_version}", "forced layout of #{version}",
+                                   "this build knows Ruby 2.7.0-2.7.")
+      # (A build from a tree with no revision.h, as 3.2 and 4.0 here, says HEAD and names none.)
+      expect(e.message).to include(revision) unless revision == "HEAD"
+      true
+    end
+    expect(refused).not_to be_empty
     expect(target.health_problems).to eq([])
+  end
+
+  # How long process +pid+ has run, from /proc (start time in clock ticks, system uptime).
+  def process_age(pid)
+    ticks = File.read("/proc/#{pid}/stat").split(")").last.split[19].to_f
+    File.read("/proc/uptime").split.first.to_f - ticks / Etc.sysconf(Etc::SC_CLK_TCK)
   end
 end

@@ -361,6 +361,39 @@ pub fn supported_range() -> (&'static str, &'static str) {
     numeric_range(VERSIONS.iter().map(|(v, _)| *v)).expect("VERSIONS is not empty")
 }
 
+/// Every minor series in [`VERSIONS`] as the range of its releases, oldest first, e.g.
+/// "2.7.0-2.7.8, 3.0.0-3.0.7, ..., 4.1.0": the Rubies this build knows, for an error.
+pub fn known_series() -> String {
+    let mut series: Vec<(String, (&str, &str))> = Vec::new();
+    for (v, _) in VERSIONS {
+        let minor: String = v.splitn(3, '.').take(2).collect::<Vec<_>>().join(".");
+        if series.iter().any(|(m, _)| *m == minor) {
+            continue;
+        }
+        let prefix = format!("{minor}.");
+        let of_minor = VERSIONS
+            .iter()
+            .map(|(v, _)| *v)
+            .filter(|v| v.starts_with(&prefix));
+        let range = numeric_range(of_minor).expect("holds v");
+        series.push((minor, range));
+    }
+    series.sort_by_key(|(_, (oldest, _))| {
+        oldest
+            .split('.')
+            .map(|p| p.parse::<u32>().unwrap_or(0))
+            .collect::<Vec<_>>()
+    });
+    series
+        .iter()
+        .map(|(_, (oldest, newest))| match oldest == newest {
+            true => oldest.to_string(),
+            false => format!("{oldest}-{newest}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The least and the greatest of `versions` by (major, minor, patch).
 fn numeric_range<'a>(
     versions: impl Iterator<Item = &'a str> + Clone,
@@ -401,6 +434,12 @@ mod tests {
         let (oldest, newest) = supported_range();
         assert_eq!(oldest, "2.7.0");
         assert_eq!(newest, "4.1.0");
+        let known = known_series();
+        assert!(known.starts_with("2.7.0-2.7."), "{known}");
+        assert!(
+            known.contains(", 3.0.0-3.0.") && known.ends_with(", 4.1.0"),
+            "{known}"
+        );
     }
 
     #[test]

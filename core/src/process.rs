@@ -151,6 +151,26 @@ impl Identity {
         Some(Identity { start_ticks, auxv })
     }
 
+    /// How long the process has run (from its start time and the system's uptime); None
+    /// when /proc/uptime cannot be read.
+    pub fn age(&self) -> Option<std::time::Duration> {
+        let uptime: f64 = fs::read_to_string("/proc/uptime")
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        // SAFETY: sysconf only reads a configuration value.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if ticks <= 0 {
+            return None;
+        }
+        let started = self.start_ticks as f64 / ticks as f64;
+        Some(std::time::Duration::from_secs_f64(
+            (uptime - started).max(0.0),
+        ))
+    }
+
     /// How `now` (the same pid's identity read later) differs from this one, if it does.
     pub fn replaced_by(&self, pid: i32, now: &Identity) -> Option<Replaced> {
         if now.start_ticks != self.start_ticks {
@@ -205,6 +225,8 @@ impl RubyBinary {
 /// Symbols worth keeping (the ELF is parsed once at attach).
 const WANTED: &[&str] = &[
     "ruby_version",
+    // RUBY_DESCRIPTION (date and revision of a dev build), for an error naming the Ruby.
+    "ruby_description",
     "ruby_current_vm_ptr",
     "ruby_current_vm",
     "ruby_single_main_ractor",

@@ -198,7 +198,8 @@ impl Image {
     /// `rb_symbols_t`: `ids` is an array of chunks of `id_entry_unit` entries of
     /// `id_entry_size` VALUEs, the name (a String) being VALUE `id_entry_str` of an entry.
     /// A chunk is an Array, or from 4.1 (`id_chunk_data`) a T_DATA whose data is an
-    /// `rb_darray` (size, capacity, then the entries). The counter at `symbols_last_id` is
+    /// `rb_darray` (size, capacity, then the entries); from the master of 2026-08 (`id_dir`)
+    /// `ids` is a T_DATA over a directory of the chunks. The counter at `symbols_last_id` is
     /// the last serial, or from 4.0 (`symbols_count_next_id`) the next one.
     fn symbol_table(&mut self) -> u64 {
         let l = self.l;
@@ -237,7 +238,25 @@ impl Image {
             };
             chunk_values.push(chunk);
         }
-        let ids = self.array(&chunk_values);
+        let ids = match (l.id_dir, l.id_chunk_data) {
+            // The master of 2026-08: `ids` wraps a directory {capa, entries} of the chunks,
+            // with room to spare (capa doubles as IDs grow).
+            (Some((capa_at, entries_at)), Some(data_at)) => {
+                let capa = chunk_values.len() as u64 * 2;
+                let entries = self.alloc(capa as usize * 8);
+                for (i, c) in chunk_values.iter().enumerate() {
+                    self.put(entries + i as u64 * 8, *c);
+                }
+                let dir = self.alloc(16);
+                self.put(dir + capa_at as u64, capa);
+                self.put(dir + entries_at as u64, entries);
+                let data = self.alloc(data_at + 8);
+                self.put(data, T_DATA);
+                self.put(data + data_at as u64, dir);
+                data
+            }
+            _ => self.array(&chunk_values),
+        };
         let table = self.alloc(l.symbols_size);
         let counter = if l.symbols_count_next_id() {
             last_serial + 1
