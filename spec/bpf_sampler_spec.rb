@@ -287,13 +287,20 @@ RSpec.describe "the BPF sampler" do
     end
   end
 
-  it "records an M:N target in user space and says so" do
+  # Under M:N the program cannot know a Ruby thread by its native thread; it reads which one
+  # runs there from Ruby's own ruby_current_ec thread-local, whose offset from the thread
+  # pointer user space finds by the main thread's context (Capture::ec_tls).
+  it "records an M:N target in the kernel, through Ruby's own ruby_current_ec, and says so" do
     skip "M:N threads need Ruby 3.3+" unless version_at_least?(RubySpyTest::TargetRuby.current.version.to_s, 3, 3)
 
     target = start_target("busy_main", env: { "RUBY_MN_THREADS" => "1" })
     profile = record(target.pid, mode: :bpf, rate: 199, duration: 0.5)
-    expect(profile.notes.join).to include("recorded by the user-space sampler").and include("RUBY_MN_THREADS=1")
-    expect(profile.samples).to be > 0
-    expect(profile.cost).not_to have_key(:bpf_runs)
+    expect(profile.notes.join).to include("M:N threads").and include("ruby_current_ec")
+    expect(profile.cost).to include(:bpf_runs)
+    main = profile.threads.find { |t| t[:main] }
+    expect(main[:states].values.sum).to be > 0
+    in_churn = profile.stacks.select { |s| s[:thread] == profile.threads.index(main) }
+                      .select { |s| s[:frames].any? { |f| f.label.end_with?("churn") } }
+    expect(in_churn.sum { |s| s[:samples] }).to be >= 0.9 * main[:states].values.sum
   end
 end

@@ -9,6 +9,8 @@ require "rbspy_ext"
 # these run in the script/rubies matrix on 3.3 and 3.4, with the extension built for each
 # (script/rubies ext), and are skipped on the host's 3.1, which has no M:N threads.
 RSpec.describe "tags under M:N threads" do
+  include RubySpyTest::Recording
+
   # Two native threads: the main thread's own, and one the six workers take turns on.
   let(:mn_env) { { "RUBY_MN_THREADS" => "1", "RUBY_MAX_CPU" => "2" } }
 
@@ -38,6 +40,33 @@ RSpec.describe "tags under M:N threads" do
       sampled = group.threads.reject { |t| t[:states].values.sum.zero? }.map { |t| t[:name] }.uniq
       expect(sampled).to eq(["worker-#{value}"]), "samples tagged worker: #{value} came from #{sampled}"
       expect(group.samples).to be > 100
+    end
+  end
+
+  # In the kernel, a tick lands on the shared native thread, and which worker runs there is
+  # told by Ruby's own ruby_current_ec thread-local: each worker stays one thread with its
+  # own tag, under any positive RUBY_MN_THREADS (Ruby turns M:N on for atoi(...) > 0).
+  %w[1 2].each do |mn|
+    it "tags each worker's samples with its own tag in the kernel too (RUBY_MN_THREADS=#{mn})" do
+      skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+
+      target = start_target("mn_tagged_workers", env: mn_env.merge("RUBY_MN_THREADS" => mn))
+      expect(target.info["native_threads"]).to be < target.info["workers"]
+      profile = record_until_samples(target.pid, samples: 600, mode: :bpf, rate: 999)
+      expect(profile.notes.join).to include("ruby_current_ec")
+      expect(profile.cost).to include(:bpf_runs)
+      workers = profile.threads.select { |t| t[:name].to_s.start_with?("worker-") }
+      expect(workers.map { |t| t[:name] }.sort).to eq((0...6).map { |i| "worker-#{i}" }),
+                                                     profile.threads.map { |t| [t[:tid], t[:name]] }.inspect
+      groups = profile.group_by(:worker)
+      expect(groups.keys.compact.sort).to eq((0...6).map(&:to_s))
+      groups.each do |value, group|
+        next if value.nil?
+
+        sampled = group.threads.reject { |t| t[:states].values.sum.zero? }.map { |t| t[:name] }.uniq
+        expect(sampled).to eq(["worker-#{value}"]), "samples tagged worker: #{value} came from #{sampled}"
+        expect(group.samples).to be > 20
+      end
     end
   end
 end

@@ -59,6 +59,12 @@ const volatile __u64 gvl_owner_addr = 0;
 const volatile __u64 gc_flags_addr = 0;
 /* Offset of ruby_profiler_state from the thread pointer; 0: the target has no tags. */
 const volatile __s64 tag_offset = 0;
+/* Under M:N threads: the offset of Ruby's own `ruby_current_ec` thread-local from the thread
+ * pointer, and ec->thread_ptr. Set, the running Ruby thread is the one whose context the
+ * ticked native thread names now (Ruby sets it on every switch), and the thread map is keyed
+ * by rb_thread_t * instead of by thread pointer. 0: the map's thread pointer decides. */
+const volatile __s64 ec_tls_offset = 0;
+const volatile __u64 ec_thread_ptr = 0;
 
 /* Thread pointer (glibc's pthread_t) -> rb_thread_t *, filled by user space from the thread
  * list. Keyed by thread pointer rather than tid: every Ruby from 2.7 on keeps the pthread_t
@@ -111,16 +117,27 @@ int rbspy_sample(void *ctx)
         return 0;
     __u32 tid = ns.pid;
     __u64 tp = thread_pointer();
-    struct ruby_thread *thread = bpf_map_lookup_elem(&threads, &tp);
+    __u64 key = tp, running_ec = 0;
+    if (ec_tls_offset) {
+        /* 0: this native thread runs no Ruby thread now (an idle shared native thread, the
+         * timer thread): not a sample. */
+        if (bpf_probe_read_user(&running_ec, 8, (void *)(tp + ec_tls_offset)) || !running_ec) {
+            count(COUNT_UNKNOWN_THREAD);
+            return 0;
+        }
+        key = 0;
+        bpf_probe_read_user(&key, 8, (void *)(running_ec + ec_thread_ptr));
+    }
+    struct ruby_thread *thread = bpf_map_lookup_elem(&threads, &key);
     /* glibc reuses a finished thread's stack, and with it its thread pointer: a new thread
      * may have a dead one's until user space refreshes the map. The tid tells them apart. */
-    if (thread && thread->tid && thread->tid != tid)
+    if (thread && !ec_tls_offset && thread->tid && thread->tid != tid)
         thread = 0;
     /* Under M:N threads (a non-main Ractor's from 3.3) Ruby threads take turns on shared
      * native threads, and a thread that leaves one has its nt cleared: the thread the map
      * names must still run on this native thread, or this tick is another thread's, which
      * user space learns of (and refreshes the map) as for an unknown thread. */
-    if (thread && thread_nt) {
+    if (thread && thread_nt && !ec_tls_offset) {
         __u64 nt = 0, runs_on = 0;
         bpf_probe_read_user(&nt, 8, (void *)(thread->thread + thread_nt));
         if (nt)
@@ -157,8 +174,11 @@ int rbspy_sample(void *ctx)
     h->tag_table = 0;
     h->tag_words = 0;
 
-    if (bpf_probe_read_user(&h->ec, 8, (void *)(h->thread + thread_ec)) ||
-        bpf_probe_read_user(h->head, sizeof h->head, (void *)(h->ec + ec_vm_stack)))
+    if (running_ec)
+        h->ec = running_ec;
+    else if (bpf_probe_read_user(&h->ec, 8, (void *)(h->thread + thread_ec)))
+        h->flags |= FLAG_UNREADABLE;
+    if (bpf_probe_read_user(h->head, sizeof h->head, (void *)(h->ec + ec_vm_stack)))
         h->flags |= FLAG_UNREADABLE;
     /* The thread's own Ractor's GVL; the main Ractor's when user space gave none. */
     __u64 owner_addr = thread->gvl_owner ? thread->gvl_owner : gvl_owner_addr;

@@ -61,8 +61,11 @@ pub struct BpfSampler {
     received: Arc<Mutex<Vec<u8>>>,
     /// Keeps `kernel.bpf_stats_enabled` on while it is open.
     _stats: Option<OwnedFd>,
-    /// Thread pointers in the program's thread map.
+    /// The keys in the program's thread map: thread pointers, or `rb_thread_t *`s when
+    /// `by_thread`.
     tids: FxHashSet<u64>,
+    /// Whether the map is keyed by `rb_thread_t *` (M:N, `CaptureLayout::ec_tls`).
+    by_thread: bool,
 }
 
 impl BpfSampler {
@@ -98,18 +101,29 @@ impl BpfSampler {
             received,
             _stats: stats,
             tids: FxHashSet::default(),
+            by_thread: layout.ec_tls.is_some(),
         })
     }
 
     /// Makes the program's thread map hold exactly these threads (those with a known
-    /// thread pointer): each one's `rb_thread_t *`, native tid (or 0) and its Ractor's GVL
-    /// owner word.
+    /// thread pointer, or every one when the map is keyed by `rb_thread_t *`): each one's
+    /// `rb_thread_t *`, native tid (or 0) and its Ractor's GVL owner word.
     pub fn set_threads(&mut self, threads: &[CaptureThread]) -> Result<()> {
         // The map borrows the object, apart from the set of what it holds.
         let map = find_map(&self.object, "threads")?;
+        let by_thread = self.by_thread;
         let threads: Vec<(u64, &CaptureThread)> = threads
             .iter()
-            .filter_map(|t| Some((t.thread_pointer?, t)))
+            .filter_map(|t| {
+                Some((
+                    if by_thread {
+                        t.thread
+                    } else {
+                        t.thread_pointer?
+                    },
+                    t,
+                ))
+            })
             .collect();
         let now: FxHashSet<u64> = threads.iter().map(|(tp, _)| *tp).collect();
         for gone in self.tids.difference(&now) {
@@ -284,6 +298,9 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         } else {
             0
         };
+        let (ec_tls_offset, ec_thread_ptr) = l.ec_tls.unwrap_or((0, 0));
+        r.ec_tls_offset = ec_tls_offset;
+        r.ec_thread_ptr = ec_thread_ptr;
         std::ptr::write_unaligned(p, r);
     }
     Ok(())

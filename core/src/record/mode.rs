@@ -21,22 +21,36 @@ pub(crate) struct Mode {
 }
 
 /// Loads the BPF sampler when the recording asks for it. A target whose Ruby threads take
-/// turns on shared native threads (M:N, `RUBY_MN_THREADS=1`) is recorded in user space
-/// instead, with a note: the program finds a Ruby thread by its native thread.
+/// turns on shared native threads (M:N, `RUBY_MN_THREADS=1`) is sampled through each native
+/// thread's `ruby_current_ec` (which Ruby sets on every switch); where that thread-local is
+/// not found, it is recorded in user space instead, with a note.
 pub(crate) fn kernel_mode(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
     if !config.bpf {
         return Ok(Mode::default());
     }
+    let mut ec_tls = None;
     if let Some(why) = mn_threads(spy) {
-        return Ok(Mode {
-            kernel: None,
-            notes: vec![format!(
-                "recorded by the user-space sampler, not in the kernel: {why}, and the BPF \
-                 sampler finds a Ruby thread by the native thread it runs on"
-            )],
-        });
+        ec_tls = spy.capture().ec_tls();
+        if ec_tls.is_none() {
+            return Ok(Mode {
+                kernel: None,
+                notes: vec![format!(
+                    "recorded by the user-space sampler, not in the kernel: {why}, and the \
+                     BPF sampler could not find Ruby's ruby_current_ec thread-local, by \
+                     which it tells which Ruby thread a native thread runs"
+                )],
+            });
+        }
     }
-    start(spy, config)
+    let mut mode = start(spy, config, ec_tls)?;
+    if ec_tls.is_some() {
+        mode.notes.push(
+            "M:N threads: the BPF sampler tells which Ruby thread a native thread runs by \
+             Ruby's own ruby_current_ec thread-local"
+                .into(),
+        );
+    }
+    Ok(mode)
 }
 
 /// Why the BPF sampler cannot run here, told before anything is attached or loaded.
@@ -51,8 +65,9 @@ pub(crate) fn preflight(config: &RecordConfig) -> Result<()> {
 }
 
 #[cfg(feature = "bpf")]
-fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
-    let layout = spy.capture().layout();
+fn start(spy: &mut Spy, config: &RecordConfig, ec_tls: Option<(i64, u64)>) -> Result<Mode> {
+    let mut layout = spy.capture().layout();
+    layout.ec_tls = ec_tls;
     let kernel = crate::bpf::BpfSampler::start(spy.pid(), config.rate_hz, &layout)?;
     Ok(Mode {
         kernel: Some(kernel),
@@ -61,7 +76,7 @@ fn start(spy: &mut Spy, config: &RecordConfig) -> Result<Mode> {
 }
 
 #[cfg(not(feature = "bpf"))]
-fn start(_: &mut Spy, _: &RecordConfig) -> Result<Mode> {
+fn start(_: &mut Spy, _: &RecordConfig, _: Option<(i64, u64)>) -> Result<Mode> {
     Err(no_bpf())
 }
 
@@ -86,12 +101,19 @@ fn mn_threads(spy: &mut Spy) -> Option<String> {
         .collect::<Vec<_>>()
         .join(".");
     let mn_capable = !matches!(minor.as_str(), "2.7" | "3.0" | "3.1" | "3.2");
-    if mn_capable
-        && environ
-            .split(|b| *b == 0)
-            .any(|v| v == b"RUBY_MN_THREADS=1")
-    {
-        return Some("the process runs M:N threads (RUBY_MN_THREADS=1)".into());
+    // Ruby turns M:N on for any positive number (thread_pthread.c: atoi(...) > 0).
+    let setting = environ
+        .split(|b| *b == 0)
+        .find_map(|v| v.strip_prefix(b"RUBY_MN_THREADS="))
+        .map(|v| String::from_utf8_lossy(v).into_owned());
+    let on = setting
+        .as_deref()
+        .is_some_and(|v| v.trim().parse::<i64>().is_ok_and(|n| n > 0));
+    if mn_capable && on {
+        return Some(format!(
+            "the process runs M:N threads (RUBY_MN_THREADS={})",
+            setting.unwrap_or_default()
+        ));
     }
     let threads = spy.threads().ok()?;
     let mut tids: Vec<i64> = threads.iter().map(|t| t.tid).filter(|t| *t > 0).collect();

@@ -59,6 +59,11 @@ pub struct CaptureLayout {
     /// The offset of `ruby_profiler_state` from the thread pointer, once rbspy_ext is
     /// loaded in the target.
     pub tag_offset: Option<i64>,
+    /// Under M:N threads, the offset of Ruby's `ruby_current_ec` from the thread pointer
+    /// (`Capture::ec_tls`), and `ec->thread_ptr`: the program then finds the Ruby
+    /// thread a native thread runs through that thread-local, and its thread map is keyed
+    /// by `rb_thread_t *`. None: by thread pointer.
+    pub ec_tls: Option<(i64, u64)>,
 }
 
 /// A Ruby thread as the BPF sampler finds it.
@@ -107,7 +112,41 @@ impl<M: Memory> Capture<'_, M> {
                 0
             },
             tag_offset: self.spy.tags.offset(&self.spy.target),
+            ec_tls: None,
         }
+    }
+
+    /// The offset of Ruby's `ruby_current_ec` thread-local from the thread pointer (and
+    /// `ec->thread_ptr`, the rest of what `CaptureLayout::ec_tls` needs): the one
+    /// word within 16 KiB below the main thread's thread pointer (where x86-64 keeps the
+    /// static TLS of the executable and of the libraries loaded with it) that holds the main
+    /// thread's execution context. None when no single word does (the main thread switched
+    /// fibers while read three times, or libruby's TLS is dynamic).
+    pub fn ec_tls(&mut self) -> Option<(i64, u64)> {
+        const WINDOW: u64 = 16 << 10;
+        let main = self.spy.target.main_thread;
+        let tp = self.spy.tags.thread_pointer(&self.spy.target, main)?;
+        let t = &self.spy.target;
+        for _ in 0..3 {
+            let Ok(ec) = t
+                .mem
+                .read_u64(crate::memory::field(main, t.layout.thread_ec))
+            else {
+                continue;
+            };
+            let Ok(below) = t.mem.read_vec(tp.wrapping_sub(WINDOW), WINDOW as usize) else {
+                return None;
+            };
+            let mut at = below
+                .chunks_exact(8)
+                .enumerate()
+                .filter(|(_, w)| word(w, 0) == ec)
+                .map(|(i, _)| i as i64 * 8 - WINDOW as i64);
+            if let (Some(offset), None) = (at.next(), at.next()) {
+                return Some((offset, t.layout.ec_thread_ptr as u64));
+            }
+        }
+        None
     }
 
     /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
