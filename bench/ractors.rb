@@ -7,6 +7,7 @@
 #   ruby bench/ractors.rb                       # sid:outside (Debian's 3.4) and 4.0:outside
 #   ruby bench/ractors.rb host 3.2:outside      # others, named as RUBYSPY_TARGET_RUBY names them
 #   SECONDS=10 RATE=499 DUTY=0.25 ruby bench/ractors.rb
+#   MN=1 DUTY=1 ruby bench/ractors.rb head:outside 4.0:outside   # M:N threads
 #
 # Run from the repository root as root, after `rake compile` and `script/rubies build`.
 # spin-a spins without pause; spin-b spins DUTY of the time (default 0.5: 20 ms on, 20 ms
@@ -79,6 +80,9 @@ specs = ARGV.empty? ? %w[sid:outside 4.0:outside] : ARGV
 specs.each do |spec|
   ruby = spec == "host" ? RubySpyTest::TargetRuby.new(nil) : RubySpyTest::TargetRuby.new(spec)
   env = DUTY < 1 ? { "SPIN_B_DUTY" => DUTY.to_s } : {}
+  # MN=1 (or 2): M:N threads, where the kernel sampler finds the running Ruby thread through
+  # Ruby's ruby_current_ec; a native thread's CPU is then shared by the Ruby threads on it.
+  env = env.merge("RUBY_MN_THREADS" => ENV["MN"], "RUBY_MAX_CPU" => "8") if ENV["MN"]
   target = RubySpyTest::Target.start("ractor_spinners", env: env, ruby: ruby)
   begin
     label = "#{spec} (#{target.ruby_version})"

@@ -65,6 +65,10 @@ const volatile __s64 tag_offset = 0;
  * by rb_thread_t * instead of by thread pointer. 0: the map's thread pointer decides. */
 const volatile __s64 ec_tls_offset = 0;
 const volatile __u64 ec_thread_ptr = 0;
+/* Offset of ruby_profiler_state_owner (docs/profiler-state.md), 0 when unknown: the Ruby
+ * thread whose table the native thread's pointer holds. Under M:N it lags a switch until the
+ * resumed thread's hook runs; a table whose owner is not the sampled thread is not copied. */
+const volatile __s64 tag_owner_offset = 0;
 
 /* Thread pointer (glibc's pthread_t) -> rb_thread_t *, filled by user space from the thread
  * list. Keyed by thread pointer rather than tid: every Ruby from 2.7 on keeps the pthread_t
@@ -236,7 +240,10 @@ int rbspy_sample(void *ctx)
     /* The tags: the table pointer at the thread pointer + offset, then its header and
      * slots in one read, copied into the record (a table may be freed 10 ms after it is
      * unpublished, long before user space reads the ring). */
-    if (tag_offset) {
+    __u64 owner = h->thread;
+    if (tag_offset && tag_owner_offset)
+        bpf_probe_read_user(&owner, 8, (void *)(tp + tag_owner_offset));
+    if (tag_offset && owner == h->thread) {
         __u64 table = 0;
         bpf_probe_read_user(&table, 8, (void *)(tp + tag_offset));
         h->tag_table = table;

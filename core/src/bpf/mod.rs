@@ -298,6 +298,11 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         } else {
             0
         };
+        r.tag_owner_offset = if cfg!(target_arch = "x86_64") {
+            l.tag_owner_offset.unwrap_or(0)
+        } else {
+            0
+        };
         let (ec_tls_offset, ec_thread_ptr) = l.ec_tls.unwrap_or((0, 0));
         r.ec_tls_offset = ec_tls_offset;
         r.ec_thread_ptr = ec_thread_ptr;

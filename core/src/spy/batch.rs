@@ -62,6 +62,11 @@ pub(super) fn gc_state(l: &Layout, flags: u32) -> ThreadState {
     }
 }
 
+/// Whether native thread `tid` of process `pid` still runs (its /proc entry is there).
+fn task_lives(pid: i32, tid: i64) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+}
+
 /// How many frames deeper than last time a stack may be and still be read with its thread.
 const PREFETCH_FRAMES: u64 = 16;
 
@@ -75,9 +80,11 @@ impl ThreadSampler {
     ) -> std::result::Result<(), Attempt> {
         let ractors = read_ractors(t)?;
         let node_offset = t.layout.thread_list_node as u64;
-        // Under M:N threads (a non-main Ractor's from 3.3) a thread that sleeps holds no
-        // native thread, so it reads tid 0; it keeps the tid it was last seen on, or every
-        // nap would make it a new thread in a profile.
+        // Under M:N threads (a non-main Ractor's from 3.3) a thread moves between native
+        // threads, and one that sleeps holds none (tid 0): it keeps the tid it was first seen
+        // on while that native thread lives, or every move or nap would make it a new thread
+        // in a profile. (A thread whose first native thread has ended is a new thread that
+        // took a dead one's rb_thread_t: it gets its own tid.)
         let known: FxHashMap<(u64, u32), i64> = self
             .threads
             .iter()
@@ -99,8 +106,11 @@ impl ThreadSampler {
                 let mut info = thread_info(t, thread)?;
                 info.ractor = ractor.id;
                 info.ractor_name = ractor.name.clone();
-                if info.tid == 0 {
-                    info.tid = known.get(&(thread, ractor.id)).copied().unwrap_or(0);
+                if let Some(&first) = known.get(&(thread, ractor.id)) {
+                    let moved = info.tid != first;
+                    if info.tid == 0 || (moved && task_lives(t.pid, first)) {
+                        info.tid = first;
+                    }
                 }
                 threads.push(Listed {
                     thread,

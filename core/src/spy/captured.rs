@@ -59,6 +59,8 @@ pub struct CaptureLayout {
     /// The offset of `ruby_profiler_state` from the thread pointer, once rbspy_ext is
     /// loaded in the target.
     pub tag_offset: Option<i64>,
+    /// The offset of `ruby_profiler_state_owner`, when the extension publishes it.
+    pub tag_owner_offset: Option<i64>,
     /// Under M:N threads, the offset of Ruby's `ruby_current_ec` from the thread pointer
     /// (`Capture::ec_tls`), and `ec->thread_ptr`: the program then finds the Ruby
     /// thread a native thread runs through that thread-local, and its thread map is keyed
@@ -112,6 +114,7 @@ impl<M: Memory> Capture<'_, M> {
                 0
             },
             tag_offset: self.spy.tags.offset(&self.spy.target),
+            tag_owner_offset: self.spy.tags.owner_offset,
             ec_tls: None,
         }
     }

@@ -43,7 +43,7 @@ pub(super) struct TagReader {
     offset: Option<i64>,
     /// The offset of `ruby_profiler_state_owner` (the Ruby thread the pointer is for), when
     /// the extension publishes it.
-    owner_offset: Option<i64>,
+    pub(super) owner_offset: Option<i64>,
     checked_at: Option<Instant>,
     /// By Ruby thread: the native thread it was last seen on, that one's thread pointer,
     /// and where that pointer was read (see `Pointer`).
