@@ -36,23 +36,33 @@ module RubySpyTest
   # its chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
   # reader), `outside` runs the same binary on the host through the chroot's loader, or an
   # upstream Ruby as itself. JIT (yjit or zjit) turns that JIT on in every target (--yjit,
-  # --zjit). Unset: the Ruby running the specs.
+  # --zjit); mn=N starts every target with RUBY_MN_THREADS=N (M:N threads, 3.3+), unless a
+  # spec sets its own. Unset: the Ruby running the specs.
   class TargetRuby
     JITS = %w[yjit zjit].freeze
 
-    attr_reader :name, :mode, :root, :jit
+    attr_reader :name, :mode, :root, :jit, :mn
 
     def self.current
       @current ||= new(ENV["RUBYSPY_TARGET_RUBY"])
     end
 
     def initialize(spec)
-      @name, @mode, @jit = spec.to_s.split(":", 3) if spec && !spec.empty?
+      @name, @mode, *extras = spec.to_s.split(":") if spec && !spec.empty?
       return unless @name
 
-      unless %w[inside outside].include?(@mode) && (@jit.nil? || JITS.include?(@jit))
+      extras.each do |extra|
+        if JITS.include?(extra) && @jit.nil?
+          @jit = extra
+        elsif extra.match?(/\Amn=-?\d+\z/) && @mn.nil?
+          @mn = extra.delete_prefix("mn=")
+        else
+          @mode = nil # reported below
+        end
+      end
+      unless %w[inside outside].include?(@mode)
         raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside, " \
-                             "optionally followed by :#{JITS.join(' or :')}"
+                             "optionally followed by :#{JITS.join(' or :')} and :mn=N"
       end
 
       line = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines
@@ -89,7 +99,12 @@ module RubySpyTest
     def to_s
       return "host Ruby #{RUBY_VERSION}" if host?
 
-      "#{@name} (#{[@mode, @jit].compact.join(', ')})"
+      "#{@name} (#{[@mode, @jit, @mn && "RUBY_MN_THREADS=#{@mn}"].compact.join(', ')})"
+    end
+
+    # What every target of this Ruby is started with (RUBY_MN_THREADS for :mn=N).
+    def env
+      @mn ? { "RUBY_MN_THREADS" => @mn } : {}
     end
 
     # The command that runs `args` from the repository root.
@@ -178,7 +193,8 @@ module RubySpyTest
       @name = name
       @args = args
       @stdio = stdio
-      @env = env
+      # A TargetRuby's own settings (RUBY_MN_THREADS for :mn=N) first: a spec's win.
+      @env = (ruby.respond_to?(:env) ? ruby.env : {}).merge(env)
       @status = nil
     end
 
