@@ -7,7 +7,6 @@
 //! the same main thread). Candidates are checked in batches, a few system calls in all.
 use crate::memory::word;
 use crate::memory::{field, Memory};
-use crate::objects::{read_array_entry, read_string};
 use rbspy_ext_bindings::Layout;
 
 /// What the walker needs from a validated VM.
@@ -25,7 +24,8 @@ pub struct VmRoots {
 /// Most candidate pointers checked in one scan (libruby's data holds a few thousand).
 const MAX_CANDIDATES: usize = 1 << 16;
 
-fn plausible(p: u64) -> bool {
+/// Whether `p` can be a pointer to a Ruby structure (aligned, in user space, past page 0).
+pub(crate) fn plausible(p: u64) -> bool {
     p > 0x10000 && p & 7 == 0 && p < 0x0000_8000_0000_0000
 }
 
@@ -62,87 +62,6 @@ pub fn check_vm<M: Memory>(mem: &M, l: &Layout, vm: u64) -> Option<VmRoots> {
         gvl_owner,
         thread_list,
     })
-}
-
-/// What the main thread's stack says of a layout whose VM validated.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MainStack {
-    /// A frame runs an iseq whose path reads as a String: the layout fits.
-    Fits,
-    /// No frame runs an iseq yet (a Ruby still starting, or one with no Ruby code on its
-    /// main thread): nothing contradicts the layout.
-    NoRubyFrame,
-    /// What does not fit: the layout is not this Ruby's.
-    Misfit(String),
-}
-
-/// Most frames looked at for one iseq with a path (the main script's is usually the last).
-const MAX_CHECKED_FRAMES: u64 = 100_000;
-
-/// Checks a validated VM's main thread further, as a layout guessed for an unknown release
-/// must be: its execution context, the control frames between its `cfp` and the end of its
-/// stack, and an iseq among them with a readable path (the main script's, `<main>`).
-/// Back-pointers alone can validate a VM whose later fields moved.
-pub fn check_main_stack<M: Memory>(mem: &M, l: &Layout, roots: &VmRoots) -> MainStack {
-    let misfit = |what: &str| MainStack::Misfit(what.to_string());
-    let Ok(ec) = mem.read_u64(field(roots.main_thread, l.thread_ec)) else {
-        return misfit("the main thread's execution context is unreadable");
-    };
-    if !plausible(ec) {
-        return misfit("the main thread has no execution context");
-    }
-    let mut head = [0u8; 24];
-    if mem.read(field(ec, l.ec_vm_stack), &mut head).is_err() {
-        return misfit("the main execution context is unreadable");
-    }
-    let (stack, size) = (word(&head, 0), word(&head, 8));
-    let cfp = word(&head, l.ec_cfp - l.ec_vm_stack);
-    let end = stack.wrapping_add(size.wrapping_mul(8));
-    if !plausible(stack) || size == 0 || size > 1 << 28 || !(stack..=end).contains(&cfp) {
-        return misfit("the main execution context's stack and frame pointer do not agree");
-    }
-    // Frames are pushed down from the end of the stack, whole frames at a time.
-    if !(end - cfp).is_multiple_of(l.cfp_size as u64) {
-        return misfit("the main thread's frames are not whole control frames");
-    }
-    let count = ((end - cfp) / l.cfp_size as u64).min(MAX_CHECKED_FRAMES);
-    let Ok(frames) = mem.read_vec(cfp, (count as usize) * l.cfp_size) else {
-        return misfit("the main thread's control frames are unreadable");
-    };
-    let mut fits = false;
-    for f in frames.chunks_exact(l.cfp_size) {
-        let iseq = word(f, l.cfp_iseq);
-        if word(f, l.cfp_pc) == 0 {
-            continue; // a C function's frame, a block of C code (ifunc), or a dummy frame
-        }
-        // A frame with a pc runs an iseq.
-        let is_iseq = plausible(iseq)
-            && mem.read_u64(iseq).is_ok_and(|flags| {
-                flags & l.t_mask == l.t_imemo && (flags >> l.fl_ushift) & 0xf == l.imemo_iseq
-            });
-        if !is_iseq {
-            return misfit("a control frame of the main thread with a pc runs no iseq");
-        }
-        if fits {
-            continue;
-        }
-        let path = mem
-            .read_u64(field(iseq, l.iseq_body))
-            .and_then(|body| mem.read_u64(field(body, l.body_location_pathobj)));
-        let Ok(path) = path else {
-            return misfit("an iseq of the main thread has an unreadable body");
-        };
-        // pathobj: the path, or [path, realpath].
-        fits = read_string(mem, l, path).is_ok()
-            || read_array_entry(mem, l, path, 0).is_ok_and(|p| read_string(mem, l, p).is_ok());
-        if !fits {
-            return misfit("an iseq of the main thread has no readable path");
-        }
-    }
-    if fits {
-        return MainStack::Fits;
-    }
-    MainStack::NoRubyFrame
 }
 
 /// Scans `segments` (libruby's writable data) for a pointer to a VM. `heap` lists the
@@ -245,63 +164,6 @@ mod tests {
             assert_eq!(found.unwrap().main_thread, thread);
             assert_eq!(examined, 3);
             assert!(check_vm(&mem, l, decoy).is_none());
-        }
-    }
-
-    /// The main stack's checks on a made-up address space: a context with no stack, a frame
-    /// pointer outside it or between frames, a frame with a pc but no iseq are misfits; whole
-    /// frames of C functions only say nothing.
-    #[test]
-    fn main_stack_misfits_are_told_apart_from_a_stack_with_no_ruby_frame() {
-        for l in LAYOUTS {
-            let (thread, ec, stack, not_iseq) = (0x10000u64, 0x20000u64, 0x30000u64, 0x50000u64);
-            let size = 0x1000u64; // VALUEs
-            let end = stack + size * 8;
-            let build = |ec_ptr: u64, cfp: u64, frame_pc: u64| {
-                let mut mem = MemoryImage::new();
-                let mut t = vec![0u8; 0x400];
-                t[l.thread_ec..l.thread_ec + 8].copy_from_slice(&ec_ptr.to_le_bytes());
-                mem.map(thread, t);
-                let mut e = vec![0u8; 0x100];
-                e[l.ec_vm_stack..l.ec_vm_stack + 8].copy_from_slice(&stack.to_le_bytes());
-                e[l.ec_vm_stack_size..l.ec_vm_stack_size + 8].copy_from_slice(&size.to_le_bytes());
-                e[l.ec_cfp..l.ec_cfp + 8].copy_from_slice(&cfp.to_le_bytes());
-                mem.map(ec, e);
-                let mut s = vec![0u8; (size * 8) as usize];
-                // Two frames at the end of the stack; the inner one has a pc, its iseq is not one.
-                let inner = (end - 2 * l.cfp_size as u64 - stack) as usize;
-                s[inner + l.cfp_pc..inner + l.cfp_pc + 8].copy_from_slice(&frame_pc.to_le_bytes());
-                s[inner + l.cfp_iseq..inner + l.cfp_iseq + 8]
-                    .copy_from_slice(&not_iseq.to_le_bytes());
-                mem.map(stack, s);
-                mem.map(not_iseq, vec![0u8; 64]);
-                mem
-            };
-            let roots = VmRoots {
-                vm: 0x1000,
-                main_thread: thread,
-                gvl_owner: 0,
-                thread_list: 0,
-            };
-            let two_frames = end - 2 * l.cfp_size as u64;
-            let verdict = |mem: &MemoryImage| check_main_stack(mem, l, &roots);
-            assert_eq!(
-                verdict(&build(ec, two_frames, 0)),
-                MainStack::NoRubyFrame,
-                "{}",
-                l.name
-            );
-            for (mem, why) in [
-                (build(0, two_frames, 0), "no execution context"),
-                (build(ec, end + 8, 0), "do not agree"),
-                (build(ec, two_frames + 8, 0), "not whole control frames"),
-                (build(ec, two_frames, 0x40000), "runs no iseq"),
-            ] {
-                match verdict(&mem) {
-                    MainStack::Misfit(what) => assert!(what.contains(why), "{}: {what}", l.name),
-                    other => panic!("{}: {other:?}, expected a misfit ({why})", l.name),
-                }
-            }
         }
     }
 }

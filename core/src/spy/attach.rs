@@ -1,5 +1,6 @@
 //! Attaching to a process: libruby, its version and layout, its VM, and the identity check
 //! that notices the pid running something else later.
+use super::fits::{fitting, not_fitting};
 use super::*;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{Memory, ProcessMemory};
@@ -8,7 +9,7 @@ use crate::process::{
     find_pthread_tid_descriptor, find_ruby_binary, heap_ranges, read_maps, Identity, Mapping,
     Replaced, RubyBinary,
 };
-use crate::vm::{check_main_stack, check_vm, find_vm, MainStack, VmRoots};
+use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::{layout_for_version, Layout};
 
 /// What attaching to a process found, fixed for the spy's life: the process, its memory, the
@@ -127,59 +128,6 @@ impl Spy<ProcessMemory> {
     }
 }
 
-/// How long a Ruby may take to set up its VM: a VM that does not validate in an older process
-/// means the layout does not fit, not a Ruby still starting.
-const STARTUP: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// The error for a process where no candidate layout fitted (`error`, the first layout's):
-/// in a process older than [`STARTUP`] whose VM pointer is set, the layout is not this
-/// Ruby's, which `UnsupportedVersion` says, naming its `RUBY_DESCRIPTION` (date and revision
-/// for a dev build) and the Rubies this build knows; younger, it may still be starting (the
-/// `NotRuby` that says "try again").
-fn not_fitting(
-    pid: i32,
-    identity: Option<&Identity>,
-    binary: &RubyBinary,
-    mem: &ProcessMemory,
-    found: &str,
-    wanted: &str,
-    error: Error,
-) -> Error {
-    let Error::NotRuby { detail, .. } = &error else {
-        return error;
-    };
-    // What did not validate, without the "may still be starting" that no longer applies.
-    let reason = detail.split(" (Ruby ").next().unwrap_or(detail);
-    let young = identity
-        .and_then(Identity::age)
-        .is_none_or(|age| age < STARTUP);
-    if young {
-        return error;
-    }
-    let description = binary
-        .symbol("ruby_description")
-        .and_then(|at| mem.read_vec(at, 160).ok())
-        .map(|raw| {
-            String::from_utf8_lossy(raw.split(|b| *b == 0).next().unwrap_or(&[])).into_owned()
-        })
-        .filter(|d| d.starts_with("ruby "))
-        .unwrap_or_else(|| format!("ruby {found}"));
-    let layout = if wanted == found {
-        format!("the layout this build has for {wanted}")
-    } else {
-        format!("the forced layout of {wanted}")
-    };
-    Error::UnsupportedVersion {
-        pid,
-        version: found.to_string(),
-        detail: format!(
-            "{description}: its memory does not fit {layout} ({reason}); this build knows \
-             Ruby {}. A newer rbspy_ext may know this build; docs/adding-a-ruby.md adds one",
-            rbspy_ext_bindings::known_series()
-        ),
-    }
-}
-
 /// glibc's offset of `tid` in `struct pthread` on x86_64 since 2.x; used where libc does not
 /// export its libthread_db descriptor (glibc before 2.34).
 const GLIBC_PTHREAD_TID: u64 = 0x2d0;
@@ -273,36 +221,6 @@ fn find_roots(
             })?;
             fitting(pid, mem, layout, roots, found)
         }
-    }
-}
-
-/// The roots of a VM that validated, once its main thread's stack agrees with the layout
-/// (`check_main_stack`): a VM's back-pointers can validate while fields after them moved.
-fn fitting(
-    pid: i32,
-    mem: &ProcessMemory,
-    layout: &'static Layout,
-    roots: VmRoots,
-    found: &str,
-) -> Result<VmRoots> {
-    // The main thread runs on while it is read: a frame popped and pushed again between the
-    // reads of its context and its frames can look torn, so a misfit must be seen thrice.
-    let mut verdict = check_main_stack(mem, layout, &roots);
-    for _ in 0..2 {
-        if !matches!(verdict, MainStack::Misfit(_)) {
-            break;
-        }
-        verdict = check_main_stack(mem, layout, &roots);
-    }
-    match verdict {
-        MainStack::Fits | MainStack::NoRubyFrame => Ok(roots),
-        MainStack::Misfit(what) => Err(Error::NotRuby {
-            pid,
-            detail: format!(
-                "its VM validates, but {what} (Ruby {found} may still be starting: try again; \
-                 or check force_version)"
-            ),
-        }),
     }
 }
 

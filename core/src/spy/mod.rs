@@ -18,6 +18,7 @@ mod attach;
 mod batch;
 mod captured;
 mod envs;
+mod fits;
 mod frames;
 mod located;
 mod memo;
