@@ -7,7 +7,7 @@ require "tmpdir"
 
 # Statically linked Rubies (`--disable-shared`, rbenv's and ruby-build's default: the VM is in
 # the executable, which exports `ruby_version` but hides `ruby_current_vm_ptr` and
-# `ruby_global_symbols` in its `.symtab`): the upstream 3.0, 4.0 and 4.1-dev builds from
+# `ruby_global_symbols` in its `.symtab`): the upstream 3.0, 4.0 and head (4.1-dev) builds from
 # script/rubies, as installed and as a copy run through `strip --strip-all`, which leaves only
 # `.dynsym`. Either way the snapshot must equal the target's own backtrace_locations, or fail
 # with a RubySpy::Error; never garbage frames.
