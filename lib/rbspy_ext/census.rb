@@ -35,9 +35,11 @@ module RubySpy
 
     # Live objects by class and type, most bytes first.
     #
-    # @return [Array<Hash>] one per class and type: +:name+ (the class path as +Class#name+
-    #   gives it, +#<Class:0x...>+ for an anonymous class, "" for Ruby's hidden objects, which
-    #   have no class), +:type+ (+"T_OBJECT"+, +"T_STRING"+...), +:objects+, +:bytes+ (slot
+    # @return [Array<Hash>] one per class and type: +:name+ (the path of the objects' class
+    #   as their +Kernel#class+ gives it: +Module#name+, "Class" for classes, +#<Class:0x...>+
+    #   for an anonymous class; "" for what +ObjectSpace.each_object+ does not yield: hidden
+    #   objects, which have no class, iclasses, imemos, and the metaclasses Ruby hides, the
+    #   +T_CLASS+ row rendered "(singleton classes)"), +:type+ (+"T_OBJECT"+, +"T_STRING"+...), +:objects+, +:bytes+ (slot
     #   and outside bytes together, as +ObjectSpace.memsize_of+ sums them), +:slot_bytes+
     #   and +:heap_bytes+ (outside the slot)
     def classes

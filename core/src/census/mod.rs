@@ -8,6 +8,7 @@
 //! - `heaps.rs`: the heaps to read: the VM's one, or every Ractor's where each owns one;
 //! - `pages.rs`: the list of every heap page, and each page's header;
 //! - `shapes.rs`: objects' ivars out of their slots, sized by their shapes (3.2+);
+//! - `singletons.rs`: the classes Ruby hides from `ObjectSpace.each_object`;
 //! - `render.rs`: a census as text, a diff as text, and pprof in Go's heap profile shape.
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +16,7 @@ mod heaps;
 mod pages;
 pub mod render;
 mod shapes;
+mod singletons;
 mod walk;
 pub use walk::{take, CensusOptions};
 
@@ -63,11 +65,13 @@ pub const NOT_COUNTED: &str = "bytes outside the slot are counted for strings, a
      non-T_OBJECT objects), regexps, bignums, classes and every C extension's own memory \
      count their slot only, and a UTF-16/32 string's terminator counts 1 byte, not 2 or 4";
 
-/// One class (or, for hidden objects, one type alone) and its live objects.
+/// One class (or, for what Ruby hides, one type alone) and its live objects.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClassRow {
-    /// The class path (`Class#name`), `#<Class:0x...>` for an anonymous class, or "" for
-    /// objects with no class (Ruby's hidden and internal objects).
+    /// The path of the objects' class as their `Kernel#class` gives it (`Module#name`;
+    /// "Class" for classes, a module's class for modules), `#<Class:0x...>` for an anonymous
+    /// class, or "" for what `ObjectSpace.each_object` does not yield: objects with no class
+    /// (hidden), iclasses, imemos and the metaclasses Ruby hides (walk.rs, singletons.rs).
     pub name: String,
     /// The built-in type of its objects (`T_OBJECT`, `T_STRING`, ...).
     #[serde(rename = "type")]

@@ -11,13 +11,14 @@ use prost::Message;
 use std::fmt::Write as _;
 use std::io::Write;
 
-/// How a class's row is named where a name is needed: hidden objects (no class) as
-/// "(hidden T_STRING)".
+/// How a class's row is named where a name is needed: what `ObjectSpace.each_object` does
+/// not yield (name "") as "(hidden T_STRING)", and the classes among it, which are the
+/// metaclasses Ruby hides, as "(singleton classes)".
 pub fn row_name(name: &str, type_name: &str) -> String {
-    if name.is_empty() {
-        format!("(hidden {type_name})")
-    } else {
-        name.to_string()
+    match (name, type_name) {
+        ("", "T_CLASS") => "(singleton classes)".to_string(),
+        ("", _) => format!("(hidden {type_name})"),
+        _ => name.to_string(),
     }
 }
 
@@ -280,6 +281,13 @@ mod tests {
                     slot_bytes: 80,
                     heap_bytes: 10,
                 },
+                ClassRow {
+                    name: String::new(),
+                    type_name: "T_CLASS".into(),
+                    objects: 1,
+                    slot_bytes: 40,
+                    heap_bytes: 0,
+                },
             ],
             ..Census::default()
         };
@@ -307,7 +315,8 @@ mod tests {
             got,
             [
                 ("Widget".into(), "T_OBJECT".into(), vec![3, 120]),
-                ("(hidden T_STRING)".into(), "T_STRING".into(), vec![2, 90])
+                ("(hidden T_STRING)".into(), "T_STRING".into(), vec![2, 90]),
+                ("(singleton classes)".into(), "T_CLASS".into(), vec![1, 40])
             ]
         );
         assert_eq!(

@@ -7,11 +7,13 @@
 //! and `klass`. The census reads the array, then the page headers, then the pages' slots,
 //! many pages per `process_vm_readv`, and counts as it goes; hash tables outside their
 //! slots (before 3.3), objects' ivar tables and shapes (3.2+, shapes.rs) and the headers of
-//! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each. The
-//! heap's layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+//! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each, and
+//! which metaclasses Ruby hides one read or two per metaclass (singletons.rs). The heap's
+//! layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
 use super::heaps::{addresses, objspaces, Objspace};
 use super::pages::{self, page_list, read_headers, Page, Reread};
 use super::shapes::{shape_source, Ivars, ShapeSource};
+use super::singletons::{self, ClassSlot};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use crate::error::{Error, Result};
 use crate::memory::{field, word, Memory};
@@ -37,10 +39,12 @@ const ATTEMPTS: u64 = 4;
 /// An st_table of more entries than 2^this (a trillion) is not one.
 const MAX_ENTRY_POWER: u8 = 40;
 
+/// `RUBY_FL_FREEZE`, the same bit on every Ruby.
+const FL_FREEZE: u64 = 1 << 11;
+
 const T_NONE: u8 = 0x00;
 pub(super) const T_OBJECT: u8 = 0x01;
 const T_CLASS: u8 = 0x02;
-const T_MODULE: u8 = 0x03;
 const T_STRING: u8 = 0x05;
 const T_ARRAY: u8 = 0x07;
 const T_HASH: u8 = 0x08;
@@ -72,6 +76,9 @@ pub(super) struct Count<'a> {
     h: &'a HeapLayout,
     census: Census,
     by_class: FxHashMap<(u64, u8), Tally>,
+    /// The T_CLASS slots, counted apart: whether Ruby yields a class from `each_object`
+    /// depends on the others (singletons.rs).
+    class_slots: Vec<ClassSlot>,
     /// Hashes whose st_table is outside the slot (before 3.3), and objects whose ivars are
     /// an st_table (too complex, 3.2+): (class, type, table).
     tables: Vec<(u64, u8, u64)>,
@@ -91,6 +98,7 @@ impl<'a> Count<'a> {
             h,
             census,
             by_class: FxHashMap::default(),
+            class_slots: Vec::new(),
             tables: Vec::new(),
             shaped: FxHashMap::default(),
             ractor: None,
@@ -240,24 +248,48 @@ impl<M: Memory> Heap<'_, M> {
         Ok(self.name_classes(count))
     }
 
-    /// The census's rows, named: each class's path (`#<Class:0x...>` when anonymous), the
-    /// classes of classes and modules by their type, and objects with no class (hidden) or
-    /// an internal one under their type alone.
+    /// The census's rows, named as the target's own `Kernel#class` names each object that
+    /// `ObjectSpace.each_object` yields: its class's path (`#<Class:0x...>` when anonymous),
+    /// "Class" for classes, a module's class (Module, or a subclass such as Refinement).
+    /// What `each_object` does not yield has no class to Ruby and is named "" under its
+    /// type: objects with no class (hidden), iclasses, imemos and nodes, and the singleton
+    /// classes Ruby hides (singletons.rs).
     fn name_classes(&mut self, count: Count) -> Census {
         let Count {
             mut census,
-            by_class,
+            mut by_class,
+            class_slots,
             ..
         } = count;
+        let frozen_core: Vec<u64> = (class_slots.iter())
+            .filter(|c| c.frozen && !c.singleton)
+            .map(|c| c.address)
+            .filter(|c| self.t.class_name(*c).as_deref() == Some(singletons::FROZEN_CORE))
+            .collect();
+        let hidden = singletons::hidden(
+            &class_slots,
+            |class| self.real_superclass(class),
+            |class| frozen_core.contains(&class),
+        );
+        for c in &class_slots {
+            // Under a `klass` of 0 (no class: "") or 1 (any other: "Class"), since every class
+            // Ruby yields is a Class (no class inherits from Class).
+            let key = u64::from(!hidden.contains(&c.address));
+            let one = Tally {
+                objects: 1,
+                slot_bytes: c.slot_bytes,
+                heap_bytes: 0,
+            };
+            by_class.entry((key, T_CLASS)).or_default().add(one);
+        }
         let mut names: FxHashMap<u64, String> = FxHashMap::default();
         let mut classes: FxHashMap<(String, u8), Tally> = FxHashMap::default();
         for ((klass, t), tally) in by_class {
             let name = match t {
-                T_CLASS => "Class".to_string(),
-                T_MODULE => "Module".to_string(),
                 // An iclass, imemo or node keeps something else than a class in `klass`.
                 T_ICLASS | T_IMEMO | T_NODE => String::new(),
                 _ if klass == 0 => String::new(),
+                T_CLASS => "Class".to_string(),
                 _ => names
                     .entry(klass)
                     .or_insert_with(|| self.class_path(klass))
@@ -303,6 +335,22 @@ impl<M: Memory> Heap<'_, M> {
         self.t
             .class_name(class)
             .map_or_else(|| format!("#<Class:0x{class:016x}>"), |n| n.to_string())
+    }
+
+    /// The superclass of `class` past any iclass (an included or prepended module's, or a
+    /// prepended class's origin), as class.c's `make_metaclass` takes it.
+    fn real_superclass(&self, class: u64) -> Option<u64> {
+        let (l, mem) = (self.t.layout(), self.t.mem());
+        let mut class = self.superclass(class)?;
+        // A chain of iclasses is as long as the modules included; a thousand is absurd.
+        for _ in 0..1024 {
+            let flags = mem.read_u64(field(class, l.rbasic_flags)).ok()?;
+            if class == 0 || flags & 0x1f != u64::from(T_ICLASS) {
+                return Some(class);
+            }
+            class = self.superclass(class)?;
+        }
+        None
     }
 
     /// `RCLASS_SUPER(class)`.
@@ -433,6 +481,23 @@ impl Count<'_> {
                 _ => {
                     self.census.live_slots += 1;
                     let klass = word(slot, 8);
+                    if t == T_CLASS {
+                        // Counted once every class is known (`name_classes`); a class's
+                        // bytes are its slot alone.
+                        self.class_slots.push(ClassSlot {
+                            address: page.start + (i * page.slot_size) as u64,
+                            klass,
+                            singleton: flags & self.l.fl_singleton != 0,
+                            frozen: flags & FL_FREEZE != 0,
+                            slot_bytes: page.slot_size as u64,
+                        });
+                        live.add(Tally {
+                            objects: 1,
+                            slot_bytes: page.slot_size as u64,
+                            heap_bytes: 0,
+                        });
+                        continue;
+                    }
                     let heap_bytes = self.heap_bytes(t, flags, klass, slot, page.slot_size);
                     let one = Tally {
                         objects: 1,
