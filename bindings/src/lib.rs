@@ -14,7 +14,7 @@ mod heap;
 mod heap_generated;
 
 pub use generated::{LAYOUTS, VERSIONS};
-pub use heap::{HeapLayout, ShapeList, Shapes};
+pub use heap::{Fields, HeapLayout, RactorHeaps, ShapeList, Shapes};
 pub use heap_generated::HEAP_LAYOUTS;
 
 /// Offsets (in bytes) and constants of one distinct Ruby VM layout.

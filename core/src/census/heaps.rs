@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::memory::{field, word, word32, Memory};
 use crate::objects::{is_heap_object, read_string};
 use crate::spy::TargetView;
-use rbspy_ext_bindings::HeapLayout;
+use rbspy_ext_bindings::{HeapLayout, RactorHeaps};
 
 /// Reads of the Ractor list before a census gives up on one that keeps changing.
 const LIST_ATTEMPTS: usize = 8;
@@ -59,14 +59,6 @@ pub(super) fn objspaces<M: Memory>(t: &TargetView<'_, M>, h: &HeapLayout) -> Res
             what: "Ractor list (it kept changing)",
             addr: vm,
         })?;
-    let row = |id, name, state: &str| {
-        Some(RactorHeap {
-            id,
-            name,
-            state: state.into(),
-            ..RactorHeap::default()
-        })
-    };
     let mut spaces = Vec::new();
     for ractor in &ractors {
         // 0 while a Ractor shares its parent's heap: that heap is counted as the parent's.
@@ -81,6 +73,38 @@ pub(super) fn objspaces<M: Memory>(t: &TargetView<'_, M>, h: &HeapLayout) -> Res
             spaces.push((child, row(None, None, "creating")));
         }
     }
+    spaces.extend(zombies(t, &r)?);
+    let mut seen = Vec::new();
+    Ok(spaces
+        .into_iter()
+        .filter(|(address, _)| {
+            *address != 0 && !seen.contains(address) && {
+                seen.push(*address);
+                true
+            }
+        })
+        .map(|(address, ractor)| Objspace { address, ractor })
+        .collect())
+}
+
+/// A heap's row in `Census::ractors`.
+fn row(id: Option<u32>, name: Option<String>, state: &str) -> Option<RactorHeap> {
+    Some(RactorHeap {
+        id,
+        name,
+        state: state.into(),
+        ..RactorHeap::default()
+    })
+}
+
+/// The terminated Ractors' heaps (`vm->gc.zombie_objspaces`), with their Ractor's id and
+/// name while its object lives.
+fn zombies<M: Memory>(
+    t: &TargetView<'_, M>,
+    r: &RactorHeaps,
+) -> Result<Vec<(u64, Option<RactorHeap>)>> {
+    let (l, mem, vm) = (t.layout(), t.mem(), t.vm());
+    let memory = |context| move |e| t.memory_error(context, e);
     let count = mem
         .read_u64(field(vm, r.zombie_count))
         .map_err(memory("reading the VM's terminated heaps"))?;
@@ -94,32 +118,24 @@ pub(super) fn objspaces<M: Memory>(t: &TargetView<'_, M>, h: &HeapLayout) -> Res
         .then(|| mem.read_vec(array, count as usize * r.zombie_size).ok())
         .flatten()
         .unwrap_or_default();
-    for entry in zombies.chunks_exact(r.zombie_size) {
-        let owner = word(entry, r.zombie_owner);
-        // The owner is NULL once the terminated Ractor's object was collected.
-        let (id, name) = if is_heap_object(owner) {
-            let id = mem.read_vec(field(owner, l.ractor_id), 4).ok();
-            let name = mem.read_u64(field(owner, l.ractor_name)).unwrap_or(0);
-            (
-                id.map(|b| word32(&b, 0)),
-                is_heap_object(name)
-                    .then(|| read_string(mem, l, name).ok())
-                    .flatten(),
-            )
-        } else {
-            (None, None)
-        };
-        spaces.push((word(entry, 0), row(id, name, "terminated")));
-    }
-    let mut seen = Vec::new();
-    Ok(spaces
-        .into_iter()
-        .filter(|(address, _)| {
-            *address != 0 && !seen.contains(address) && {
-                seen.push(*address);
-                true
-            }
+    Ok(zombies
+        .chunks_exact(r.zombie_size)
+        .map(|entry| {
+            let owner = word(entry, r.zombie_owner);
+            // The owner is NULL once the terminated Ractor's object was collected.
+            let (id, name) = if is_heap_object(owner) {
+                let id = mem.read_vec(field(owner, l.ractor_id), 4).ok();
+                let name = mem.read_u64(field(owner, l.ractor_name)).unwrap_or(0);
+                (
+                    id.map(|b| word32(&b, 0)),
+                    is_heap_object(name)
+                        .then(|| read_string(mem, l, name).ok())
+                        .flatten(),
+                )
+            } else {
+                (None, None)
+            };
+            (word(entry, 0), row(id, name, "terminated"))
         })
-        .map(|(address, ractor)| Objspace { address, ractor })
         .collect())
 }

@@ -12,6 +12,7 @@
 //! - `render.rs`: a census as text, a diff as text, and pprof in Go's heap profile shape.
 use serde::{Deserialize, Serialize};
 
+mod classes;
 mod heaps;
 mod pages;
 pub mod render;
@@ -19,6 +20,19 @@ mod shapes;
 mod singletons;
 mod walk;
 pub use walk::{take, CensusOptions};
+
+// The built-in types the census tells apart (enum ruby_value_type: the same on every Ruby).
+const T_NONE: u8 = 0x00;
+const T_OBJECT: u8 = 0x01;
+const T_CLASS: u8 = 0x02;
+const T_STRING: u8 = 0x05;
+const T_ARRAY: u8 = 0x07;
+const T_HASH: u8 = 0x08;
+const T_IMEMO: u8 = 0x1a;
+const T_NODE: u8 = 0x1b;
+const T_ICLASS: u8 = 0x1c;
+const T_ZOMBIE: u8 = 0x1d;
+const T_MOVED: u8 = 0x1e;
 
 /// The names of Ruby's built-in types (`enum ruby_value_type`, `flags & 0x1f`), as
 /// `ObjectSpace.count_objects` spells them; bindings/generator/heap_probe.c checks the

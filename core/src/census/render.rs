@@ -84,22 +84,7 @@ pub fn text(census: &Census, limit: usize) -> String {
             "  Ractors started or ended while their heaps were read: counts are approximate"
         );
     }
-    // One line per heap where each Ractor owns one (a single Ractor's says nothing more).
-    for r in census.ractors.iter().filter(|_| census.ractors.len() > 1) {
-        let who = match (r.id, &r.name) {
-            (Some(id), Some(name)) => format!("Ractor {id} ({name})"),
-            (Some(id), None) => format!("Ractor {id}"),
-            _ => "a Ractor".to_string(),
-        };
-        let _ = writeln!(
-            out,
-            "  {who}, {}: {} live objects, {}, in {} pages",
-            r.state,
-            r.objects,
-            human_bytes(r.slot_bytes + r.heap_bytes),
-            r.pages
-        );
-    }
+    ractor_lines(&mut out, census);
     let _ = writeln!(
         out,
         "\n{:>12} {:>12} {:>12}  class (type)",
@@ -121,6 +106,25 @@ pub fn text(census: &Census, limit: usize) -> String {
     }
     let _ = writeln!(out, "\nnot counted: {}", census.not_counted);
     out
+}
+
+/// One line per heap where each Ractor owns one (a single Ractor's says nothing more).
+fn ractor_lines(out: &mut String, census: &Census) {
+    for r in census.ractors.iter().filter(|_| census.ractors.len() > 1) {
+        let who = match (r.id, &r.name) {
+            (Some(id), Some(name)) => format!("Ractor {id} ({name})"),
+            (Some(id), None) => format!("Ractor {id}"),
+            _ => "a Ractor".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "  {who}, {}: {} live objects, {}, in {} pages",
+            r.state,
+            r.objects,
+            human_bytes(r.slot_bytes + r.heap_bytes),
+            r.pages
+        );
+    }
 }
 
 /// The changes `Census::diff` found, as text: the `limit` that grew most, then those that

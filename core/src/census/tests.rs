@@ -2,7 +2,8 @@
 //! bytes and shapes, on memory images and the generated 3.3 layouts.
 use super::pages::{self, page_list, read_headers};
 use super::shapes::{shape_source, Ivars};
-use super::walk::{Count, T_OBJECT};
+use super::walk::Count;
+use super::T_OBJECT;
 use super::{Census, ClassRow};
 use crate::memory::MemoryImage;
 use crate::spy::Spy;

@@ -10,11 +10,14 @@
 //! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each, and
 //! which metaclasses Ruby hides one read or two per metaclass (singletons.rs). The heap's
 //! layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+use super::classes;
 use super::heaps::{addresses, objspaces, Objspace};
 use super::pages::{self, page_list, read_headers, Page, Reread};
 use super::shapes::{shape_source, Ivars, ShapeSource};
 use super::singletons::{self, ClassSlot};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
+use super::{T_ARRAY, T_CLASS, T_HASH, T_ICLASS, T_IMEMO, T_MOVED, T_NODE, T_NONE, T_OBJECT};
+use super::{T_STRING, T_ZOMBIE};
 use crate::error::{Error, Result};
 use crate::memory::{field, word, Memory};
 use crate::spy::TargetView;
@@ -41,18 +44,6 @@ const MAX_ENTRY_POWER: u8 = 40;
 
 /// `RUBY_FL_FREEZE`, the same bit on every Ruby.
 const FL_FREEZE: u64 = 1 << 11;
-
-const T_NONE: u8 = 0x00;
-pub(super) const T_OBJECT: u8 = 0x01;
-const T_CLASS: u8 = 0x02;
-const T_STRING: u8 = 0x05;
-const T_ARRAY: u8 = 0x07;
-const T_HASH: u8 = 0x08;
-const T_IMEMO: u8 = 0x1a;
-const T_NODE: u8 = 0x1b;
-const T_ICLASS: u8 = 0x1c;
-const T_ZOMBIE: u8 = 0x1d;
-const T_MOVED: u8 = 0x1e;
 
 /// What the caller bounds a census by.
 #[derive(Debug, Clone, Copy, Default)]
@@ -268,7 +259,7 @@ impl<M: Memory> Heap<'_, M> {
             .collect();
         let hidden = singletons::hidden(
             &class_slots,
-            |class| self.real_superclass(class),
+            |class| classes::real_superclass(&self.t, self.h, class),
             |class| frozen_core.contains(&class),
         );
         for c in &class_slots {
@@ -292,7 +283,7 @@ impl<M: Memory> Heap<'_, M> {
                 T_CLASS => "Class".to_string(),
                 _ => names
                     .entry(klass)
-                    .or_insert_with(|| self.class_path(klass))
+                    .or_insert_with(|| classes::class_path(&mut self.t, self.h, klass))
                     .clone(),
             };
             classes.entry((name, t)).or_default().add(tally);
@@ -308,67 +299,6 @@ impl<M: Memory> Heap<'_, M> {
                 .map(|(t, tally)| (String::new(), t, tally)),
         );
         census
-    }
-
-    /// The name `Object#class.name` gives an object whose class pointer is `klass`: a
-    /// singleton class stands for the first superclass that is not one (nor an iclass);
-    /// `#<Class:0x...>` when that class is anonymous.
-    fn class_path(&mut self, klass: u64) -> String {
-        let l = self.t.layout();
-        let mut class = klass;
-        // rb_class_real has no bound; a singleton extended by a thousand modules is absurd.
-        for _ in 0..1024 {
-            let flags = self
-                .t
-                .mem()
-                .read_u64(field(class, l.rbasic_flags))
-                .unwrap_or(0);
-            let iclass = flags & 0x1f == u64::from(T_ICLASS);
-            if flags & l.fl_singleton == 0 && !iclass {
-                break;
-            }
-            match self.superclass(class) {
-                Some(s) if s != 0 => class = s,
-                _ => break,
-            }
-        }
-        self.t
-            .class_name(class)
-            .map_or_else(|| format!("#<Class:0x{class:016x}>"), |n| n.to_string())
-    }
-
-    /// The superclass of `class` past any iclass (an included or prepended module's, or a
-    /// prepended class's origin), as class.c's `make_metaclass` takes it.
-    fn real_superclass(&self, class: u64) -> Option<u64> {
-        let (l, mem) = (self.t.layout(), self.t.mem());
-        let mut class = self.superclass(class)?;
-        // A chain of iclasses is as long as the modules included; a thousand is absurd.
-        for _ in 0..1024 {
-            let flags = mem.read_u64(field(class, l.rbasic_flags)).ok()?;
-            if class == 0 || flags & 0x1f != u64::from(T_ICLASS) {
-                return Some(class);
-            }
-            class = self.superclass(class)?;
-        }
-        None
-    }
-
-    /// `RCLASS_SUPER(class)`.
-    fn superclass(&self, class: u64) -> Option<u64> {
-        let (h, l, mem) = (self.h, self.t.layout(), self.t.mem());
-        let addr = match (h.class_super, h.class_super_in_ext) {
-            (Some(o), _) => field(class, o),
-            (None, Some(o)) => {
-                let ext = match (l.rclass_ext_inline, l.rclass_ext_ptr) {
-                    (Some(inline), _) => field(class, inline),
-                    (None, Some(ptr)) => mem.read_u64(field(class, ptr)).ok()?,
-                    _ => return None,
-                };
-                field(ext, o)
-            }
-            _ => return None,
-        };
-        mem.read_u64(addr).ok()
     }
 }
 
