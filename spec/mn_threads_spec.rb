@@ -20,6 +20,19 @@ RSpec.describe "tags under M:N threads" do
     skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?
   end
 
+  # Every worker's samples carry its own `worker:` tag only, and more than +at_least+ of them.
+  def expect_own_tags(profile, at_least:)
+    groups = profile.group_by(:worker)
+    expect(groups.keys.compact.sort).to eq((0...6).map(&:to_s))
+    groups.each do |value, group|
+      next if value.nil?
+
+      sampled = group.threads.reject { |t| t[:states].values.sum.zero? }.map { |t| t[:name] }.uniq
+      expect(sampled).to eq(["worker-#{value}"]), "samples tagged worker: #{value} came from #{sampled}"
+      expect(group.samples).to be > at_least
+    end
+  end
+
   it "keeps each worker's own table published while six workers share one native thread" do
     info = start_target("mn_tags_check", env: mn_env).info
     expect(info["resyncs_on_resume"]).to be(true)
@@ -32,15 +45,7 @@ RSpec.describe "tags under M:N threads" do
     target = start_target("mn_tagged_workers", env: mn_env)
     expect(target.info["native_threads"]).to be < target.info["workers"]
     profile = RubySpy::Recorder.new(target.pid, rate: 2000, duration: 2).start.wait.stop
-    groups = profile.group_by(:worker)
-    expect(groups.keys.compact.sort).to eq((0...6).map(&:to_s))
-    groups.each do |value, group|
-      next if value.nil?
-
-      sampled = group.threads.reject { |t| t[:states].values.sum.zero? }.map { |t| t[:name] }.uniq
-      expect(sampled).to eq(["worker-#{value}"]), "samples tagged worker: #{value} came from #{sampled}"
-      expect(group.samples).to be > 100
-    end
+    expect_own_tags(profile, at_least: 100)
   end
 
   # In the kernel, a tick lands on the shared native thread, and which worker runs there is
@@ -58,15 +63,7 @@ RSpec.describe "tags under M:N threads" do
       workers = profile.threads.select { |t| t[:name].to_s.start_with?("worker-") }
       expect(workers.map { |t| t[:name] }.sort).to eq((0...6).map { |i| "worker-#{i}" }),
                                                      profile.threads.map { |t| [t[:tid], t[:name]] }.inspect
-      groups = profile.group_by(:worker)
-      expect(groups.keys.compact.sort).to eq((0...6).map(&:to_s))
-      groups.each do |value, group|
-        next if value.nil?
-
-        sampled = group.threads.reject { |t| t[:states].values.sum.zero? }.map { |t| t[:name] }.uniq
-        expect(sampled).to eq(["worker-#{value}"]), "samples tagged worker: #{value} came from #{sampled}"
-        expect(group.samples).to be > 20
-      end
+      expect_own_tags(profile, at_least: 20)
     end
   end
 end
