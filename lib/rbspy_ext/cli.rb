@@ -159,12 +159,14 @@ module RubySpy
     end
 
     def top(argv)
-      options = { rate: 99, idle: false }
+      options = { rate: 99, idle: false, state_leaves: true }
       parser = OptionParser.new do |opts|
         opts.banner = "Usage: rubyspy top --pid PID [options]   (keys: 1-4 sort, q quits)"
         pid_option(opts, options)
         opts.on("-r", "--rate HZ", Float, "samples per second (default 99)") { |v| options[:rate] = v }
         opts.on("--idle", "count the samples of blocked threads too") { options[:idle] = true }
+        opts.on("--no-state-leaves", "no [waiting for GVL] / [GC ...] rows: waits and GC billed to the " \
+                                     "function they stood in") { options[:state_leaves] = false }
         opts.on("-h", "--help") { puts opts; return 0 }
       end
       parser.parse!(argv)
@@ -172,7 +174,8 @@ module RubySpy
       raise Usage, "top needs --pid PID" unless options[:pid]
       raise Usage, "--rate must be a rate in Hz up to #{RubySpy::MAX_RATE.to_i}" unless RubySpy.valid_rate?(options[:rate])
 
-      Top.new(options[:pid], rate: options[:rate], idle: options[:idle], force_version: options[:force_version]).run
+      Top.new(options[:pid], rate: options[:rate], idle: options[:idle], state_leaves: options[:state_leaves],
+                             force_version: options[:force_version]).run
     end
 
     def record(argv)
@@ -270,6 +273,8 @@ module RubySpy
     # The flags of Profile#render's view keywords, by keyword.
     VIEW_FLAGS = { per_thread: "--per-thread", lines: "--lines", idle: "--idle", state: "--state",
                    tag: "--by-tag" }.freeze
+    # The keywords every format takes (the others: Profile::VIEW_FORMATS only).
+    EVERY_FORMAT = %i[state_leaves].freeze
 
     def view_options(opts, options)
       view = options[:view]
@@ -280,13 +285,16 @@ module RubySpy
       opts.on("--idle", "keep the samples of blocked threads (sleep, IO, locks)") { view[:idle] = true }
       opts.on("--state", "a root per thread state (running, waiting_for_gvl, blocked, gc_*, no_gvl with --bpf)") { view[:state] = true }
       opts.on("--by-tag KEY", "a root per value of this tag (speedscope: a profile per value)") { |v| view[:tag] = v }
+      opts.on("--no-state-leaves", "every format: no [waiting for GVL] / [GC ...] leaves; waits and GC " \
+                                   "billed to the frame they stood in") { view[:state_leaves] = false }
     end
 
     # A view flag needs a format that takes it: an error before anything runs, not after.
     def check_view(formats, view)
-      return if view.empty? || formats.any? { |f| Profile::VIEW_FORMATS.include?(f.to_sym) }
+      shaping = view.except(*EVERY_FORMAT)
+      return if shaping.empty? || formats.any? { |f| Profile::VIEW_FORMATS.include?(f.to_sym) }
 
-      flag = VIEW_FLAGS.fetch(view.keys.first)
+      flag = VIEW_FLAGS.fetch(shaping.keys.first)
       raise Usage, "#{flag} applies to #{Profile::VIEW_FORMATS.join(", ")} only, not to #{formats.join(", ")}"
     end
 
@@ -306,7 +314,7 @@ module RubySpy
       shaped = paths.keys.select { |f| Profile::VIEW_FORMATS.include?(f.to_sym) }
       tell_idle(profile, shaped, view)
       paths.each do |format, path|
-        keywords = shaped.include?(format) ? view : {}
+        keywords = shaped.include?(format) ? view : view.slice(*EVERY_FORMAT)
         profile.write(path, format: format, **keywords)
       end
     end
@@ -422,7 +430,8 @@ module RubySpy
         format = formats.first
         shaped = Profile::VIEW_FORMATS.include?(format.to_sym)
         tell_idle(profile, [format], options[:view]) if shaped
-        $stdout.binmode.write(profile.render(format, **(shaped ? options[:view] : {})))
+        keywords = shaped ? options[:view] : options[:view].slice(*EVERY_FORMAT)
+        $stdout.binmode.write(profile.render(format, **keywords))
       end
       0
     end

@@ -111,10 +111,16 @@ module RubySpy
 
     # The profile in +format+, as a String (binary for pprof).
     #
+    # Every format but raw gives a sample whose thread waited for the GVL, or ran the GC, a
+    # leaf frame of its own below the frame it stood in (+[waiting for GVL]+, +[GC marking]+,
+    # +[GC sweeping]+, +[GC compacting]+, +[GC]+), so that a frame's self samples are the
+    # samples it ran in; +state_leaves: false+ gives the shape before leaves.
+    #
     # flamegraph, speedscope and collapsed ({VIEW_FORMATS}) merge every thread's stacks into
     # functions (label and path) and leave out the samples of blocked threads (sleeping, in
     # IO, waiting on a lock: idle), saying so in the flamegraph's subtitle and speedscope's
-    # name. Each keyword undoes one of those; the other formats take none of them.
+    # name. Each of the other keywords undoes one of those; the other formats take none of
+    # them.
     # @param format [Symbol, String] one of {FORMATS}
     # @param tag [Symbol, String, nil] a root frame per value of this tag
     #   (+endpoint=orders#show+, +endpoint=-+ for samples without it); speedscope: a profile
@@ -124,20 +130,22 @@ module RubySpy
     # @param idle [Boolean] keep the samples of blocked threads
     # @param state [Boolean] a root frame per thread state (+[running]+, +[waiting_for_gvl]+,
     #   +[gc_marking]+...)
+    # @param state_leaves [Boolean] false: no leaf frames for waits and GC (every format)
     # @return [String]
     # @raise [ArgumentError] for an unknown format, or a keyword the format does not take
     # @example
     #   profile.render(:collapsed, per_thread: true, idle: true)
-    def render(format, tag: nil, per_thread: false, lines: false, idle: false, state: false)
+    def render(format, tag: nil, per_thread: false, lines: false, idle: false, state: false, state_leaves: true)
       @native.render(format.to_s, { tag: tag&.to_s, per_thread: per_thread ? true : false, lines: lines ? true : false,
-                                    idle: idle ? true : false, state: state ? true : false })
+                                    idle: idle ? true : false, state: state ? true : false,
+                                    state_leaves: state_leaves ? true : false })
     end
 
     # Writes the profile to +path+.
     # @param path [String]
     # @param format [Symbol, String] one of {FORMATS}
     # @param view [Hash] the keywords of {#render}: +tag:+, +per_thread:+, +lines:+, +idle:+,
-    #   +state:+
+    #   +state:+, +state_leaves:+
     # @return [String] the path
     # @raise [ArgumentError] for an unknown format, or a keyword the format does not take
     # @raise [SystemCallError] when the path cannot be written
@@ -154,14 +162,24 @@ module RubySpy
       @native.tag_sets.map { |set| set.merge(tags: set[:tags].to_h { |k, v| [k.to_sym, v] }) }
     end
 
-    # The samples whose tags have all these values (compared as text, the way they were
-    # recorded: +user: 42+ matches the tag value "42").
+    # The samples of threads in a state, and whose tags have all these values (compared as
+    # text, the way they were recorded: +user: 42+ matches the tag value "42").
+    # +select(state: :running).functions+ gives each function the samples it ran in, which
+    # every view of the whole profile bills to it (beside its blocked ones), its waits and
+    # GC pauses going to the state leaves (see {#render}).
+    # @param state [Symbol, String, Array<Symbol, String>, nil] one state of {#threads}
+    #   (+:running+, +:waiting_for_gvl+, +:blocked+, +:gc_marking+...) or several; nil: any.
+    #   (A tag named +state+ is reached through {#group_by} or {#tagged}.)
     # @param tags [Hash{Symbol => Object}]
     # @return [RubySpy::Profile]
+    # @raise [ArgumentError] for a state that does not exist, naming those that do
     # @example
     #   profile.select(request_id: "abc").write("abc.svg", format: :flamegraph)
-    def select(**tags)
-      Profile.new(@native.select_tags(tags.map { |k, v| [k.to_s, v.to_s] }))
+    #   profile.select(state: :running).functions.first
+    def select(state: nil, **tags)
+      native = state.nil? ? @native : @native.select_states(Array(state).map(&:to_s))
+      native = native.select_tags(tags.map { |k, v| [k.to_s, v.to_s] }) unless tags.empty?
+      Profile.new(native)
     end
 
     # The samples that carry tag +key+, whatever its value.
@@ -199,13 +217,16 @@ module RubySpy
     # +total+ those with it anywhere in the stack (once per sample, however deep it recurses).
     # A function is a label and a path, counted as the summary, pprof and callgrind count it
     # (one key, in the extension); a C function has no path of its own (its frames carry their
-    # caller's), so it is one function whoever calls it, with path "".
+    # caller's), so it is one function whoever calls it, with path "". Waits for the GVL and
+    # GC pauses are rows of their own, the state leaves of {#render} (+[waiting for GVL]+,
+    # +[GC marking]+...: +state_leaf: true+, path ""), unless +state_leaves: false+.
     # @param limit [Integer, nil] keep only the first +limit+
     # @param idle [Boolean] false to count only the samples of threads that were not blocked
-    # @return [Array<Hash>] +{label:, path:, line:, self:, total:}+ (+line+: where its frames
-    #   were seen most), most self samples first (then most total)
-    def functions(limit: nil, idle: true)
-      rows = @native.functions(idle ? true : false)
+    # @param state_leaves [Boolean] false: bill waits and GC to the frame they stood in
+    # @return [Array<Hash>] +{label:, path:, line:, self:, total:, state_leaf:}+ (+line+: where
+    #   its frames were seen most), most self samples first (then most total)
+    def functions(limit: nil, idle: true, state_leaves: true)
+      rows = @native.functions(idle ? true : false, state_leaves ? true : false)
       limit ? rows.first(limit) : rows
     end
 

@@ -9,7 +9,8 @@ require_relative "profile"
 module RubySpy
   # What the test-framework integrations (rbspy_ext/rspec, rbspy_ext/minitest) share: the
   # settings they read from the environment (RUBYSPY, RUBYSPY_SAMPLE, RUBYSPY_RATE,
-  # RUBYSPY_FORMAT, RUBYSPY_DIR), and a {Session} of recordings, files and the summary.
+  # RUBYSPY_FORMAT, RUBYSPY_DIR, RUBYSPY_STATE_LEAVES), and a {Session} of recordings, files
+  # and the summary.
   module TestProfiling
     DEFAULT_RATE = 999
     DEFAULT_DIR = "tmp/rubyspy"
@@ -26,7 +27,10 @@ module RubySpy
     # @!attribute formats [Array<Symbol>, nil] RUBYSPY_FORMAT, when valid
     # @!attribute dir [String]
     # @!attribute sample [Integer] how many random tests to profile (0: none)
-    Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, keyword_init: true)
+    # @!attribute state_leaves [Boolean] waits for the GVL and GC pauses as leaves of their own
+    #   in the files and the summary (+[waiting for GVL]+...); RUBYSPY_STATE_LEAVES=0 turns
+    #   them off
+    Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, :state_leaves, keyword_init: true)
 
     class << self
       # Whether +value+ is a sampling rate a recording takes ({RubySpy.valid_rate?}). The
@@ -54,7 +58,8 @@ module RubySpy
         Settings.new(mode: mode(env["RUBYSPY"]), rate: rate(env["RUBYSPY_RATE"]),
                      formats: formats(env["RUBYSPY_FORMAT"], "RUBYSPY_FORMAT"),
                      dir: env["RUBYSPY_DIR"].to_s.empty? ? DEFAULT_DIR : env["RUBYSPY_DIR"],
-                     sample: sample(env["RUBYSPY_SAMPLE"]))
+                     sample: sample(env["RUBYSPY_SAMPLE"]),
+                     state_leaves: !%w[0 false no off].include?(env["RUBYSPY_STATE_LEAVES"].to_s.strip.downcase))
       end
 
       # Prints +message+ once per run on standard error, prefixed with "rubyspy:".
@@ -262,7 +267,8 @@ module RubySpy
       def write(profile, base, formats)
         FileUtils.mkdir_p(File.dirname(base))
         formats.filter_map do |format|
-          profile.write("#{base}.#{RubySpy::Profile::EXTENSIONS.fetch(format)}", format: format)
+          path = "#{base}.#{RubySpy::Profile::EXTENSIONS.fetch(format)}"
+          profile.write(path, format: format, state_leaves: @settings.state_leaves)
         rescue RubySpy::Error => e
           TestProfiling.warn_once("no #{format} of #{File.basename(base)}: #{e.message}")
           nil
@@ -296,8 +302,11 @@ module RubySpy
         return out.puts("rubyspy: no samples of threads at work") if total.zero?
 
         out.puts "  self%  total%  function#{"   (#{blocked} samples of blocked threads left out)" if blocked.positive?}"
-        profile.functions(limit: SUMMARY_FUNCTIONS, idle: false).each do |f|
-          where = f[:path].empty? ? " (C function)" : " (#{f[:path].delete_prefix("#{Dir.pwd}/")})"
+        profile.functions(limit: SUMMARY_FUNCTIONS, idle: false, state_leaves: @settings.state_leaves).each do |f|
+          where = if f[:state_leaf] then ""
+                  elsif f[:path].empty? then " (C function)"
+                  else " (#{f[:path].delete_prefix("#{Dir.pwd}/")})"
+                  end
           out.puts format("%6.1f%% %6.1f%%  %s%s", 100.0 * f[:self] / total, 100.0 * f[:total] / total,
                           f[:label], where)
         end

@@ -5,7 +5,8 @@
 //! its self cost at the lines where it was the innermost frame, and one `cfl=`/`cfn=`/`calls=`
 //! block per (calling line, callee) with the samples that went through that call (its
 //! inclusive cost). Threads merge, as in the other formats' defaults; a stack with no Ruby
-//! frame costs [`NO_FRAMES`] in [`PSEUDO_FILE`].
+//! frame costs [`NO_FRAMES`] in [`PSEUDO_FILE`], and so do the state leaves
+//! (`[waiting for GVL]`, `[GC marking]`...) below the frames they stood in.
 //!
 //! Two liberties a sampling profiler has to take with a tracing format:
 //! - `calls=` counts the samples seen in the call, not calls (which sampling cannot count);
@@ -17,7 +18,8 @@ use crate::profile::Profile;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 
-/// The file of the pseudo function [`NO_FRAMES`] (a stack with no Ruby frame).
+/// The file of the pseudo functions: [`NO_FRAMES`] (a stack with no Ruby frame) and the
+/// state leaves (`[waiting for GVL]`...).
 pub const PSEUDO_FILE: &str = "<threads>";
 
 /// (file, function name): how callgrind tells functions apart.
@@ -87,7 +89,9 @@ fn costs(profile: &Profile) -> BTreeMap<Function, Costs> {
         .iter()
         .map(|f| {
             let key = FunctionKey::of(f);
-            if key.is_c() {
+            if key.is_leaf() {
+                ((PSEUDO_FILE.to_string(), clean(key.label)), 0)
+            } else if key.is_c() {
                 ((C_FUNCTION_FILE.to_string(), clean(key.label)), 0)
             } else {
                 ((clean(key.path), clean(key.label)), f.lineno as i64)

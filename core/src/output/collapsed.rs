@@ -180,13 +180,24 @@ mod tests {
             stacks[&key(&["<main> app.rb", "Object#work lib/work.rb"])],
             10
         );
-        // Lines 3 and 4 of fib are one function: running 5, in GC 2.
-        let fib = |n: usize| {
+        // Lines 3 and 4 of fib are one function: running 5, in GC 2 (below its leaf).
+        let fib = |n: usize, leaf: Option<&str>| {
             let mut k = key(&["<main> app.rb"]);
             k.extend(std::iter::repeat_n("Object#fib lib/fib.rb".to_string(), n));
+            k.extend(leaf.map(String::from));
             stacks[&k]
         };
-        assert_eq!((fib(3), fib(2)), (5, 2));
+        assert_eq!((fib(3, None), fib(2, Some("[GC]"))), (5, 2));
+        // The worker waited for the GVL in Object#work.
+        let waited = key(&[
+            "<main> app.rb",
+            "block in Object#work lib/work.rb",
+            "Integer#times",
+            "block in Object#work lib/work.rb",
+            "Object#work lib/work.rb",
+            "[waiting for GVL]",
+        ]);
+        assert_eq!(stacks[&waited], 4);
         // A C function is its label alone.
         let with_idle = parse(&collapsed(&Options {
             idle: true,
@@ -222,7 +233,7 @@ mod tests {
     }
 
     #[test]
-    fn output_collapsed_identical_stacks_in_two_threads_sum_without_grouping() {
+    fn output_collapsed_identical_stacks_in_two_threads_sum_without_grouping_or_leaves() {
         use crate::profile::{Aggregator, ThreadState};
         let [a, b, _] = fixture::threads();
         let mut agg = Aggregator::new(4242, "3.3.0", 100.0, 0);
@@ -233,12 +244,25 @@ mod tests {
         let mut out = Vec::new();
         let opts = Options {
             lines: true,
+            no_state_leaves: true,
             ..Options::default()
         };
         write_format(&p, Format::Collapsed, &mut out, &opts).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "<main> app.rb:10;Foo#bar foo.rb:2 5\n"
+        );
+        // With its leaf, the wait is a stack of its own.
+        let mut out = Vec::new();
+        let opts = Options {
+            no_state_leaves: false,
+            ..opts
+        };
+        write_format(&p, Format::Collapsed, &mut out, &opts).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "<main> app.rb:10;Foo#bar foo.rb:2 2\n\
+             <main> app.rb:10;Foo#bar foo.rb:2;[waiting for GVL] 3\n"
         );
     }
 

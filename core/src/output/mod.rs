@@ -20,9 +20,13 @@
 //! [`Options`] shape flamegraph, speedscope and collapsed ([`view`]): by default every
 //! thread's stacks merge, frames are functions, and blocked (idle) threads' samples are left
 //! out (unless there is nothing else), which the flamegraph's subtitle and speedscope's name
-//! say; `per_thread`, `lines`,
-//! `idle`, `state` and `tag_root` undo each. pprof labels every sample with its thread,
-//! state and tags instead (`go tool pprof -tagroot=thread` draws a root per thread).
+//! say; `per_thread`, `lines`, `idle`, `state` and `tag_root` undo each. pprof labels
+//! every sample with its thread, state and tags instead (`go tool pprof -tagroot=thread`
+//! draws a root per thread).
+//!
+//! Every format but raw gives a sample that waited for the GVL or ran the GC a leaf frame
+//! below the frame it stood in (`[waiting for GVL]`, `[GC marking]`...: [`leaves`]), so that
+//! no frame's self time holds waits; `no_state_leaves` takes them away.
 //!
 //! A *function* (summary, pprof, callgrind, and the default frames of the others) is a
 //! label plus a path ([`FunctionKey`]). C functions are the exception: Ruby reports them at
@@ -32,6 +36,7 @@
 pub mod callgrind;
 pub mod collapsed;
 pub mod flamegraph;
+pub mod leaves;
 pub mod pprof;
 pub mod raw;
 pub mod speedscope;
@@ -150,6 +155,10 @@ pub struct Options {
     /// A root frame `key=value` (`key=-` without the tag) naming the value of this tag,
     /// above the others; speedscope: one profile per value.
     pub tag_root: Option<String>,
+    /// No state leaves ([`leaves`]): waits for the GVL and GC pauses billed to the frame the
+    /// thread stood in, the shape before leaves. Every format takes it; raw has no leaves
+    /// anyway (it keeps each sample's state).
+    pub no_state_leaves: bool,
 }
 
 impl Options {
@@ -235,6 +244,11 @@ pub fn write(
             return Err(OutputError::OptionNotTaken { option, format });
         }
     }
+    let leaves = match options.no_state_leaves || format == Format::Raw {
+        true => std::borrow::Cow::Borrowed(profile),
+        false => leaves::with_state_leaves(profile),
+    };
+    let profile = &*leaves;
     match format {
         Format::Flamegraph => flamegraph::write(profile, out, options),
         Format::Speedscope => speedscope::write(profile, out, options),
@@ -338,8 +352,14 @@ impl<'a> FunctionKey<'a> {
         }
     }
 
+    /// A C function, or a state leaf ([`leaves`]): neither has a path of its own.
     pub fn is_c(&self) -> bool {
         self.path.is_empty()
+    }
+
+    /// A state leaf (`[waiting for GVL]`...), which names no function of the program.
+    pub fn is_leaf(&self) -> bool {
+        self.path.is_empty() && leaves::LEAF_LABELS.contains(&self.label)
     }
 }
 

@@ -390,7 +390,10 @@ mod tests {
     fn output_pprof_decodes_back_with_the_profile_totals() {
         let p = fixture::profile();
         let decoded = decode();
-        assert_eq!(decoded, build(&p));
+        assert_eq!(
+            decoded,
+            build(&crate::output::leaves::with_state_leaves(&p))
+        );
         let s = |i: i64| decoded.string_table[i as usize].as_str();
         assert_eq!(s(0), "");
         let types: Vec<(&str, &str)> = decoded
@@ -453,6 +456,13 @@ mod tests {
                 assert_eq!(label("thread_id").num, 4242);
                 assert_eq!(s(label("state").str), "blocked");
             }
+            // A wait's leaf is its innermost location, and it has one only when it waited.
+            let leaf = match s(label("state").str) {
+                "waiting_for_gvl" => Some("[waiting for GVL]"),
+                "gc" => Some("[GC]"),
+                _ => None,
+            };
+            assert_eq!(names.first().filter(|n| n.starts_with('[')), leaf.as_ref());
         }
         assert_eq!(by_thread["Thread 4242 (main)"], 24);
         assert_eq!(by_thread["Thread 4250 (worker)"], 7);

@@ -31,7 +31,9 @@ pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<()
     }
 
     let function_name = |f: &FunctionKey| {
-        if f.is_c() {
+        if f.is_leaf() {
+            f.label.to_string()
+        } else if f.is_c() {
             format!("{} (C function)", f.label)
         } else {
             format!("{} - {}", f.label, f.path)
@@ -60,8 +62,9 @@ pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<()
         out,
     )?;
     if by_line {
-        let rows = top(&line_samples, |(path, line, label)| {
-            format!("{path}:{line} {label}")
+        let rows = top(&line_samples, |(path, line, label)| match path.is_empty() {
+            true => label.to_string(), // a state leaf: no line of the program
+            false => format!("{path}:{line} {label}"),
         });
         writeln!(out)?;
         writeln!(out, "Top {TOP} source lines by self samples")?;
@@ -114,6 +117,8 @@ pub struct FunctionSamples {
     pub line: i32,
     pub self_samples: u64,
     pub total_samples: u64,
+    /// A state leaf (`[waiting for GVL]`...: [`super::leaves`]), not a function.
+    pub state_leaf: bool,
 }
 
 /// Every function of the profile, as the summary counts them: most self samples first, then
@@ -145,6 +150,7 @@ pub fn functions(profile: &Profile) -> Vec<FunctionSamples> {
             line: line.get(f).map_or(0, |(_, l)| *l),
             self_samples: self_samples.get(f).copied().unwrap_or(0),
             total_samples: *total,
+            state_leaf: f.is_leaf(),
         })
         .collect();
     rows.sort_by(|a, b| {
@@ -324,10 +330,12 @@ mod tests {
         );
         assert!(!s.contains("source lines"));
 
+        // The worker's 4 samples waiting for the GVL in Object#work, and main's 2 in GC in
+        // fib, are their leaves' self samples, not the frames'.
         let by_self = rows(&s, "Top 20 functions by self samples");
         assert_eq!(
             by_self[0],
-            (43.75, 14, "Object#work - lib/work.rb".to_string())
+            (31.25, 10, "Object#work - lib/work.rb".to_string())
         );
         assert_eq!(
             by_self[1],
@@ -335,10 +343,25 @@ mod tests {
         );
         assert_eq!(
             by_self[2],
-            (21.88, 7, "Object#fib - lib/fib.rb".to_string())
+            (15.62, 5, "Object#fib - lib/fib.rb".to_string())
         );
+        assert_eq!(by_self[3], (12.5, 4, "[waiting for GVL]".to_string()));
+        assert!(by_self.contains(&(6.25, 2, "[GC]".to_string())));
         // The empty stack counts in the total, not in any function.
         assert_eq!(by_self.iter().map(|r| r.1).sum::<u64>(), p.samples - 1);
+        // Without leaves, the old shape: waits billed to the frame they stood in.
+        let mut out = Vec::new();
+        let bare = Options {
+            no_state_leaves: true,
+            ..Options::default()
+        };
+        write(&p, Format::Summary, &mut out, &bare).unwrap();
+        let bare = rows(&String::from_utf8(out).unwrap(), "Top 20 functions by self");
+        assert_eq!(
+            bare[0],
+            (43.75, 14, "Object#work - lib/work.rb".to_string())
+        );
+        assert!(bare.iter().all(|r| !r.2.starts_with('[')));
 
         let by_total = rows(&s, "Top 20 functions by total samples");
         assert_eq!(by_total[0], (96.88, 31, "<main> - app.rb".to_string()));
@@ -393,10 +416,11 @@ mod tests {
         let lines = rows(&s, "Top 20 source lines by self samples");
         assert_eq!(
             lines[0],
-            (43.75, 14, "lib/work.rb:5 Object#work".to_string())
+            (31.25, 10, "lib/work.rb:5 Object#work".to_string())
         );
         assert!(lines.contains(&(21.88, 7, "lib/work.rb:6 Kernel#sleep".to_string())));
-        assert!(lines.contains(&(21.88, 7, "lib/fib.rb:3 Object#fib".to_string())));
+        assert!(lines.contains(&(15.62, 5, "lib/fib.rb:3 Object#fib".to_string())));
+        assert!(lines.contains(&(12.5, 4, "[waiting for GVL]".to_string())));
         assert!(lines.contains(&(9.38, 3, "lib/odd dir/odd.rb:3 weird;label".to_string())));
     }
 

@@ -277,7 +277,7 @@ mod tests {
         assert_eq!(worker_spans.len(), 1);
         assert_eq!(
             worker_spans[0].0.join(";"),
-            "request_id=r1;[waiting_for_gvl];Foo#bar"
+            "request_id=r1;[waiting_for_gvl];Foo#bar;[waiting for GVL]"
         );
         assert_eq!((worker_spans[0].1, worker_spans[0].2), (3.0, 10.0));
     }

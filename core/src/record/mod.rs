@@ -12,6 +12,7 @@ mod mode;
 mod user;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
+use crate::output::leaves::leaf_label;
 use crate::output::FunctionKey;
 use crate::profile::{Aggregator, Profile};
 use crate::spy::{Config, Spy, ThreadSelection};
@@ -321,19 +322,23 @@ pub(crate) fn unix_ns() -> u64 {
 }
 
 /// The 10 functions seen most often at the top of a stack so far, by label. A function is
-/// what the summary counts (`output::FunctionKey`: label and path, a C function by label).
+/// what the summary counts (`output::FunctionKey`: label and path, a C function by label),
+/// and a wait for the GVL or a GC pause is its state leaf, as in every view.
 fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
-    let mut by_frame: rustc_hash::FxHashMap<u32, u64> = Default::default();
+    let mut by_frame: rustc_hash::FxHashMap<(u32, Option<&'static str>), u64> = Default::default();
     for s in &profile.stacks {
-        if let Some(leaf) = s.frames.first() {
-            *by_frame.entry(*leaf).or_insert(0) += s.count;
+        if let Some(&innermost) = s.frames.first() {
+            let leaf = leaf_label(s.state, profile.frames.get(innermost as usize));
+            *by_frame.entry((innermost, leaf)).or_insert(0) += s.count;
         }
     }
     let mut by_function: rustc_hash::FxHashMap<FunctionKey, u64> = Default::default();
-    for (frame, n) in by_frame {
-        *by_function
-            .entry(FunctionKey::of(&profile.frames[frame as usize]))
-            .or_insert(0) += n;
+    for ((frame, leaf), n) in by_frame {
+        let key = match leaf {
+            Some(label) => FunctionKey { label, path: "" },
+            None => FunctionKey::of(&profile.frames[frame as usize]),
+        };
+        *by_function.entry(key).or_insert(0) += n;
     }
     let mut top: Vec<(String, u64)> = by_function
         .into_iter()

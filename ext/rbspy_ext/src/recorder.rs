@@ -144,7 +144,7 @@ impl NativeProfile {
     }
 
     /// `render(format, options)`: `options` is the keywords of `Profile#render` (`tag`,
-    /// `per_thread`, `lines`, `idle`, `state`), checked there.
+    /// `per_thread`, `lines`, `idle`, `state`, `state_leaves`), checked there.
     fn render(
         ruby: &Ruby,
         rb_self: &Self,
@@ -160,6 +160,7 @@ impl NativeProfile {
             idle: option(ruby, options, "idle")?,
             state: option(ruby, options, "state")?,
             tag_root: option(ruby, options, "tag")?,
+            no_state_leaves: !option::<bool>(ruby, options, "state_leaves")?,
         };
         let mut out = Vec::new();
         output::write(&rb_self.0, format, &mut out, &options).map_err(|e| match e {
@@ -169,14 +170,28 @@ impl NativeProfile {
         Ok(ruby.str_from_slice(&out))
     }
 
-    /// `[{label:, path:, line:, self:, total:}, ...]`: `output::summary::functions`, of every
-    /// sample or (`idle` false) of those of threads that were not blocked.
-    fn functions(ruby: &Ruby, rb_self: &Self, idle: bool) -> Result<RArray, Error> {
+    /// `[{label:, path:, line:, self:, total:, state_leaf:}, ...]`:
+    /// `output::summary::functions`, of every sample or (`idle` false) of those of threads
+    /// that were not blocked, with state leaves (`[waiting for GVL]`...) unless `state_leaves`
+    /// is false, as the summary counts them.
+    fn functions(
+        ruby: &Ruby,
+        rb_self: &Self,
+        idle: bool,
+        state_leaves: bool,
+    ) -> Result<RArray, Error> {
         let p = &rb_self.0;
-        let rows = if idle {
-            output::summary::functions(p)
-        } else {
-            output::summary::functions(&p.filtered(|s| s.state != ThreadState::Blocked))
+        let busy;
+        let counted = match idle {
+            true => p,
+            false => {
+                busy = p.filtered(|s| s.state != ThreadState::Blocked);
+                &busy
+            }
+        };
+        let rows = match state_leaves {
+            true => output::summary::functions(&output::leaves::with_state_leaves(counted)),
+            false => output::summary::functions(counted),
         };
         let out = ruby.ary_new_capa(rows.len());
         for f in rows {
@@ -186,6 +201,7 @@ impl NativeProfile {
             h.aset(ruby.to_symbol("line"), f.line)?;
             h.aset(ruby.to_symbol("self"), f.self_samples)?;
             h.aset(ruby.to_symbol("total"), f.total_samples)?;
+            h.aset(ruby.to_symbol("state_leaf"), f.state_leaf)?;
             out.push(h)?;
         }
         Ok(out)
@@ -305,6 +321,28 @@ impl NativeProfile {
         }))
     }
 
+    /// The samples of threads in one of the states named (`ThreadState::name`); an unknown
+    /// name is an ArgumentError listing the known ones.
+    fn select_states(ruby: &Ruby, rb_self: &Self, names: Vec<String>) -> Result<Self, Error> {
+        let states = names
+            .iter()
+            .map(|n| {
+                ThreadState::from_name(n).ok_or_else(|| {
+                    let known: Vec<&str> = ThreadState::ALL.iter().map(|s| s.name()).collect();
+                    Error::new(
+                        ruby.exception_arg_error(),
+                        format!(
+                            "unknown thread state {n:?}; states are {}",
+                            known.join(", ")
+                        ),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let p = &rb_self.0;
+        Ok(NativeProfile(p.filtered(|s| states.contains(&s.state))))
+    }
+
     /// `{value or nil => profile}`: the samples split by the value of tag `key`.
     fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RHash, Error> {
         let p = &rb_self.0;
@@ -357,7 +395,8 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let prof = module.define_class("NativeProfile", ruby.class_object())?;
     prof.define_singleton_method("load", function!(NativeProfile::load, 1))?;
     prof.define_method("render", method!(NativeProfile::render, 2))?;
-    prof.define_method("functions", method!(NativeProfile::functions, 1))?;
+    prof.define_method("functions", method!(NativeProfile::functions, 2))?;
+    prof.define_method("select_states", method!(NativeProfile::select_states, 1))?;
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
     prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;
@@ -383,7 +422,8 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     }
     formats.freeze();
     prof.const_set("FORMATS", formats)?;
-    // The formats that take render's view keywords (per_thread, lines, idle, state, tag).
+    // The formats that take render's view keywords (per_thread, lines, idle, state, tag);
+    // every format takes state_leaves.
     let shaped = ruby.ary_from_iter(Options::FORMATS.map(|f| ruby.to_symbol(f.name())));
     shaped.freeze();
     prof.const_set("VIEW_FORMATS", shaped)?;

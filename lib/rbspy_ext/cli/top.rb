@@ -8,7 +8,8 @@ module RubySpy
     # top. It records the process (every thread), redraws once a second with the functions
     # by the samples they were innermost in (%Own) and on the stack at all (%Total) since it
     # started, the share of each thread state, and each thread's current tags. Blocked
-    # threads' samples are left out unless --idle. Keys: 1-4 sort by a column, q or Ctrl-C
+    # threads' samples are left out unless --idle; waits for the GVL and GC pauses are rows of
+    # their own ([waiting for GVL], [GC marking]...) unless --no-state-leaves. Keys: 1-4 sort by a column, q or Ctrl-C
     # quits; it also ends, saying so, when the process exits.
     class Top
       # Sort keys by the key that picks them.
@@ -19,10 +20,14 @@ module RubySpy
       # @param pid [Integer]
       # @param rate [Numeric] samples per second
       # @param idle [Boolean] count blocked threads' samples too
+      # @param state_leaves [Boolean] waits for the GVL and GC pauses as rows of their own
+      #   (+[waiting for GVL]+, +[GC marking]+...), not as their functions' own time
       # @param force_version [String, nil]
       # @param interval [Numeric] seconds between redraws
-      def initialize(pid, rate:, idle:, force_version:, input: $stdin, output: $stdout, interval: 1.0)
+      def initialize(pid, rate:, idle:, force_version:, state_leaves: true, input: $stdin, output: $stdout,
+                     interval: 1.0)
         @pid, @rate, @idle, @force_version = pid, rate, idle, force_version
+        @state_leaves = state_leaves
         @input, @output, @interval = input, output, interval
         @sort = :own
       end
@@ -155,7 +160,7 @@ module RubySpy
       end
 
       def function_rows(profile, cols)
-        rows = profile.functions(idle: @idle)
+        rows = profile.functions(idle: @idle, state_leaves: @state_leaves)
         counted = @idle ? profile.samples : profile.samples - profile.samples_in(:blocked)
         counted = [counted, 1].max
         rows = sort(rows)
@@ -179,6 +184,8 @@ module RubySpy
       end
 
       def place(function)
+        return "(thread state)" if function[:state_leaf]
+
         function[:path].empty? ? "(C function)" : "#{function[:path]}:#{function[:line]}"
       end
 
