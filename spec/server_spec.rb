@@ -102,6 +102,32 @@ RSpec.describe "the pprof listener" do
     expect(out).to match(/Duration: 2(\.\d+)?s/)
   end
 
+  it "gives go tool pprof the waits for the GVL as a leaf of their own, not as the crunching frame's work" do
+    target = start_target("pprof_listener", "contend", ruby: serving_ruby)
+    response = get(target.info["port"], "/debug/pprof/profile?seconds=2&rate=199")
+    expect(response.code).to eq("200")
+    pb = File.join(Dir.mktmpdir("rubyspy-contend"), "profile.pb.gz")
+    (@built ||= []) << File.dirname(pb)
+    File.binwrite(pb, response.body)
+    crunchers = traces(go_pprof("-traces", "-sample_index=samples", pb)).select do |s|
+      s[:labels]["thread"].to_s.match?(/\(crunch-[ab]\)/)
+    end
+    expect(crunchers).not_to be_empty
+    # A waiting sample ends in its leaf, below the frame it stood in; a running one does not.
+    crunchers.each do |s|
+      expect(s[:functions].first == "[waiting for GVL]").to eq(s[:labels]["state"] == "waiting_for_gvl"), s.inspect
+      expect(s[:functions].join(" ")).to include("Listener.crunch")
+    end
+    count = ->(state) { crunchers.select { |s| s[:labels]["state"] == state }.sum { |s| Integer(s[:value]) } }
+    waited = count.("waiting_for_gvl")
+    ran = count.("running")
+    # Two threads after one GVL: each waits about as long as it runs.
+    expect(waited).to be_between(0.3 * (waited + ran), 0.7 * (waited + ran))
+    top = RubySpyTest::ViewSelf.pprof_top(go_pprof("-top", "-sample_index=samples", "-nodefraction=0", pb))
+    expect(top["[waiting for GVL]"]).to eq(waited)
+    expect(top.values_at("block in Listener.crunch", "Math.sqrt", "Kernel#loop").compact.sum).to eq(ran)
+  end
+
   it "closes its socket in a forked child, which has no listener of its own unless it starts one" do
     target = start_target("pprof_listener", "fork", ruby: serving_ruby)
     port = target.info["port"]

@@ -123,28 +123,6 @@ RSpec.describe "profile views" do
     expect(File.exist?(File.join(@dir, "x"))).to be(false)
   end
 
-  # Replays one evented profile of a timeline: every close matches the innermost open frame,
-  # times never go back, nothing stays open. The root-first frame names of each moment and
-  # how long it lasted, in ms.
-  def timeline_spans(doc, index)
-    frames = doc["shared"]["frames"].map { |f| f["name"] }
-    open = []
-    spans = Hash.new(0.0)
-    last = 0.0
-    doc["profiles"][index]["events"].each do |e|
-      expect(e["at"]).to be >= last
-      spans[open.map { |f, _| frames[f] }] += e["at"] - last if !open.empty? && e["at"] > last
-      last = e["at"]
-      if e["type"] == "O"
-        open << [e["frame"], e["at"]]
-      else
-        expect(open.pop&.first).to eq(e["frame"])
-      end
-    end
-    expect(open).to be_empty
-    spans
-  end
-
   it "timeline: each thread's samples in time order, states and stacks as spans, rendered again from raw" do
     out, = report("--format", "timeline")
     expect(out).to eq(@profile.render(:timeline)) # raw keeps the order

@@ -53,6 +53,28 @@ module RubySpyTest
       end
     end
 
+    # Replays one evented profile of a timeline: every close matches the innermost open frame,
+    # times never go back, nothing stays open. The root-first frame names of each moment and
+    # how long it lasted, in ms.
+    def timeline_spans(doc, index)
+      frames = doc["shared"]["frames"].map { |f| f["name"] }
+      open = []
+      spans = Hash.new(0.0)
+      last = 0.0
+      doc["profiles"][index]["events"].each do |e|
+        expect(e["at"]).to be >= last
+        spans[open.map { |f, _| frames[f] }] += e["at"] - last if !open.empty? && e["at"] > last
+        last = e["at"]
+        if e["type"] == "O"
+          open << [e["frame"], e["at"]]
+        else
+          expect(open.pop&.first).to eq(e["frame"])
+        end
+      end
+      expect(open).to be_empty
+      spans
+    end
+
     # Names of the native threads of the calling process (/proc/self/task/*/comm).
     def own_thread_names
       Dir.glob("/proc/self/task/*/comm").map do |path|
