@@ -22,7 +22,7 @@ RSpec.describe "the Minitest integration" do
 
   def minitest(file, *args, env: {})
     clean = { "RUBYSPY" => nil, "RUBYSPY_DIR" => nil, "RUBYSPY_FORMAT" => nil, "RUBYSPY_RATE" => nil,
-              "RUBYSPY_SAMPLE" => nil, "TEST_ENV_NUMBER" => nil }
+              "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil, "TEST_ENV_NUMBER" => nil }
     out, err, status = Open3.capture3(clean.merge(env), RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
                                       file, *args, chdir: @dir)
     expect(status.success?).to be(true), "#{out}\n#{err}"
@@ -46,6 +46,22 @@ RSpec.describe "the Minitest integration" do
     expect(by_test["WorkTest#test_crunch"].share("Work.crunch")).to be > 0.8
     expect(by_test["WorkTest#test_crunch"].share("Work.shuffle_letters")).to eq(0.0)
     expect(by_test["WorkTest#test_shuffle_letters"].share("Work.shuffle_letters")).to be > 0.8
+  end
+
+  it "RUBYSPY=1's report shows waits for the GVL as a row of their own, unless RUBYSPY_STATE_LEAVES=0" do
+    row = ->(out, name) { out.lines.find { |l| l.match?(/\A\s*[\d.]+%\s+[\d.]+%  #{Regexp.escape(name)}/) } }
+    out = minitest("test/contend_test.rb", env: { "RUBYSPY" => "1" })
+    suite = RubySpy::Profile.load(path("suite.raw"))
+    waited = suite.samples_in(:waiting_for_gvl)
+    busy = suite.samples - suite.samples_in(:blocked)
+    expect(waited).to be > 0.2 * busy # two threads after one GVL
+    printed = row.(out, "[waiting for GVL]") or raise out
+    expect(printed[/[\d.]+/].to_f).to be_within(0.051).of(100.0 * waited / busy)
+    expect(printed.chomp).to end_with("[waiting for GVL]") # a state: no file, no "(C function)"
+
+    bare = minitest("test/contend_test.rb", env: { "RUBYSPY" => "1", "RUBYSPY_STATE_LEAVES" => "0" })
+    expect(row.(bare, "[waiting for GVL]")).to be_nil
+    expect(row.(bare, "Work.crunch")).not_to be_nil
   end
 
   it "RUBYSPY_SAMPLE profiles that many tests, the same ones for the same seed" do

@@ -42,7 +42,7 @@ RSpec.describe "the RSpec integration" do
     json = File.join(@dir, "results.json")
     out, err, status = Open3.capture3(
       { "RUBYSPY" => nil, "RUBYSPY_DIR" => nil, "RUBYSPY_FORMAT" => nil, "RUBYSPY_RATE" => nil,
-        "RUBYSPY_SAMPLE" => nil }.merge(env),
+        "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil }.merge(env),
       RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"), "-e", RUNNER, "--",
       "--require", "rbspy_ext/rspec", "--format", "progress", "--format", "json", "--out", json, *args,
       chdir: @dir
@@ -135,9 +135,37 @@ RSpec.describe "the RSpec integration" do
     expect(suite.share("Work.crunch_in_setup")).to be > 0.02 # before(:suite): 0.3 s of the run
     expect(suite.share("Work.serve_request")).to be > 0.02 # the server thread, which has no example tag
     top = run.out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).first(10)
-    printed = top.map { |l| l[/\A\s*[\d.]+%\s+[\d.]+%  (.+) \([^)]*\)\n?\z/, 1] }
+    printed = top.map { |l| l[/\A\s*[\d.]+%\s+[\d.]+%  (.+?)(?: \([^)]*\))?\n?\z/, 1] }
     expect(printed).to eq(suite.functions(limit: 10, idle: false).map { |f| f[:label] }), top.join
     expect(top.join).to match(/ \(C function\)$/)
+  end
+
+  # The summary's rows: label => self%, as printed.
+  def summary_self(out)
+    rows = out.lines.drop_while { |l| !l.include?("self%  total%") }.drop(1).take_while { |l| l.match?(/\A\s*\d/) }
+    rows.to_h { |l| l.match(/\A\s*([\d.]+)%\s+[\d.]+%  (.+?)(?: \([^)]*\))?\n?\z/).captures.reverse }
+        .transform_values(&:to_f)
+  end
+
+  it "RUBYSPY=1 shows waits for the GVL as a row and a frame of their own; RUBYSPY_STATE_LEAVES=0 does not" do
+    run = rspec("spec/contend_check.rb", env: { "RUBYSPY" => "1" })
+    expect(run.summary).to eq([1, 0]), run.err
+    suite = RubySpy::Profile.load(path("suite.raw"))
+    busy = suite.samples - suite.samples_in(:blocked)
+    share = ->(n) { 100.0 * n / busy }
+    waited = suite.samples_in(:waiting_for_gvl)
+    expect(waited).to be > 0.2 * busy # two threads after one GVL
+    rows = summary_self(run.out)
+    expect(rows["[waiting for GVL]"]).to be_within(0.051).of(share.(waited)), run.out
+    # Work.crunch's own row holds the samples it ran in, nothing else.
+    ran = suite.select(state: :running).functions.find { |f| f[:label] == "Work.crunch" }
+    expect(rows["Work.crunch"]).to be_within(0.051).of(share.(ran[:self])), run.out
+    expect(speedscope_frames(path("suite.speedscope.json"))).to include("[waiting for GVL]")
+
+    bare = rspec("spec/contend_check.rb", env: { "RUBYSPY" => "1", "RUBYSPY_STATE_LEAVES" => "0" })
+    expect(bare.summary).to eq([1, 0]), bare.err
+    expect(summary_self(bare.out).keys.grep(/\A\[/)).to eq([]), bare.out
+    expect(speedscope_frames(path("suite.speedscope.json"))).not_to include("[waiting for GVL]")
   end
 
   it "RUBYSPY=boot records only the load of the suite" do

@@ -90,6 +90,27 @@ RSpec.describe "rubyspy top" do
     expect(exit_status).to eq(0)
   end
 
+  it "shows waits for the GVL as a row of their own, not as the spinning method's, unless --no-state-leaves" do
+    target = start_target("gvl_contention")
+    start_top("--pid", target.pid, "--rate", 200)
+    text = await(/\[waiting for GVL\].*\(thread state\)\s*$/)
+    # Two spinners after one GVL: each runs half its samples and waits the other half.
+    own = ->(t, name) { t.lines.find { |l| l.include?(name) }&.match(/\A +([\d.]+) +[\d.]+ /)&.captures&.first.to_f }
+    expect(own.(text, "[waiting for GVL]")).to be_between(25, 75), text
+    expect(own.(text, "Contender#spin")).to be_between(25, 75), text
+    keys("q")
+    expect(exit_status).to eq(0)
+    system("tmux", "kill-session", "-t", @session, err: File::NULL)
+    File.delete(status_file)
+
+    start_top("--pid", target.pid, "--rate", 200, "--no-state-leaves")
+    text = await(/Contender#spin/)
+    expect(text).not_to include("[waiting for GVL]")
+    expect(own.(text, "Contender#spin")).to be > 90
+    keys("q")
+    expect(exit_status).to eq(0)
+  end
+
   it "adds a line per Ractor once threads of other Ractors run, with each one's share running" do
     target = start_target("ractor_spinners")
     start_top("--pid", target.pid, "--rate", 200)
