@@ -1,6 +1,7 @@
 # frozen_string_literal: true
 
 require "json"
+require "open3"
 require "tmpdir"
 require_relative "spec_helper"
 require "rbspy_ext"
@@ -97,6 +98,14 @@ RSpec.describe "state leaves in every view" do
     end
   end
 
+  def rubyspy(*args)
+    out, err, status = Open3.capture3(RbConfig.ruby, File.join(RubySpyTest::ROOT, "exe", "rubyspy"), *args,
+                                      binmode: true)
+    raise "rubyspy #{args.join(" ")} failed: #{err}" unless status.success?
+
+    out
+  end
+
   before(:all) do
     @dir = Dir.mktmpdir("rubyspy-leaves")
   end
@@ -120,11 +129,23 @@ RSpec.describe "state leaves in every view" do
     running = profile.select(state: :running)
     expect(running.functions.to_h { |f| [f[:label], f[:self]] }["Cruncher#crunch"]).to eq(crunch)
     expect(running.functions.map { |f| f[:label] }).not_to include(*LEAVES.values)
+    gc = profile.select(state: %i[gc_marking gc_sweeping])
+    expect(gc.samples).to eq(marking + samples(profile, "gc_sweeping"))
+    expect { profile.select(state: :sleeping) }
+      .to raise_error(ArgumentError, /unknown thread state "sleeping"; states are running, waiting_for_gvl, /)
     # The old shape: waits and GC billed to the frame they stood in.
     bare = RubySpyTest::ViewSelf.collapsed(profile.render(:collapsed, state_leaves: false))
     expect(bare.keys & LEAVES.values).to eq([])
     expect(bare.values.sum).to eq(expected_self(profile, idle: false).values.sum)
     timeline_consistent(profile)
+    raw = profile.write(File.join(@dir, "p.raw"), format: :raw)
+    %w[summary pprof callgrind collapsed].each do |format|
+      leaves = rubyspy("report", "--input", raw, "--format", format)
+      bare = rubyspy("report", "--input", raw, "--format", format, "--no-state-leaves")
+      expect(leaves.b).to eq(profile.render(format).b)
+      expect(bare.b).to eq(profile.render(format, state_leaves: false).b)
+      expect(bare.b).not_to eq(leaves.b)
+    end
   end
 
   it "does the same for the BPF sampler's samples, taken on a CPU" do
