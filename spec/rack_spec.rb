@@ -3,6 +3,7 @@
 require "spec_helper"
 require "rbspy_ext"
 require "rack"
+require "tempfile"
 require "zlib"
 
 # RubySpy::Rack::Tags on a real Sinatra app served by Puma (spec/fixtures/sinatra_app), and
@@ -73,6 +74,26 @@ RSpec.describe RubySpy::Rack do
       expect(get(app, "seconds=1", "REMOTE_ADDR" => "10.1.2.3", "HTTP_AUTHORIZATION" => "Bearer s3cret")[0]).to eq(200)
       expect(get(app, "seconds=1", "REMOTE_ADDR" => "127.0.0.1")[0]).to eq(403)
       expect(get(app, "seconds=1&token=s3cre", "REMOTE_ADDR" => "10.1.2.3")[0]).to eq(403)
+    end
+
+    it "ends waits for the GVL in a leaf of their own unless state_leaves=0, and takes 0 or 1 only" do
+      app = RubySpy::Rack::Pprof.new
+      env = { "REMOTE_ADDR" => "127.0.0.1" }
+      crunchers = Array.new(2) { Thread.new { loop { Math.sqrt(2.0) } } }
+      functions = lambda do |query|
+        status, _, body = get(app, query, env)
+        expect(status).to eq(200)
+        Tempfile.create(["rack", ".pb.gz"]) do |f|
+          f.binmode.write(body)
+          f.flush
+          RubySpyTest::Recording.pprof_functions(f.path)
+        end
+      end
+      expect(functions.("seconds=1")).to include("[waiting for GVL]")
+      expect(functions.("seconds=1&state_leaves=0")).not_to include("[waiting for GVL]")
+      expect(get(app, "seconds=1&state_leaves=2", env)[0]).to eq(400)
+    ensure
+      crunchers&.each(&:kill)
     end
 
     it "answers what it cannot serve with a reason" do

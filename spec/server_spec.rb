@@ -126,6 +126,10 @@ RSpec.describe "the pprof listener" do
     top = RubySpyTest::ViewSelf.pprof_top(go_pprof("-top", "-sample_index=samples", "-nodefraction=0", pb))
     expect(top["[waiting for GVL]"]).to eq(waited)
     expect(top.values_at("block in Listener.crunch", "Math.sqrt", "Kernel#loop").compact.sum).to eq(ran)
+    # state_leaves=0: the old shape, waits billed to the frame they stood in.
+    bare = go_pprof("-top", "-nodefraction=0", "http://127.0.0.1:#{target.info["port"]}/debug/pprof/profile?seconds=1&state_leaves=0")
+    expect(bare).to include("Listener.crunch")
+    expect(bare).not_to include("[waiting for GVL]")
   end
 
   it "closes its socket in a forked child, which has no listener of its own unless it starts one" do
@@ -169,6 +173,7 @@ RSpec.describe "the pprof listener" do
     expect([busy.code, busy["retry-after"]]).to eq(%w[429 1])
     expect(first.value.code).to eq("200")
     expect(get(port, "/debug/pprof/profile?seconds=61").code).to eq("400")
+    expect(get(port, "/debug/pprof/profile?seconds=1&state_leaves=2").code).to eq("400")
     expect(get(port, "/nothing").code).to eq("404")
   end
 

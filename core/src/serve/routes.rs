@@ -148,12 +148,14 @@ fn index(shared: &Shared) -> Response {
         200,
         &format!(
             "rbspy_ext profiles of process {pid}, served on {addr}\n\n\
-             {BASE}/profile?seconds=N[&rate=HZ]\n    \
+             {BASE}/profile?seconds=N[&rate=HZ][&state_leaves=0]\n    \
              Records every thread of {scope}\n    \
              for N seconds (1-{MAX_SECONDS}, default {DEFAULT_SECONDS}) at HZ samples a second \
              (1-{MAX_RATE}, default {DEFAULT_RATE})\n    \
              and returns a gzipped pprof profile: wall time by stack, labelled with each \
-             sample's thread,\n    state and RubySpy tags. Fetch it with: go tool pprof URL\n\n\
+             sample's thread,\n    state and RubySpy tags. Fetch it with: go tool pprof URL\n    \
+             Waits for the GVL and GC pauses end in leaves of their own ([waiting for GVL], \
+             [GC marking]...);\n    state_leaves=0 bills them to the frame they stood in.\n\n\
              {BASE}/threads\n    The stack of every thread now, as text (like Go's goroutine \
              dump).\n\n\
              {BASE}/heap[?pid=PID][&debug=1]\n    A census of the heap's live objects \
@@ -166,9 +168,12 @@ fn index(shared: &Shared) -> Response {
 }
 
 fn profile(shared: &Shared, params: &Params) -> Response {
-    if let Err(r) = params.only(&["seconds", "rate"]) {
+    if let Err(r) = params.only(&["seconds", "rate", "state_leaves"]) {
         return r;
     }
+    let Some(leaves) = params.whole("state_leaves", 1, 0..=1) else {
+        return Response::text(400, "state_leaves must be 0 or 1\n");
+    };
     let Some(seconds) = params.whole("seconds", DEFAULT_SECONDS, 1..=MAX_SECONDS) else {
         return Response::text(
             400,
@@ -188,12 +193,16 @@ fn profile(shared: &Shared, params: &Params) -> Response {
         )
         .with_header("retry-after", seconds.to_string());
     }
-    let response = record(shared, Duration::from_secs(seconds), rate as f64);
+    let options = Options {
+        no_state_leaves: leaves == 0,
+        ..Options::default()
+    };
+    let response = record(shared, Duration::from_secs(seconds), rate as f64, &options);
     shared.busy.store(false, Ordering::Release);
     response
 }
 
-fn record(shared: &Shared, seconds: Duration, rate_hz: f64) -> Response {
+fn record(shared: &Shared, seconds: Duration, rate_hz: f64, options: &Options) -> Response {
     let config = RecordConfig {
         rate_hz,
         duration: Some(seconds),
@@ -211,7 +220,7 @@ fn record(shared: &Shared, seconds: Duration, rate_hz: f64) -> Response {
     }
     let profile = recorder.stop();
     let mut body = Vec::new();
-    if let Err(e) = output::write(&profile, Format::Pprof, &mut body, &Options::default()) {
+    if let Err(e) = output::write(&profile, Format::Pprof, &mut body, options) {
         return Response::text(500, &format!("cannot write the profile: {e}\n"));
     }
     Response {

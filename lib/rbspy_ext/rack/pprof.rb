@@ -17,7 +17,9 @@ module RubySpy
     #   address and not through a proxy (no +X-Forwarded-For+ or +Forwarded+ header); else 403;
     # - one profile at a time per process (429 while one runs);
     # - +seconds+ is a whole number from 1 to 60 (30 when absent) and +rate+ from 1 to 1000 Hz
-    #   (100 when absent); anything else, or any other parameter, is a 400.
+    #   (100 when absent), +state_leaves+ 0 or 1 (1: waits for the GVL and GC pauses end in
+    #   leaves of their own, +[waiting for GVL]+...); anything else, or any other parameter,
+    #   is a 400.
     # In Puma's cluster mode each worker is its own process and serves its own profile.
     #
     # @example config/routes.rb
@@ -29,7 +31,7 @@ module RubySpy
       MAX_RATE = 1000
       DEFAULT_SECONDS = 30
       DEFAULT_RATE = 100
-      PARAMETERS = %w[seconds rate token].freeze
+      PARAMETERS = %w[seconds rate state_leaves token].freeze
 
       # @param token [String, nil] the secret a non-loopback client must send; nil serves
       #   loopback clients only
@@ -61,11 +63,13 @@ module RubySpy
         reply(200, <<~TEXT)
           rbspy_ext profiles of process #{Process.pid} (Ruby #{RUBY_VERSION})
 
-          #{base}/profile?seconds=N[&rate=HZ]
+          #{base}/profile?seconds=N[&rate=HZ][&state_leaves=0]
               Records every thread of this process for N seconds (1-#{MAX_SECONDS}, default #{DEFAULT_SECONDS})
               at HZ samples a second (1-#{MAX_RATE}, default #{DEFAULT_RATE}) and returns a gzipped
               pprof profile: wall time by stack, labelled with each sample's thread, state
               and RubySpy tags. Fetch it with: go tool pprof URL
+              Waits for the GVL and GC pauses end in leaves of their own ([waiting for GVL],
+              [GC marking]...); state_leaves=0 bills them to the frame they stood in.
         TEXT
       end
 
@@ -82,17 +86,20 @@ module RubySpy
         rate = whole(params.fetch("rate", DEFAULT_RATE.to_s), 1..MAX_RATE)
         return reply(400, "rate must be a whole number of Hz from 1 to #{MAX_RATE}\n") unless rate
 
-        Pprof.exclusively { record(seconds, rate) } ||
+        leaves = whole(params.fetch("state_leaves", "1"), 0..1)
+        return reply(400, "state_leaves must be 0 or 1\n") unless leaves
+
+        Pprof.exclusively { record(seconds, rate, state_leaves: leaves == 1) } ||
           reply(429, "a profile is already being recorded in this process; try again later\n",
                 "retry-after" => seconds.to_s)
       end
 
-      def record(seconds, rate)
+      def record(seconds, rate, state_leaves:)
         recorder = Recorder.new(Process.pid, rate: rate, duration: seconds).start
         # Sleeping releases the GVL; the recorder stops itself at the duration.
         deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + seconds + 0.5
         sleep 0.05 while recorder.running? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
-        body = recorder.stop.render(:pprof)
+        body = recorder.stop.render(:pprof, state_leaves: state_leaves)
         [200, { "content-type" => "application/octet-stream",
                 "content-disposition" => 'attachment; filename="profile.pb.gz"',
                 "content-length" => body.bytesize.to_s }, [body]]
