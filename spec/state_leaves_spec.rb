@@ -70,7 +70,22 @@ RSpec.describe "state leaves in every view" do
     }.transform_values { |v| by_label(profile, v) }
   end
 
+  # The lines summary's self table: "path:line label" of the innermost frame, or the leaf.
+  def check_lines(profile)
+    want = profile.stacks.each_with_object(Hash.new(0)) do |s, out|
+      top = s[:frames].first
+      name = leaf(s) || (top && "#{top.path}:#{top.lineno} #{top.label}")
+      out[name] += s[:samples] if name
+    end
+    got = RubySpyTest::ViewSelf.summary_table(profile.render(:lines), "Top 20 source lines by self samples")
+    expect(got).not_to be_empty
+    expect(got).to eq(want.slice(*got.keys)), "lines: got #{got}, want #{want}"
+    # The table is the top 20: nothing left out had more samples than its last row.
+    expect(want.except(*got.keys).values.max.to_i).to be <= got.values.min if got.size == 20
+  end
+
   def check_views(profile, dir)
+    check_lines(profile)
     every = expected_self(profile)
     busy = expected_self(profile, idle: false)
     views(profile, dir).each do |view, got|
