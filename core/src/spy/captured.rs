@@ -120,36 +120,54 @@ impl<M: Memory> Capture<'_, M> {
     }
 
     /// The offset of Ruby's `ruby_current_ec` thread-local from the thread pointer (and
-    /// `ec->thread_ptr`, the rest of what `CaptureLayout::ec_tls` needs): the one
-    /// word within 16 KiB below the main thread's thread pointer (where x86-64 keeps the
-    /// static TLS of the executable and of the libraries loaded with it) that holds the main
-    /// thread's execution context. None when no single word does (the main thread switched
-    /// fibers while read three times, or libruby's TLS is dynamic).
+    /// `ec->thread_ptr`, the rest of what `CaptureLayout::ec_tls` needs): the one word
+    /// within 16 KiB below the main native thread's thread pointer (where x86-64 keeps the
+    /// static TLS of the executable and of the libraries loaded with it) that holds the
+    /// execution context of a Ruby thread. Any thread's: under M:N threads the main native
+    /// thread runs whichever Ruby thread's turn it is while the main thread sleeps. Read up
+    /// to ten times, a millisecond apart, for the moments it holds none (between turns).
+    /// None when no single word does (libruby's TLS is dynamic).
     pub fn ec_tls(&mut self) -> Option<(i64, u64)> {
         const WINDOW: u64 = 16 << 10;
         let main = self.spy.target.main_thread;
         let tp = self.spy.tags.thread_pointer(&self.spy.target, main)?;
-        let t = &self.spy.target;
-        for _ in 0..3 {
-            let Ok(ec) = t
-                .mem
-                .read_u64(crate::memory::field(main, t.layout.thread_ec))
-            else {
-                continue;
-            };
+        for attempt in 0..10 {
+            if attempt > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let ecs = self.thread_ecs();
+            let t = &self.spy.target;
             let Ok(below) = t.mem.read_vec(tp.wrapping_sub(WINDOW), WINDOW as usize) else {
                 return None;
             };
             let mut at = below
                 .chunks_exact(8)
                 .enumerate()
-                .filter(|(_, w)| word(w, 0) == ec)
+                .filter(|(_, w)| ecs.contains(&word(w, 0)))
                 .map(|(i, _)| i as i64 * 8 - WINDOW as i64);
             if let (Some(offset), None) = (at.next(), at.next()) {
                 return Some((offset, t.layout.ec_thread_ptr as u64));
             }
         }
         None
+    }
+
+    /// The execution contexts of the Ruby threads now (those that read).
+    fn thread_ecs(&mut self) -> Vec<u64> {
+        let t = &self.spy.target;
+        let mut threads = vec![t.main_thread];
+        if self.spy.sampler.fresh_thread_list(t).is_ok() {
+            threads.extend(self.spy.sampler.threads.iter().map(|l| l.thread));
+        }
+        threads
+            .into_iter()
+            .filter_map(|th| {
+                t.mem
+                    .read_u64(crate::memory::field(th, t.layout.thread_ec))
+                    .ok()
+            })
+            .filter(|&ec| ec != 0)
+            .collect()
     }
 
     /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
