@@ -12,6 +12,7 @@ require_relative "rbspy_ext/native"
 RubySpy::Native.load!
 require_relative "rbspy_ext/handle"
 require_relative "rbspy_ext/census"
+require_relative "rbspy_ext/allocations"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
 require_relative "rbspy_ext/state"

@@ -13,7 +13,9 @@
 //! - [`record`]: the recorder over both samplers (user space and BPF);
 //! - [`timeline`]: the order of a profile's samples;
 //! - [`serve`]: the pprof listener, a port of its own on native threads;
-//! - [`output`]: every output format of a profile, and reading the raw one back.
+//! - [`output`]: every output format of a profile, and reading the raw one back;
+//! - [`allocs`]: sampled allocations (the extension's tracker counts them) and their forms.
+pub mod allocs;
 #[cfg(feature = "bpf")]
 pub mod bpf;
 pub mod census;

@@ -44,6 +44,20 @@ module RubySpy
     end
   end
 
+  # Nothing is tracked here.
+  module NativeAllocations
+    # @api private
+    def self.start(*)
+      Unsupported.raise_error
+    end
+
+    # @api private
+    def self.stop; end
+
+    # @api private
+    def self.snapshot; end
+  end
+
   class NativeProfile
     # Nothing renders here.
     FORMATS = {}.freeze

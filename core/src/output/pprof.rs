@@ -180,10 +180,10 @@ impl Strings {
 /// pprof's functions and locations, each interned: one function per (name, system name,
 /// file), one location per (function, line).
 #[derive(Default)]
-struct Locations {
-    functions: Vec<proto::Function>,
+pub(crate) struct Locations {
+    pub(crate) functions: Vec<proto::Function>,
     function_ids: HashMap<(String, String, String), u64>,
-    locations: Vec<proto::Location>,
+    pub(crate) locations: Vec<proto::Location>,
     location_ids: HashMap<(u64, i64), u64>,
 }
 
@@ -229,22 +229,31 @@ impl Locations {
     }
 }
 
-/// Builds the message, before encoding (tests decode and compare against it).
-pub fn build(profile: &Profile) -> proto::Profile {
-    let mut strings = Strings::new();
-    let mut locations = Locations::default();
-    // One location per profile frame (several frames may share one). Threads are labels, not
-    // root frames: a fleet backend merges profiles of many processes, whose thread ids differ.
-    let frame_locations: Vec<u64> = profile
-        .frames
+/// One location per frame (several frames may share one), by frame index: a function per
+/// label and path ([`FunctionKey`]), at the frame's line.
+pub(crate) fn frame_locations(
+    frames: &[crate::model::Frame],
+    strings: &mut Strings,
+    locations: &mut Locations,
+) -> Vec<u64> {
+    frames
         .iter()
         .map(|f| {
             let key = FunctionKey::of(f);
             // A C function's line is its caller's: kept by the caller's own location.
             let line = if key.is_c() { 0 } else { f.lineno as i64 };
-            locations.id(&mut strings, key.label, &f.base_label, key.path, line)
+            locations.id(strings, key.label, &f.base_label, key.path, line)
         })
-        .collect();
+        .collect()
+}
+
+/// Builds the message, before encoding (tests decode and compare against it).
+pub fn build(profile: &Profile) -> proto::Profile {
+    let mut strings = Strings::new();
+    let mut locations = Locations::default();
+    // Threads are labels, not root frames: a fleet backend merges profiles of many
+    // processes, whose thread ids differ.
+    let frame_locations = frame_locations(&profile.frames, &mut strings, &mut locations);
     let thread_labels: Vec<String> = (0..profile.threads.len() as u32)
         .map(|t| thread_label(profile, t))
         .collect();

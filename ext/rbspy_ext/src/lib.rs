@@ -2,6 +2,7 @@
 //! docs and the error classes live in lib/; this file only wires the native class.
 use magnus::{Error, Ruby};
 
+mod allocs;
 mod census;
 mod classes;
 mod current;
@@ -64,6 +65,7 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
     ractor_safe();
     census::init(ruby)?;
+    allocs::init(ruby)?;
     handle::init(ruby)?;
     state::init(ruby)?;
     current::init(ruby)?;

@@ -1,0 +1,119 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # What a process allocated and still keeps, by the code that allocated it: the sampled
+  # allocations that {RubySpy.track_allocations} counts in the calling process. Sampling is
+  # by bytes, as Go's heap profiler samples (one sample every +rate+ bytes of slots on
+  # average; an object is likelier to be sampled the more memory it takes), and the counts
+  # are estimates already scaled to every allocation; +rate: 1+ counts every allocation
+  # exactly. Objects a program cannot see (Ruby's internal memos, iclasses, hidden objects)
+  # are not counted.
+  class Allocations
+    # Go's MemProfileRate: one sample every 512 KiB allocated, on average.
+    DEFAULT_RATE = 512 * 1024
+
+    # @api private
+    def initialize(native)
+      @native = native
+    end
+
+    # @return [Integer] mean bytes between samples (1: every allocation)
+    def rate
+      @native.rate
+    end
+
+    # @return [Float] seconds tracked when the snapshot was taken
+    def duration
+      @native.duration
+    end
+
+    # @return [Array<String>] what was not kept (sites or live objects past the bounds)
+    def notes
+      @native.notes
+    end
+
+    # Every allocation site: a stack (innermost frame first, as {RubySpy.snapshot} gives them),
+    # the class and built-in type of the objects allocated there, and the estimates.
+    # @return [Array<Hash>] +{frames: [RubySpy::Frame], class: String, type: String ("T_STRING"),
+    #   samples: Integer, allocated: Integer, allocated_bytes: Integer, live: Integer,
+    #   live_bytes: Integer}+, most live bytes first
+    def sites
+      frames = @native.frames.map { |row| Frame.from_row(row) }
+      @native.sites.map do |ids, klass, type, samples, allocated, allocated_bytes, live, live_bytes|
+        { frames: ids.map { |i| frames[i] }, class: klass, type: type, samples: samples, allocated: allocated,
+          allocated_bytes: allocated_bytes, live: live, live_bytes: live_bytes }
+      end.sort_by { |s| [-s[:live_bytes], -s[:allocated_bytes]] }
+    end
+
+    # Go's heap profile of the allocations, gzipped pprof: sample types +alloc_objects+,
+    # +alloc_space+, +inuse_objects+ and +inuse_space+, +class+ and +type+ labels, the
+    # +bytes+ numeric label, period +space+/bytes = {#rate}.
+    # @param opens [Symbol] +:heap+ (opens on inuse_space, as Go's /debug/pprof/heap) or
+    #   +:allocs+ (alloc_space, as /debug/pprof/allocs)
+    # @return [String] binary
+    # @raise [ArgumentError] for another +opens+
+    def pprof(opens: :heap)
+      @native.pprof(opens.to_s)
+    end
+
+    # Writes {#pprof} to +path+.
+    # @param path [String]
+    # @param opens [Symbol] see {#pprof}
+    # @return [String] the path
+    def write(path, opens: :heap)
+      File.binwrite(path, pprof(opens: opens))
+      path
+    end
+
+    # @return [String]
+    def inspect
+      "#<RubySpy::Allocations rate=#{rate} sites=#{@native.sites.size}>"
+    end
+  end
+
+  class << self
+    # Tracks the calling process's allocations, sampled: with a block, while it runs, and
+    # returns what it allocated and what of it is still alive at its end; without one, from
+    # now until {stop_tracking_allocations}. Starting again starts afresh. The hooks cost
+    # every allocation a few nanoseconds and each sample a stack walk; see the README's
+    # "Memory" section for the figures.
+    #
+    # Before Ruby 4.0 only the Ractor that starts tracking is tracked (Ruby keeps such hooks
+    # per Ractor); from 4.0 every Ractor's allocations are.
+    # @param rate [Integer] mean bytes between samples; 1 samples every allocation
+    # @return [RubySpy::Allocations, nil] with a block, its allocations; nil without one
+    # @raise [ArgumentError] for a rate below 1
+    # @raise [TypeError] for a rate that is not an Integer
+    # @example
+    #   sites = RubySpy.track_allocations(rate: 1) { import_all }.sites
+    #   sites.first(5).each { |s| puts "#{s[:live]} #{s[:class]} at #{s[:frames].first}" }
+    def track_allocations(rate: Allocations::DEFAULT_RATE)
+      raise TypeError, "rate must be an Integer number of bytes, got #{rate.class}" unless rate.is_a?(Integer)
+      raise ArgumentError, "rate must be at least 1 byte (1: every allocation), got #{rate}" if rate < 1
+
+      NativeAllocations.start(rate)
+      return nil unless block_given?
+
+      begin
+        yield
+      ensure
+        NativeAllocations.stop
+      end
+      allocations
+    end
+
+    # What the tracking so far counted (also after it stopped), nil when it never ran.
+    # @return [RubySpy::Allocations, nil]
+    def allocations
+      native = NativeAllocations.snapshot
+      native && Allocations.new(native)
+    end
+
+    # Stops tracking; what it counted stays readable with {allocations}.
+    # @return [RubySpy::Allocations, nil]
+    def stop_tracking_allocations
+      NativeAllocations.stop
+      allocations
+    end
+  end
+end

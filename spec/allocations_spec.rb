@@ -1,0 +1,107 @@
+# frozen_string_literal: true
+
+require "json"
+require "objspace"
+require "open3"
+require "tmpdir"
+require_relative "spec_helper"
+require "rbspy_ext"
+
+# Sampled allocation tracking in the process itself (RubySpy.track_allocations, issue 38):
+# at rate 1 (every allocation) each line's allocated and retained objects equal
+# memory_profiler's for the same deterministic workload (spec/fixtures/lib/alloc_workload.rb,
+# run by spec/fixtures/alloc_sites.rb in a Ruby of its own); GC.compact does not confuse the
+# live set; go tool pprof reads the heap and allocs profiles.
+RSpec.describe "sampled allocations" do
+  include RubySpyTest::GoPprof
+
+  # memory_profiler from Debian's ruby-memory-profiler (script/setup), for the host's Ruby.
+  MEMORY_PROFILER = "/usr/share/rubygems-integration/all/gems/memory_profiler-0.9.14/lib"
+
+  before do
+    skip "the extension is built for the host Ruby" unless RubySpyTest::TargetRuby.current.host?
+  end
+
+  def run_sites(*args)
+    out, err, status = Open3.capture3(RbConfig.ruby, "-I", MEMORY_PROFILER,
+                                      File.join(RubySpyTest::FIXTURES, "alloc_sites.rb"), *args.map(&:to_s))
+    raise "alloc_sites.rb failed: #{err}" unless status.success?
+
+    JSON.parse(out)
+  end
+
+  it "counts at rate 1 what memory_profiler counts, line by line, allocated and retained" do
+    skip "memory_profiler is not installed (script/setup installs it)" unless File.directory?(MEMORY_PROFILER)
+    result = run_sites(1)
+    exact = result.fetch("memory_profiler")
+    ours = result.fetch("rubyspy")
+    nonzero = ->(h) { h.reject { |_, n| n.zero? } }
+    expect(exact["allocated"].size).to be >= 5
+    expect(nonzero.(ours["allocated"])).to eq(exact["allocated"])
+    expect(nonzero.(ours["retained"])).to eq(exact["retained"])
+    # The lines the workload marks, with what each was written to allocate.
+    line = ->(marker) { fixture_line("lib/alloc_workload", marker).to_s }
+    expect(ours["retained"].values_at(line.("kept-hashes"), line.("kept-structs"))).to eq([100, 50])
+    expect(ours["allocated"][line.("garbage-arrays")]).to eq(300)
+    expect(ours["retained"][line.("garbage-arrays")]).to eq(0)
+  end
+
+  # Compacts toward empty pages, so that every movable object moves (GC.compact alone may
+  # leave a dense heap as it is).
+  def move_everything
+    if RUBY_VERSION >= "3.2"
+      GC.verify_compaction_references(expand_heap: true, toward: :empty)
+    else
+      GC.verify_compaction_references(double_heap: true, toward: :empty)
+    end
+  end
+
+  it "follows sampled objects through GC.compact until they are freed" do
+    skip "GC.compact is not supported here" unless GC.respond_to?(:compact)
+    line = nil
+    site = lambda do |a|
+      a.sites.find { |s| s[:frames].first.path == __FILE__ && s[:frames].first.lineno == line }
+       .slice(:allocated, :live, :samples)
+    end
+    RubySpy.track_allocations(rate: 1)
+    line = __LINE__ + 1
+    kept = Array.new(2000) { |i| "moving #{i}" }
+    address = ->(o) { ObjectSpace.dump(o)[/"address":"(0x\h+)"/, 1] }
+    before = kept.map(&address)
+    move_everything
+    expect(kept.map(&address).zip(before).count { |a, b| a != b }).to be > 1000 # the strings moved
+    # Each string of the line and its number's to_s (0-9 are Ruby's own): 2000 kept of 3990.
+    expect(site.(RubySpy.allocations)).to eq(allocated: 3990, live: 2000, samples: 3990)
+    kept.clear
+    kept = nil
+    GC.start
+    GC.start
+    after = RubySpy.stop_tracking_allocations
+    # Every moved string's free was seen at its new address.
+    expect(site.(after)).to eq(allocated: 3990, live: 0, samples: 3990)
+  end
+
+  it "writes Go's heap and allocs profiles, which go tool pprof reads by code and class" do
+    kept = nil
+    allocations = RubySpy.track_allocations(rate: 1) do
+      kept = Array.new(3000) { Object.new }
+    end
+    Dir.mktmpdir("rubyspy-allocs") do |dir|
+      heap = allocations.write(File.join(dir, "heap.pb.gz"))
+      allocs = allocations.write(File.join(dir, "allocs.pb.gz"), opens: :allocs)
+      inuse = go_pprof("-top", "-sample_index=inuse_objects", "-tagfocus=class=Object", heap)
+      expect(inuse).to match(/^Type: inuse_objects$/)
+      expect(inuse).to match(/^\s+3000\s.*Class#new$/)
+      alloc = go_pprof("-top", "-sample_index=alloc_objects", "-tagfocus=class=Object", allocs)
+      expect(alloc).to match(/^\s+3000\s.*Class#new$/)
+      expect(go_pprof("-raw", allocs)).to include("alloc_space/bytes", "space/bytes")
+    end
+    expect(kept.size).to eq(3000)
+  end
+
+  it "refuses a rate it cannot use" do
+    expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)
+    expect { RubySpy.track_allocations(rate: "1") }.to raise_error(TypeError, /Integer/)
+    expect { RubySpy.track_allocations(rate: 1) { 1 }.pprof(opens: :cpu) }.to raise_error(ArgumentError, /:heap or :allocs/)
+  end
+end
