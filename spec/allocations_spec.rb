@@ -10,29 +10,31 @@ require "rbspy_ext"
 # Sampled allocation tracking in the process itself (RubySpy.track_allocations, issue 38):
 # at rate 1 (every allocation) each line's allocated and retained objects equal
 # memory_profiler's for the same deterministic workload (spec/fixtures/lib/alloc_workload.rb,
-# run by spec/fixtures/alloc_sites.rb in a Ruby of its own); GC.compact does not confuse the
-# live set; go tool pprof reads the heap and allocs profiles.
+# run by spec/fixtures/alloc_sites.rb in a Ruby of its own: the target Ruby of the matrix
+# run, outside a chroot, since Debian's memory_profiler is pure Ruby on the host's disk);
+# GC.compact does not confuse the live set; go tool pprof reads the heap and allocs
+# profiles. The examples that track the spec's own process run on the host's Ruby.
 RSpec.describe "sampled allocations" do
   include RubySpyTest::GoPprof
 
-  # memory_profiler from Debian's ruby-memory-profiler (script/setup), for the host's Ruby.
+  # memory_profiler from Debian's ruby-memory-profiler (script/setup).
   MEMORY_PROFILER = "/usr/share/rubygems-integration/all/gems/memory_profiler-0.9.14/lib"
 
-  before do
-    skip "the extension is built for the host Ruby" unless RubySpyTest::TargetRuby.current.host?
-  end
+  target_ruby = RubySpyTest::TargetRuby.current
 
-  def run_sites(*args)
-    out, err, status = Open3.capture3(RbConfig.ruby, "-I", MEMORY_PROFILER,
-                                      File.join(RubySpyTest::FIXTURES, "alloc_sites.rb"), *args.map(&:to_s))
+  def run_sites(ruby, *args)
+    command = ruby.command("-I", MEMORY_PROFILER, File.join(RubySpyTest::FIXTURES, "alloc_sites.rb"), *args.map(&:to_s))
+    out, err, status = Open3.capture3(*command)
     raise "alloc_sites.rb failed: #{err}" unless status.success?
 
-    JSON.parse(out)
+    JSON.parse(out.lines.last)
   end
 
-  it "counts at rate 1 what memory_profiler counts, line by line, allocated and retained" do
+  it "counts at rate 1 what memory_profiler counts, line by line, allocated and retained (#{target_ruby})" do
     skip "memory_profiler is not installed (script/setup installs it)" unless File.directory?(MEMORY_PROFILER)
-    result = run_sites(1)
+    skip "memory_profiler is on the host's disk, not in the chroot" if target_ruby.inside?
+    skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
+    result = run_sites(target_ruby, 1)
     exact = result.fetch("memory_profiler")
     ours = result.fetch("rubyspy")
     nonzero = ->(h) { h.reject { |_, n| n.zero? } }
@@ -56,32 +58,43 @@ RSpec.describe "sampled allocations" do
     end
   end
 
-  it "follows sampled objects through GC.compact until they are freed" do
+  # The strings allocated by #make_moving still alive, by Ruby's own count.
+  def moving_alive
+    ObjectSpace.each_object(String).count { |s| s.match?(/\Amoving \d+\z/) }
+  end
+
+  def make_moving
+    @moving_line = __LINE__ + 1
+    @moving = Array.new(2000) { |i| "moving #{i}" }
+    nil
+  end
+
+  it "follows sampled objects through GC.compact until they are freed, as Ruby counts them" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     skip "GC.compact is not supported here" unless GC.respond_to?(:compact)
-    line = nil
     site = lambda do |a|
-      a.sites.find { |s| s[:frames].first.path == __FILE__ && s[:frames].first.lineno == line }
+      a.sites.find { |s| s[:frames].first.path == __FILE__ && s[:frames].first.lineno == @moving_line }
        .slice(:allocated, :live, :samples)
     end
     RubySpy.track_allocations(rate: 1)
-    line = __LINE__ + 1
-    kept = Array.new(2000) { |i| "moving #{i}" }
+    make_moving
     address = ->(o) { ObjectSpace.dump(o)[/"address":"(0x\h+)"/, 1] }
-    before = kept.map(&address)
+    before = @moving.map(&address)
     move_everything
-    expect(kept.map(&address).zip(before).count { |a, b| a != b }).to be > 1000 # the strings moved
+    expect(@moving.map(&address).zip(before).count { |a, b| a != b }).to be > 1000 # they moved
     # Each string of the line and its number's to_s (0-9 are Ruby's own): 2000 kept of 3990.
     expect(site.(RubySpy.allocations)).to eq(allocated: 3990, live: 2000, samples: 3990)
-    kept.clear
-    kept = nil
-    GC.start
-    GC.start
+    @moving = nil
+    3.times { GC.start }
     after = RubySpy.stop_tracking_allocations
-    # Every moved string's free was seen at its new address.
-    expect(site.(after)).to eq(allocated: 3990, live: 0, samples: 3990)
+    # Every moved string's free was seen at its new address (without re-keying the live set
+    # after compaction, none was).
+    expect(site.(after)).to eq(allocated: 3990, live: moving_alive, samples: 3990)
+    expect(moving_alive).to be < 100
   end
 
   it "writes Go's heap and allocs profiles, which go tool pprof reads by code and class" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     kept = nil
     allocations = RubySpy.track_allocations(rate: 1) do
       kept = Array.new(3000) { Object.new }
@@ -100,6 +113,7 @@ RSpec.describe "sampled allocations" do
   end
 
   it "refuses a rate it cannot use" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)
     expect { RubySpy.track_allocations(rate: "1") }.to raise_error(TypeError, /Integer/)
     expect { RubySpy.track_allocations(rate: 1) { 1 }.pprof(opens: :cpu) }.to raise_error(ArgumentError, /:heap or :allocs/)

@@ -1,330 +1,17 @@
-//! `RubySpy::NativeAllocations`: sampled allocation tracking in this process. Two internal
-//! event hooks (`RUBY_INTERNAL_EVENT_NEWOBJ` and `FREEOBJ`) count, by bytes, towards the next
-//! sample; a sampled object's stack (`rb_profile_frames`), class and type make its site, and
-//! the object joins the live set until the GC frees it. What the samples mean, and how they
-//! are scaled, is `rbspy_ext_core::allocs`; the Ruby API is lib/rbspy_ext/allocations.rb.
-//!
-//! What a hook may do: Ruby calls them inside the allocator and the sweeper, where it forbids
-//! any Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
-//! words, call `rb_profile_frames` (which only reads the control frames) and work on Rust
-//! data: the frames and classes they keep are plain VALUEs, marked (and so pinned) by a
-//! hidden root object, and turned into names only when a snapshot is asked for, with the GVL
-//! and outside any hook.
-//!
-//! The live set is keyed by address, weakly (the objects are not marked): FREEOBJ takes an
-//! object out, a NEWOBJ at an address still in the set means the GC freed its object without
-//! telling (2.7 and 3.0's `rb_gc_force_recycle`), and `GC.compact` moves objects, so the
-//! root's compaction callback re-keys every entry with `rb_gc_location`.
-//!
-//! Bounds: at most [`MAX_SITES`] sites and [`MAX_LIVE`] live samples; past them samples are
-//! counted in the notes, not kept. Only the Ractor that starts tracking is tracked before
-//! Ruby 4.0 (hooks are per Ractor there); from 4.0 internal hooks fire in every Ractor.
+//! `RubySpy::NativeAllocations`: sampled allocation tracking in this process (the hooks and
+//! what they keep are tracker.rs), and `NativeAllocationProfile`, a snapshot of it with its
+//! frames and classes named, made with the GVL and outside any hook. The Ruby API is
+//! lib/rbspy_ext/allocations.rb.
 use crate::errors;
+use crate::tracker::{self, MAX_LIVE, MAX_SITES};
 use magnus::rb_sys::FromRawValue;
 use magnus::{function, method, prelude::*, Error, RString, Ruby};
 use rb_sys::VALUE;
-use rbspy_ext_core::allocs::{pprof, AllocProfile, SiteCounts};
+use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::census::TYPE_NAMES;
 use rbspy_ext_core::model::Frame;
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-
-/// Frames kept per sample, innermost first.
-const MAX_DEPTH: usize = 256;
-/// Distinct sites kept; samples of new sites past it are counted, not kept.
-pub const MAX_SITES: usize = 100_000;
-/// Sampled objects followed until freed; past it a sample is counted as allocated only.
-pub const MAX_LIVE: usize = 1 << 20;
-/// Built-in types that are no object a program sees (`flags & 0x1f`): T_NONE, T_IMEMO,
-/// T_NODE, T_ICLASS, T_ZOMBIE, T_MOVED. They are not counted towards samples either.
-const INTERNAL_TYPES: [u8; 6] = [0x00, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e];
-/// A slot's size before Ruby 3.2, which has one size of slot.
-const RVALUE_SIZE: u64 = 40;
-
-const NEWOBJ: u32 = 0x0010_0000;
-const FREEOBJ: u32 = 0x0020_0000;
-
-struct Site {
-    counts: SiteCounts,
-    frames: Vec<u32>,
-    klass: VALUE,
-    type_id: u8,
-}
-
-/// Everything the hooks keep.
-struct Tracker {
-    rate_bytes: u64,
-    /// Bytes still to allocate before the next sample.
-    until_sample: i64,
-    rng: u64,
-    /// (frame VALUE, line) of each distinct frame, and its index.
-    frames: Vec<(VALUE, i32)>,
-    frame_ids: HashMap<(VALUE, i32), u32>,
-    sites: Vec<Site>,
-    site_ids: HashMap<(Vec<u32>, VALUE, u8), u32>,
-    /// Sampled object → (site, its size).
-    live: HashMap<VALUE, (u32, u32)>,
-    sites_full: u64,
-    live_full: u64,
-    started: Instant,
-    start_unix_ns: u64,
-    running: bool,
-    buf: Vec<VALUE>,
-    lines: Vec<i32>,
-    ids: Vec<u32>,
-    slot_size: Option<unsafe extern "C" fn(VALUE) -> usize>,
-}
-
-static TRACKER: Mutex<Option<Tracker>> = Mutex::new(None);
-/// The two tracepoints, once made (kept alive by a registered address).
-static TRACEPOINTS: Mutex<Option<(usize, usize)>> = Mutex::new(None);
-
-fn tracker() -> MutexGuard<'static, Option<Tracker>> {
-    TRACKER.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl Tracker {
-    fn new(rate_bytes: u64) -> Self {
-        let seed = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
-            ^ (std::process::id() as u64) << 32;
-        let mut t = Tracker {
-            rate_bytes: rate_bytes.max(1),
-            until_sample: 0,
-            rng: seed | 1,
-            frames: Vec::new(),
-            frame_ids: HashMap::new(),
-            sites: Vec::new(),
-            site_ids: HashMap::new(),
-            live: HashMap::new(),
-            sites_full: 0,
-            live_full: 0,
-            started: Instant::now(),
-            start_unix_ns: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
-            running: true,
-            buf: vec![0; MAX_DEPTH],
-            lines: vec![0; MAX_DEPTH],
-            ids: Vec::with_capacity(MAX_DEPTH),
-            slot_size: slot_size_function(),
-        };
-        t.until_sample = t.next_interval();
-        t
-    }
-
-    /// Bytes until the next sample: exponential with the rate as mean (0 at rate 1, so every
-    /// allocation is sampled).
-    fn next_interval(&mut self) -> i64 {
-        if self.rate_bytes <= 1 {
-            return 0;
-        }
-        // xorshift64*: a generator of our own, so the hook calls nothing it does not need.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        let bits = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11;
-        let u = (bits as f64 + 1.0) / (1u64 << 53) as f64; // (0, 1]
-        (-u.ln() * self.rate_bytes as f64).min(i64::MAX as f64 / 2.0) as i64
-    }
-
-    fn size_of(&self, object: VALUE) -> u64 {
-        match self.slot_size {
-            // SAFETY: Ruby's own function, called on an object just allocated.
-            Some(f) => unsafe { f(object) as u64 },
-            None => RVALUE_SIZE,
-        }
-    }
-
-    /// NEWOBJ: counts the object's bytes; samples it when they cross the next sample.
-    fn allocated(&mut self, object: VALUE) {
-        // SAFETY: the object is allocated: its header (flags, class) is written before the
-        // hook runs, on every Ruby.
-        let (flags, klass) = unsafe {
-            let words = object as *const VALUE;
-            (*words, *words.add(1))
-        };
-        let type_id = (flags & 0x1f) as u8;
-        if INTERNAL_TYPES.contains(&type_id) || klass == 0 {
-            return;
-        }
-        if let Some((site, size)) = self.live.remove(&object) {
-            // Its address was freed without a FREEOBJ: the old object is gone.
-            self.sites[site as usize]
-                .counts
-                .free(size as u64, self.rate_bytes);
-        }
-        let size = self.size_of(object);
-        self.until_sample -= size as i64;
-        if self.until_sample > 0 {
-            return;
-        }
-        self.until_sample = self.next_interval();
-        self.sample(object, klass, type_id, size);
-    }
-
-    fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64) {
-        // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
-        let n = unsafe {
-            rb_sys::rb_profile_frames(
-                0,
-                MAX_DEPTH as i32,
-                self.buf.as_mut_ptr(),
-                self.lines.as_mut_ptr(),
-            )
-        };
-        let n = (n.max(0) as usize).min(MAX_DEPTH);
-        // SAFETY: the class of an object just allocated (a singleton class's real class).
-        let klass = unsafe { rb_sys::rb_class_real(klass) };
-        self.ids.clear();
-        for i in 0..n {
-            let key = (self.buf[i], self.lines[i]);
-            let next = self.frames.len() as u32;
-            let id = *self.frame_ids.entry(key).or_insert(next);
-            if id == next {
-                self.frames.push(key);
-            }
-            self.ids.push(id);
-        }
-        let key = (std::mem::take(&mut self.ids), klass, type_id);
-        let site = match self.site_ids.get(&key) {
-            Some(&site) => site,
-            None if self.sites.len() >= MAX_SITES => {
-                self.sites_full += 1;
-                self.ids = key.0;
-                return;
-            }
-            None => {
-                let site = self.sites.len() as u32;
-                self.sites.push(Site {
-                    counts: SiteCounts::default(),
-                    frames: key.0.clone(),
-                    klass,
-                    type_id,
-                });
-                self.site_ids.insert(key.clone(), site);
-                site
-            }
-        };
-        self.ids = key.0;
-        self.sites[site as usize].counts.add(size, self.rate_bytes);
-        if self.live.len() < MAX_LIVE {
-            self.live.insert(object, (site, size as u32));
-        } else {
-            self.live_full += 1;
-            self.sites[site as usize].counts.free(size, self.rate_bytes);
-        }
-    }
-
-    /// FREEOBJ: a sampled object leaves the live set.
-    fn freed(&mut self, object: VALUE) {
-        if self.live.is_empty() {
-            return;
-        }
-        if let Some((site, size)) = self.live.remove(&object) {
-            self.sites[site as usize]
-                .counts
-                .free(size as u64, self.rate_bytes);
-        }
-    }
-}
-
-/// `rb_gc_obj_slot_size` (Ruby 3.2+, exported but declared in internal headers), looked up
-/// at run time so that a Ruby without it still loads the extension.
-fn slot_size_function() -> Option<unsafe extern "C" fn(VALUE) -> usize> {
-    // SAFETY: dlsym on the global namespace with a NUL-terminated name; the symbol, when
-    // present, is Ruby's `size_t rb_gc_obj_slot_size(VALUE)`.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, c"rb_gc_obj_slot_size".as_ptr());
-        (!f.is_null())
-            .then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn(VALUE) -> usize>(f))
-    }
-}
-
-/// Both hooks: inside the allocator or the sweeper (see the module docs).
-unsafe extern "C" fn on_event(tracepoint: VALUE, _data: *mut c_void) {
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: called by Ruby with a tracepoint of ours, inside its hook.
-        let (event, object) = unsafe {
-            let arg = rb_sys::rb_tracearg_from_tracepoint(tracepoint);
-            (
-                rb_sys::rb_tracearg_event_flag(arg) as u32,
-                rb_sys::rb_tracearg_object(arg),
-            )
-        };
-        // Never blocks: every hook, mark and compaction runs with the GVL (from 4.0, under
-        // the VM lock in any Ractor), and nothing holding the lock allocates.
-        let Ok(mut guard) = TRACKER.try_lock() else {
-            return;
-        };
-        let Some(t) = guard.as_mut().filter(|t| t.running) else {
-            return;
-        };
-        match event {
-            NEWOBJ => t.allocated(object),
-            FREEOBJ => t.freed(object),
-            _ => {}
-        }
-    });
-}
-
-/// Marks (and so pins) every frame and class the tracker keeps.
-unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
-    let guard = tracker();
-    let Some(t) = guard.as_ref() else { return };
-    for &(frame, _) in &t.frames {
-        // SAFETY: in the mark phase; each is an iseq or method entry a sample saw.
-        unsafe { rb_sys::rb_gc_mark(frame) };
-    }
-    for site in &t.sites {
-        // SAFETY: as above, a class.
-        unsafe { rb_sys::rb_gc_mark(site.klass) };
-    }
-}
-
-/// After `GC.compact` moved objects: the live set's keys follow them.
-unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
-    let mut guard = tracker();
-    let Some(t) = guard.as_mut() else { return };
-    let moved: Vec<(VALUE, (u32, u32))> = t.live.drain().collect();
-    for (object, entry) in moved {
-        // SAFETY: in the reference-updating phase, on objects the GC has not freed.
-        t.live
-            .insert(unsafe { rb_sys::rb_gc_location(object) }, entry);
-    }
-}
-
-/// The hidden root whose mark and compaction functions are the tracker's, and the two
-/// tracepoints, made once and kept alive for good.
-fn tracepoints() -> (VALUE, VALUE) {
-    let mut made = TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((new, free)) = *made {
-        return (new as VALUE, free as VALUE);
-    }
-    // SAFETY: as state.rs's root: a leaked data type with a mark and a compaction function,
-    // a hidden object whose data points at it, and registered addresses keeping the root
-    // and both tracepoints alive.
-    let pair = unsafe {
-        let mut data_type: rb_sys::rb_data_type_t = std::mem::zeroed();
-        data_type.wrap_struct_name = c"rbspy_ext allocation tracker".as_ptr();
-        data_type.function.dmark = Some(mark_tracker);
-        data_type.function.dcompact = Some(compact_tracker);
-        let data_type: &'static rb_sys::rb_data_type_t = Box::leak(Box::new(data_type));
-        let data = data_type as *const rb_sys::rb_data_type_t as *mut c_void;
-        let root = rb_sys::rb_data_typed_object_wrap(0, data, data_type);
-        let new = rb_sys::rb_tracepoint_new(0, NEWOBJ as _, Some(on_event), std::ptr::null_mut());
-        let free = rb_sys::rb_tracepoint_new(0, FREEOBJ as _, Some(on_event), std::ptr::null_mut());
-        for value in [root, new, free] {
-            rb_sys::rb_gc_register_address(Box::leak(Box::new(value)));
-        }
-        (new, free)
-    };
-    *made = Some((pair.0 as usize, pair.1 as usize));
-    pair
-}
+use rustc_hash::FxHashMap as HashMap;
+use std::sync::Arc;
 
 /// A snapshot: the tracker's counts with names, made with the GVL outside any hook.
 #[magnus::wrap(class = "RubySpy::NativeAllocationProfile", free_immediately, size)]
@@ -339,70 +26,8 @@ fn start(ruby: &Ruby, rate_bytes: u64) -> Result<(), Error> {
             "rate must be at least 1 byte (1: every allocation)",
         ));
     }
-    let (new, free) = tracepoints();
-    *tracker() = Some(Tracker::new(rate_bytes));
-    // SAFETY: our tracepoints; enabling runs no Ruby code.
-    unsafe {
-        rb_sys::rb_tracepoint_enable(new);
-        rb_sys::rb_tracepoint_enable(free);
-    }
+    tracker::start(rate_bytes);
     Ok(())
-}
-
-/// Stops tracking; what was counted stays for `snapshot`.
-fn stop() {
-    if let Some((new, free)) = *TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner()) {
-        // SAFETY: our tracepoints.
-        unsafe {
-            rb_sys::rb_tracepoint_disable(new as VALUE);
-            rb_sys::rb_tracepoint_disable(free as VALUE);
-        }
-    }
-    if let Some(t) = tracker().as_mut() {
-        t.running = false;
-    }
-}
-
-fn tracking() -> bool {
-    tracker().as_ref().is_some_and(|t| t.running)
-}
-
-/// What a snapshot copies under the lock, before any Ruby call.
-struct Copied {
-    rate_bytes: u64,
-    frames: Vec<(VALUE, i32)>,
-    sites: Vec<(SiteCounts, Vec<u32>, VALUE, u8)>,
-    notes: Vec<String>,
-    start_unix_ns: u64,
-    duration_ns: u64,
-}
-
-fn copy() -> Option<Copied> {
-    let guard = tracker();
-    let t = guard.as_ref()?;
-    let mut notes = Vec::new();
-    if t.sites_full > 0 {
-        notes.push(format!(
-            "{} samples of new sites past {MAX_SITES} sites were not kept",
-            t.sites_full
-        ));
-    }
-    if t.live_full > 0 {
-        notes.push(format!(
-            "{} samples were not followed until freed ({MAX_LIVE} were): counted as allocated, not live",
-            t.live_full
-        ));
-    }
-    Some(Copied {
-        rate_bytes: t.rate_bytes,
-        frames: t.frames.clone(),
-        sites: (t.sites.iter())
-            .map(|s| (s.counts.clone(), s.frames.clone(), s.klass, s.type_id))
-            .collect(),
-        notes,
-        start_unix_ns: t.start_unix_ns,
-        duration_ns: t.started.elapsed().as_nanos() as u64,
-    })
 }
 
 /// One raw frame's label, path (None for a C function) and absolute path.
@@ -436,7 +61,7 @@ fn class_name(klass: VALUE) -> String {
 /// The tracker's counts as an `AllocProfile`: frames named as snapshots name them (a C
 /// function at its caller's path and line).
 fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
-    let Some(copied) = copy() else {
+    let Some(copied) = tracker::copy() else {
         return Ok(None);
     };
     let raw: Vec<(String, Option<String>, Option<String>)> = copied
@@ -445,9 +70,9 @@ fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
         .map(|&(frame, _)| frame_names(frame))
         .collect();
     let mut frames: Vec<Frame> = Vec::new();
-    let mut frame_ids: HashMap<Frame, u32> = HashMap::new();
+    let mut frame_ids: HashMap<Frame, u32> = HashMap::default();
     let mut sites = Vec::with_capacity(copied.sites.len());
-    let mut class_names: HashMap<VALUE, String> = HashMap::new();
+    let mut class_names: HashMap<VALUE, String> = HashMap::default();
     for (mut counts, ids, klass, type_id) in copied.sites {
         let mut resolved = Vec::with_capacity(ids.len());
         for (i, &id) in ids.iter().enumerate() {
@@ -563,8 +188,8 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
     let native = module.define_module("NativeAllocations")?;
     native.define_singleton_method("start", function!(start, 1))?;
-    native.define_singleton_method("stop", function!(stop, 0))?;
-    native.define_singleton_method("tracking?", function!(tracking, 0))?;
+    native.define_singleton_method("stop", function!(tracker::stop, 0))?;
+    native.define_singleton_method("tracking?", function!(tracker::tracking, 0))?;
     native.define_singleton_method("snapshot", function!(snapshot, 0))?;
     native.const_set("MAX_SITES", MAX_SITES)?;
     native.const_set("MAX_LIVE", MAX_LIVE)?;

@@ -15,6 +15,7 @@ mod rows;
 mod server;
 mod state;
 mod tag;
+mod tracker;
 
 /// The Ruby series ("3.1") this library was compiled for (build.rs).
 const BUILT_FOR: &str = env!("RBSPY_EXT_RUBY_SERIES");
