@@ -3,7 +3,7 @@
 //! frames and classes named, made with the GVL and outside any hook. The Ruby API is
 //! lib/rbspy_ext/allocations.rb.
 use crate::errors;
-use crate::tracker::{self, MAX_LIVE, MAX_SITES};
+use crate::tracker::{self, debug, MAX_LIVE, MAX_SITES};
 use magnus::rb_sys::FromRawValue;
 use magnus::{function, method, prelude::*, Error, RString, Ruby};
 use rb_sys::VALUE;
@@ -41,9 +41,9 @@ fn frame_names(frame: VALUE) -> (String, Option<String>, Option<String>) {
     // tracker.
     unsafe {
         (
-            text(rb_sys::rb_profile_frame_full_label(frame)).unwrap_or_default(),
-            text(rb_sys::rb_profile_frame_path(frame)),
-            text(rb_sys::rb_profile_frame_absolute_path(frame)),
+            text(debug::rb_profile_frame_full_label(frame)).unwrap_or_default(),
+            text(debug::rb_profile_frame_path(frame)),
+            text(debug::rb_profile_frame_absolute_path(frame)),
         )
     }
 }

@@ -26,6 +26,31 @@ use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+/// Ruby's debug API (ruby/debug.h), declared here: rb-sys's bindings for 2.7 leave it out.
+/// The same functions and signatures on every Ruby from 2.7 (rb_profile_frames: 2.3).
+pub(crate) mod debug {
+    use rb_sys::VALUE;
+    use std::ffi::c_void;
+
+    extern "C" {
+        pub fn rb_profile_frames(start: i32, limit: i32, buff: *mut VALUE, lines: *mut i32) -> i32;
+        pub fn rb_profile_frame_path(frame: VALUE) -> VALUE;
+        pub fn rb_profile_frame_absolute_path(frame: VALUE) -> VALUE;
+        pub fn rb_profile_frame_full_label(frame: VALUE) -> VALUE;
+        pub fn rb_tracepoint_new(
+            target_thread: VALUE,
+            events: u32,
+            func: unsafe extern "C" fn(VALUE, *mut c_void),
+            data: *mut c_void,
+        ) -> VALUE;
+        pub fn rb_tracepoint_enable(tracepoint: VALUE) -> VALUE;
+        pub fn rb_tracepoint_disable(tracepoint: VALUE) -> VALUE;
+        pub fn rb_tracearg_from_tracepoint(tracepoint: VALUE) -> *mut c_void;
+        pub fn rb_tracearg_event_flag(arg: *mut c_void) -> u32;
+        pub fn rb_tracearg_object(arg: *mut c_void) -> VALUE;
+    }
+}
+
 /// Frames kept per sample, innermost first.
 const MAX_DEPTH: usize = 256;
 /// Distinct sites kept; samples of new sites past it are counted, not kept.
@@ -172,7 +197,7 @@ impl Tracker {
     fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64) {
         // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
         let n = unsafe {
-            rb_sys::rb_profile_frames(
+            debug::rb_profile_frames(
                 0,
                 MAX_DEPTH as i32,
                 self.buf.as_mut_ptr(),
@@ -284,10 +309,10 @@ unsafe extern "C" fn on_event(tracepoint: VALUE, _data: *mut c_void) {
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: called by Ruby with a tracepoint of ours, inside its hook.
         let (event, object) = unsafe {
-            let arg = rb_sys::rb_tracearg_from_tracepoint(tracepoint);
+            let arg = debug::rb_tracearg_from_tracepoint(tracepoint);
             (
-                rb_sys::rb_tracearg_event_flag(arg) as u32,
-                rb_sys::rb_tracearg_object(arg),
+                debug::rb_tracearg_event_flag(arg),
+                debug::rb_tracearg_object(arg),
             )
         };
         // Never blocks: every hook, mark and compaction runs with the GVL (from 4.0, under
@@ -352,8 +377,8 @@ fn tracepoints() -> (VALUE, VALUE) {
         let data_type: &'static rb_sys::rb_data_type_t = Box::leak(Box::new(data_type));
         let data = data_type as *const rb_sys::rb_data_type_t as *mut c_void;
         let root = rb_sys::rb_data_typed_object_wrap(0, data, data_type);
-        let new = rb_sys::rb_tracepoint_new(0, NEWOBJ as _, Some(on_event), std::ptr::null_mut());
-        let free = rb_sys::rb_tracepoint_new(0, FREEOBJ as _, Some(on_event), std::ptr::null_mut());
+        let new = debug::rb_tracepoint_new(0, NEWOBJ, on_event, std::ptr::null_mut());
+        let free = debug::rb_tracepoint_new(0, FREEOBJ, on_event, std::ptr::null_mut());
         for value in [root, new, free] {
             rb_sys::rb_gc_register_address(Box::leak(Box::new(value)));
         }
@@ -370,8 +395,8 @@ pub(crate) fn start(rate_bytes: u64) {
     *tracker() = Some(Tracker::new(rate_bytes));
     // SAFETY: our tracepoints; enabling runs no Ruby code.
     unsafe {
-        rb_sys::rb_tracepoint_enable(new);
-        rb_sys::rb_tracepoint_enable(free);
+        debug::rb_tracepoint_enable(new);
+        debug::rb_tracepoint_enable(free);
     }
 }
 
@@ -380,8 +405,8 @@ pub(crate) fn stop() {
     if let Some((new, free)) = *TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner()) {
         // SAFETY: our tracepoints.
         unsafe {
-            rb_sys::rb_tracepoint_disable(new as VALUE);
-            rb_sys::rb_tracepoint_disable(free as VALUE);
+            debug::rb_tracepoint_disable(new as VALUE);
+            debug::rb_tracepoint_disable(free as VALUE);
         }
     }
     if let Some(t) = tracker().as_mut() {
