@@ -4,7 +4,8 @@
 # object mode on the same allocation-heavy workload, each run in a Ruby of its own:
 # - the hooks' fixed cost per allocation (tracking at a rate that never samples);
 # - the cost per sampled allocation (rate 1: every allocation sampled, less the fixed cost);
-# - the slowdown of the workload at several rates, the default among them.
+# - the slowdown of the workload at several rates, the default among them;
+# - stackprof's object mode at an interval it never reaches: the cost of a NEWOBJ hook alone.
 #
 #   rake compile && ruby bench/allocs.rb [ALLOCATIONS]        # default 3,000,000
 #   TARGET_RUBY=/opt/srcrubies/4.0/bin/ruby ruby bench/allocs.rb   # needs script/rubies ext
@@ -49,9 +50,9 @@ WORKLOAD = <<~'RUBY'
   when "memory_profiler"
     require "memory_profiler"
     MemoryProfiler.report { work.call(n) }
-  when "stackprof"
+  when /\Astackprof:(\d+)\z/
     require "stackprof"
-    StackProf.run(mode: :object, interval: 1) { work.call(n) }
+    StackProf.run(mode: :object, interval: Integer($1)) { work.call(n) }
   end
   puts clock.() - started
 RUBY
@@ -83,7 +84,10 @@ puts format("  %-34s %9.1f ms  %+6.1f%%  (%.2f us a sample)", "rbspy_ext rate 1 
   t = run("rubyspy:#{rate}")
   puts format("  %-34s %9.1f ms  %+6.1f%%", "rbspy_ext rate #{rate} bytes", t * 1000, 100 * (t / base - 1))
 end
-{ "memory_profiler" => "memory_profiler (every allocation)", "stackprof" => "stackprof object mode, interval 1" }
+# stackprof's object mode at an interval it never reaches is a NEWOBJ hook that only counts:
+# what any always-on allocation hook costs before it does anything.
+{ "memory_profiler" => "memory_profiler (every allocation)", "stackprof:1" => "stackprof object mode, interval 1",
+  "stackprof:#{1 << 40}" => "stackprof object mode, never sampling" }
   .each do |tool, label|
   t = run(tool)
   next puts(format("  %-34s  could not run", label)) unless t
