@@ -22,6 +22,9 @@ RSpec.describe "sampled allocations" do
 
   target_ruby = RubySpyTest::TargetRuby.current
 
+  # An example that fails midway must not leave the hooks on for the rest of the suite.
+  after { RubySpy.stop_tracking_allocations if target_ruby.host? }
+
   def run_sites(ruby, *args)
     command = ruby.command("-I", MEMORY_PROFILER, File.join(RubySpyTest::FIXTURES, "alloc_sites.rb"), *args.map(&:to_s))
     out, err, status = Open3.capture3(*command)
