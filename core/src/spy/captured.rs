@@ -120,54 +120,69 @@ impl<M: Memory> Capture<'_, M> {
     }
 
     /// The offset of Ruby's `ruby_current_ec` thread-local from the thread pointer (and
-    /// `ec->thread_ptr`, the rest of what `CaptureLayout::ec_tls` needs): the one word
-    /// within 16 KiB below the main native thread's thread pointer (where x86-64 keeps the
-    /// static TLS of the executable and of the libraries loaded with it) that holds the
-    /// execution context of a Ruby thread. Any thread's: under M:N threads the main native
-    /// thread runs whichever Ruby thread's turn it is while the main thread sleeps. Read up
-    /// to ten times, a millisecond apart, for the moments it holds none (between turns).
-    /// None when no single word does (libruby's TLS is dynamic).
+    /// `ec->thread_ptr`, the rest of what `CaptureLayout::ec_tls` needs): the word within
+    /// 16 KiB below a native thread's thread pointer (where x86-64 keeps the static TLS of the
+    /// executable and of the libraries loaded with it) that holds the execution context of a
+    /// Ruby thread, at the same offset on every native thread read. Under M:N threads a
+    /// native thread runs whichever Ruby thread's turn it is, and one that is idle may hold
+    /// none, so every Ruby thread's native thread is read and votes for the offsets it holds
+    /// a context at; the offset with the most votes wins, if no other has as many. Read up to
+    /// ten times, a millisecond apart. None when no offset wins (libruby's TLS is dynamic).
     pub fn ec_tls(&mut self) -> Option<(i64, u64)> {
         const WINDOW: u64 = 16 << 10;
-        let main = self.spy.target.main_thread;
-        let tp = self.spy.tags.thread_pointer(&self.spy.target, main)?;
         for attempt in 0..10 {
             if attempt > 0 {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
-            let ecs = self.thread_ecs();
+            let (ecs, pointers) = self.thread_ecs();
             let t = &self.spy.target;
-            let Ok(below) = t.mem.read_vec(tp.wrapping_sub(WINDOW), WINDOW as usize) else {
-                return None;
-            };
-            let mut at = below
-                .chunks_exact(8)
-                .enumerate()
-                .filter(|(_, w)| ecs.contains(&word(w, 0)))
-                .map(|(i, _)| i as i64 * 8 - WINDOW as i64);
-            if let (Some(offset), None) = (at.next(), at.next()) {
+            let mut votes: std::collections::BTreeMap<i64, usize> = Default::default();
+            for tp in pointers {
+                let Ok(below) = t.mem.read_vec(tp.wrapping_sub(WINDOW), WINDOW as usize) else {
+                    continue;
+                };
+                let offsets = (below.chunks_exact(8).enumerate())
+                    .filter(|(_, w)| ecs.contains(&word(w, 0)))
+                    .map(|(i, _)| i as i64 * 8 - WINDOW as i64);
+                for offset in offsets {
+                    *votes.entry(offset).or_default() += 1;
+                }
+            }
+            let best = votes.values().copied().max().unwrap_or(0);
+            let mut winners = votes.iter().filter(|(_, &n)| n == best && n > 0);
+            if let (Some((&offset, _)), None) = (winners.next(), winners.next()) {
                 return Some((offset, t.layout.ec_thread_ptr as u64));
             }
         }
         None
     }
 
-    /// The execution contexts of the Ruby threads now (those that read).
-    fn thread_ecs(&mut self) -> Vec<u64> {
-        let t = &self.spy.target;
-        let mut threads = vec![t.main_thread];
-        if self.spy.sampler.fresh_thread_list(t).is_ok() {
+    /// The execution contexts of the Ruby threads now (those that read), and the distinct
+    /// thread pointers of the native threads they run on (the main thread's first).
+    fn thread_ecs(&mut self) -> (Vec<u64>, Vec<u64>) {
+        let main = self.spy.target.main_thread;
+        let mut threads = vec![main];
+        if self.spy.sampler.fresh_thread_list(&self.spy.target).is_ok() {
             threads.extend(self.spy.sampler.threads.iter().map(|l| l.thread));
         }
-        threads
-            .into_iter()
-            .filter_map(|th| {
+        let t = &self.spy.target;
+        let ecs = (threads.iter())
+            .filter_map(|&th| {
                 t.mem
                     .read_u64(crate::memory::field(th, t.layout.thread_ec))
                     .ok()
             })
             .filter(|&ec| ec != 0)
-            .collect()
+            .collect();
+        let mut pointers: Vec<u64> = Vec::new();
+        for th in threads.into_iter().take(64) {
+            if let Some(tp) = self.spy.tags.thread_pointer(&self.spy.target, th) {
+                if tp != 0 && !pointers.contains(&tp) {
+                    pointers.push(tp);
+                }
+            }
+        }
+        (ecs, pointers)
     }
 
     /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
