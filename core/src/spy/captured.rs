@@ -130,6 +130,7 @@ impl<M: Memory> Capture<'_, M> {
     /// ten times, a millisecond apart. None when no offset wins (libruby's TLS is dynamic).
     pub fn ec_tls(&mut self) -> Option<(i64, u64)> {
         const WINDOW: u64 = 16 << 10;
+        const PAGE: u64 = 4096;
         for attempt in 0..10 {
             if attempt > 0 {
                 std::thread::sleep(std::time::Duration::from_millis(1));
@@ -137,15 +138,24 @@ impl<M: Memory> Capture<'_, M> {
             let (ecs, pointers) = self.thread_ecs();
             let t = &self.spy.target;
             let mut votes: std::collections::BTreeMap<i64, usize> = Default::default();
+            // Page by page: the static TLS may start within the window, after memory that is
+            // not mapped, and one failed read must not hide the pages that are.
             for tp in pointers {
-                let Ok(below) = t.mem.read_vec(tp.wrapping_sub(WINDOW), WINDOW as usize) else {
-                    continue;
-                };
-                let offsets = (below.chunks_exact(8).enumerate())
-                    .filter(|(_, w)| ecs.contains(&word(w, 0)))
-                    .map(|(i, _)| i as i64 * 8 - WINDOW as i64);
-                for offset in offsets {
-                    *votes.entry(offset).or_default() += 1;
+                // From the thread pointer's own page (mapped: the thread's TCB is there) down,
+                // a page at a time, until a page does not read.
+                let top = tp & !(PAGE - 1);
+                let mut chunks = vec![(top, tp - top)];
+                chunks.extend((1..=WINDOW / PAGE).map(|k| (top.wrapping_sub(k * PAGE), PAGE)));
+                for (start, len) in chunks.into_iter().filter(|(_, len)| *len > 0) {
+                    let Ok(words) = t.mem.read_vec(start, len as usize) else {
+                        break;
+                    };
+                    let offsets = (words.chunks_exact(8).enumerate())
+                        .filter(|(_, w)| ecs.contains(&word(w, 0)))
+                        .map(|(i, _)| (start + i as u64 * 8) as i64 - tp as i64);
+                    for offset in offsets {
+                        *votes.entry(offset).or_default() += 1;
+                    }
                 }
             }
             let best = votes.values().copied().max().unwrap_or(0);
