@@ -60,10 +60,13 @@ pub fn is_state_leaf(frame: &Frame) -> bool {
     !frame.c_function && frame.path.is_empty() && LEAF_LABELS.contains(&&*frame.label)
 }
 
-fn leaf_frame(label: &'static str) -> Frame {
+/// A frame that names no code of the program (a state leaf, or `view`'s state root): a
+/// label, no path, no line, not a C function.
+pub(crate) fn pseudo_frame(label: &str) -> Frame {
+    let label: Arc<str> = Arc::from(label);
     Frame {
-        label: Arc::from(label),
-        base_label: Arc::from(label),
+        label: label.clone(),
+        base_label: label,
         path: Arc::from(""),
         absolute_path: None,
         lineno: 0,
@@ -91,7 +94,7 @@ pub fn with_state_leaves(profile: &Profile) -> Cow<'_, Profile> {
         let Some(label) = leaf_of(s) else { continue };
         let slot = LEAF_LABELS.iter().position(|l| *l == label).unwrap_or(0);
         let id = *ids[slot].get_or_insert_with(|| {
-            leaves.frames.push(leaf_frame(label));
+            leaves.frames.push(pseudo_frame(label));
             (leaves.frames.len() - 1) as u32
         });
         shaped.frames.insert(0, id);
@@ -160,7 +163,7 @@ mod tests {
             (ThreadState::GcCompacting, "[GC compacting]"),
         ] {
             assert_eq!(leaf_label(state, Some(&c)), Some(label));
-            assert!(is_state_leaf(&leaf_frame(label)));
+            assert!(is_state_leaf(&pseudo_frame(label)));
         }
         // A Ruby frame or a C function with a leaf's label is no leaf.
         assert!(!is_state_leaf(&frame("[GC]", "x.rb", 1, false)));

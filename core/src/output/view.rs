@@ -116,15 +116,7 @@ fn function_frame(f: &Frame) -> Frame {
 
 /// The pseudo frame naming a thread state: `[running]`, `[blocked]`, `[gc_marking]`...
 fn state_frame(state: ThreadState) -> Frame {
-    let label: Arc<str> = Arc::from(format!("[{}]", state.name()));
-    Frame {
-        label: label.clone(),
-        base_label: label,
-        path: Arc::from(""),
-        absolute_path: None,
-        lineno: 0,
-        c_function: false,
-    }
+    super::leaves::pseudo_frame(&format!("[{}]", state.name()))
 }
 
 #[cfg(test)]
