@@ -26,7 +26,8 @@ fn start(ruby: &Ruby, rate_bytes: u64) -> Result<(), Error> {
             "rate must be at least 1 byte (1: every allocation)",
         ));
     }
-    tracker::start(rate_bytes);
+    let version: String = ruby.eval("RUBY_VERSION")?;
+    tracker::start(rate_bytes, &version);
     Ok(())
 }
 

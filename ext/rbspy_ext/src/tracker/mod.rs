@@ -1,25 +1,31 @@
-//! The allocation tracker of `RubySpy::NativeAllocations` (allocs.rs): two internal
-//! event hooks (`RUBY_INTERNAL_EVENT_NEWOBJ` and `FREEOBJ`) count, by bytes, towards the next
-//! sample; a sampled object's stack (`rb_profile_frames`), class and type make its site, and
-//! the object joins the live set until the GC frees it. What the samples mean, and how they
-//! are scaled, is `rbspy_ext_core::allocs`; naming the frames and classes is allocs.rs.
+//! The allocation tracker of `RubySpy::NativeAllocations` (allocs.rs). The NEWOBJ hook
+//! counts slot bytes towards the next sample point; a sampled object's stack
+//! (`rb_profile_frames`), class and type make its site, and the object joins the live set
+//! (live.rs) until a marking finds it unmarked. What the samples mean, and how they are
+//! scaled, is `rbspy_ext_core::allocs`; naming the frames and classes is allocs.rs.
 //!
-//! What a hook may do: Ruby calls them inside the allocator and the sweeper, where it forbids
-//! any Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
+//! The hook is on only near a sample point (arming.rs): any NEWOBJ hook costs Ruby about
+//! 100 ns on every allocation. The GC_END_MARK hook, once per GC, keeps the live set.
+//!
+//! What a hook may do: Ruby calls them inside the allocator and the GC, where it forbids any
+//! Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
 //! words, call `rb_profile_frames` (which only reads the control frames) and work on Rust
 //! data: the frames and classes they keep are plain VALUEs, marked (and so pinned) by a
 //! hidden root object, and turned into names only when a snapshot is asked for, with the GVL
-//! and outside any hook.
+//! and outside any hook. Turning hooks on and off is left to the postponed job.
 //!
-//! The live set is keyed by address, weakly (the objects are not marked): FREEOBJ takes an
-//! object out, a NEWOBJ at an address still in the set means the GC freed its object without
-//! telling (2.7 and 3.0's `rb_gc_force_recycle`), and `GC.compact` moves objects, so the
-//! root's compaction callback re-keys every entry with `rb_gc_location`.
+//! `GC.compact` moves objects, so the root's compaction callback re-keys the live set with
+//! `rb_gc_location`.
 //!
 //! Bounds: at most [`MAX_SITES`] sites and [`MAX_LIVE`] live samples; past them samples are
 //! counted in the notes, not kept. Only the Ractor that starts tracking is tracked before
 //! Ruby 4.0 (hooks are per Ractor there); from 4.0 internal hooks fire in every Ractor.
+mod arming;
+mod live;
+
+use live::{Entry, LiveSet};
 use rb_sys::VALUE;
+use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use rustc_hash::FxHashMap as HashMap;
 use std::ffi::c_void;
@@ -46,7 +52,6 @@ pub(crate) mod debug {
         pub fn rb_tracepoint_enable(tracepoint: VALUE) -> VALUE;
         pub fn rb_tracepoint_disable(tracepoint: VALUE) -> VALUE;
         pub fn rb_tracearg_from_tracepoint(tracepoint: VALUE) -> *mut c_void;
-        pub fn rb_tracearg_event_flag(arg: *mut c_void) -> u32;
         pub fn rb_tracearg_object(arg: *mut c_void) -> VALUE;
     }
 }
@@ -63,11 +68,8 @@ const INTERNAL_TYPES: [u8; 6] = [0x00, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e];
 /// A slot's size before Ruby 3.2, which has one size of slot.
 const RVALUE_SIZE: u64 = 40;
 
-/// Bits of the live set's filter (128 KiB).
-const FILTER_BITS: usize = 1 << 20;
-
 const NEWOBJ: u32 = 0x0010_0000;
-const FREEOBJ: u32 = 0x0020_0000;
+const GC_END_MARK: u32 = 0x0080_0000;
 
 struct Site {
     counts: SiteCounts,
@@ -79,7 +81,7 @@ struct Site {
 /// Everything the hooks keep.
 struct Tracker {
     rate_bytes: u64,
-    /// Bytes still to allocate before the next sample.
+    /// Bytes still to allocate before the next sample point.
     until_sample: i64,
     rng: u64,
     /// (frame VALUE, line) of each distinct frame, and its index.
@@ -87,13 +89,11 @@ struct Tracker {
     frame_ids: HashMap<(VALUE, i32), u32>,
     sites: Vec<Site>,
     site_ids: HashMap<(Vec<u32>, VALUE, u8), u32>,
-    /// Sampled object → (site, its size).
-    live: HashMap<VALUE, (u32, u32)>,
-    /// A bit per hash of every address put in `live` since it was last rebuilt: a free whose
-    /// bit is clear (nearly every one) needs no lookup.
-    maybe_live: Vec<u64>,
-    /// Addresses put in the filter since it was last rebuilt from `live`.
-    filtered: usize,
+    live: LiveSet,
+    /// Where mark bits are on this Ruby; None: no liveness (every sample stays in use).
+    marks: Option<MarkBits>,
+    /// `rb_gc_count()` at the last marking checked.
+    checked_gc: u64,
     sites_full: u64,
     live_full: u64,
     started: Instant,
@@ -103,10 +103,13 @@ struct Tracker {
     lines: Vec<i32>,
     ids: Vec<u32>,
     slot_size: Option<unsafe extern "C" fn(VALUE) -> usize>,
+    arm: arming::Arm,
+    /// Points that passed while the hook was off, owed to the next allocation it sees.
+    owed: u32,
 }
 
 static TRACKER: Mutex<Option<Tracker>> = Mutex::new(None);
-/// The two tracepoints, once made (kept alive by a registered address).
+/// The two tracepoints (NEWOBJ, GC_END_MARK), once made (kept alive by registered addresses).
 static TRACEPOINTS: Mutex<Option<(usize, usize)>> = Mutex::new(None);
 
 fn tracker() -> MutexGuard<'static, Option<Tracker>> {
@@ -114,7 +117,7 @@ fn tracker() -> MutexGuard<'static, Option<Tracker>> {
 }
 
 impl Tracker {
-    fn new(rate_bytes: u64) -> Self {
+    fn new(rate_bytes: u64, marks: Option<MarkBits>, arm: arming::Arm) -> Self {
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
@@ -127,9 +130,10 @@ impl Tracker {
             frame_ids: HashMap::default(),
             sites: Vec::new(),
             site_ids: HashMap::default(),
-            live: HashMap::default(),
-            maybe_live: vec![0; FILTER_BITS / 64],
-            filtered: 0,
+            live: LiveSet::new(),
+            marks,
+            // SAFETY: reads the GC's count; with the GVL.
+            checked_gc: unsafe { rb_sys::rb_gc_count() } as u64,
             sites_full: 0,
             live_full: 0,
             started: Instant::now(),
@@ -141,6 +145,8 @@ impl Tracker {
             lines: vec![0; MAX_DEPTH],
             ids: Vec::with_capacity(MAX_DEPTH),
             slot_size: slot_size_function(),
+            arm,
+            owed: 0,
         };
         t.until_sample = t.next_interval();
         t
@@ -169,8 +175,10 @@ impl Tracker {
         }
     }
 
-    /// NEWOBJ: counts the object's bytes; samples it when they cross the next sample.
-    fn allocated(&mut self, object: VALUE) {
+    /// NEWOBJ: counts the object's bytes; samples it when they cross the next point. True
+    /// when the hook should be turned off (by the postponed job): the next point is far.
+    fn allocated(&mut self, object: VALUE) -> bool {
+        self.arm.seen += 1;
         // SAFETY: the object is allocated: its header (flags, class) is written before the
         // hook runs, on every Ruby.
         let (flags, klass) = unsafe {
@@ -179,22 +187,45 @@ impl Tracker {
         };
         let type_id = (flags & 0x1f) as u8;
         if INTERNAL_TYPES.contains(&type_id) || klass == 0 {
-            return;
+            return false;
         }
         if MISSES_FREES {
-            // Its address may have been freed without a FREEOBJ: the old object is gone.
-            self.freed(object);
+            // Its address may have been freed without the GC (rb_gc_force_recycle): the
+            // old object is gone.
+            if let Some(old) = self.live.remove(object) {
+                self.free(old);
+            }
         }
         let size = self.size_of(object);
+        self.arm.seen_bytes += size;
         self.until_sample -= size as i64;
-        if self.until_sample > 0 {
-            return;
+        let mut times = std::mem::take(&mut self.owed);
+        if self.until_sample <= 0 {
+            // One sample however many points the object spans: Go's weight counts on it.
+            times += 1;
+            self.until_sample = self.next_interval();
         }
-        self.until_sample = self.next_interval();
-        self.sample(object, klass, type_id, size);
+        if times == 0 {
+            return false;
+        }
+        self.sample(object, klass, type_id, size, times);
+        self.arm.far(self.until_sample)
     }
 
-    fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64) {
+    /// The job, after `Arm::observe`: each point `until_sample` went past while the hook
+    /// was off is owed to the next allocation. Returns how many.
+    fn replay_missed(&mut self) -> u64 {
+        let mut missed = 0;
+        while self.until_sample <= 0 && self.rate_bytes > 1 && missed < 1_000_000 {
+            missed += 1;
+            self.until_sample += self.next_interval().max(1);
+        }
+        self.owed = self.owed.saturating_add(missed as u32);
+        missed
+    }
+
+    /// Counts the object `times` times (more than once for points owed to it).
+    fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, times: u32) {
         // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
         let n = unsafe {
             debug::rb_profile_frames(
@@ -238,59 +269,52 @@ impl Tracker {
             }
         };
         self.ids = key.0;
-        self.sites[site as usize].counts.add(size, self.rate_bytes);
+        for _ in 0..times {
+            self.sites[site as usize].counts.add(size, self.rate_bytes);
+        }
+        let entry = Entry {
+            site,
+            size: size as u32,
+            type_id,
+            times,
+        };
         if self.live.len() < MAX_LIVE {
-            self.live.insert(object, (site, size as u32));
-            self.filter(object);
+            self.live.insert(object, entry);
         } else {
             self.live_full += 1;
-            self.sites[site as usize].counts.free(size, self.rate_bytes);
+            self.free(entry);
         }
     }
 
-    /// Puts a sampled object's address in the filter; once as many went in as would fill an
-    /// eighth of it, the filter is made again from the live set alone (freed addresses leave).
-    fn filter(&mut self, object: VALUE) {
-        self.filtered += 1;
-        if self.filtered >= FILTER_BITS / 8 {
-            self.rebuild_filter();
-        } else {
-            let bit = filter_bit(object);
-            self.maybe_live[bit / 64] |= 1 << (bit % 64);
-        }
+    /// A sampled object is gone: its site's in-use counts drop it.
+    fn free(&mut self, entry: Entry) {
+        free_entry(&mut self.sites, entry, self.rate_bytes);
     }
 
-    fn rebuild_filter(&mut self) {
-        self.maybe_live.fill(0);
-        for &object in self.live.keys() {
-            let bit = filter_bit(object);
-            self.maybe_live[bit / 64] |= 1 << (bit % 64);
-        }
-        self.filtered = self.live.len();
-    }
-
-    /// FREEOBJ: a sampled object leaves the live set.
-    fn freed(&mut self, object: VALUE) {
-        let bit = filter_bit(object);
-        if self.maybe_live[bit / 64] & (1 << (bit % 64)) == 0 {
-            return;
-        }
-        if let Some((site, size)) = self.live.remove(&object) {
-            self.sites[site as usize]
-                .counts
-                .free(size as u64, self.rate_bytes);
-        }
+    /// GC_END_MARK: every sampled object the marking left unmarked is gone.
+    fn marked(&mut self) {
+        let Some(marks) = self.marks else { return };
+        // SAFETY: reads the GC's count, inside its hook.
+        let count = unsafe { rb_sys::rb_gc_count() } as u64;
+        let direct = count == self.checked_gc.wrapping_add(1);
+        self.checked_gc = count;
+        let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        self.live
+            .check(&marks, direct, |e| free_entry(sites, e, rate));
     }
 }
 
-/// Ruby 2.7 and 3.0 free some objects without a FREEOBJ event (`rb_gc_force_recycle`), so a
-/// new object at a sampled object's address also ends it there.
+fn free_entry(sites: &mut [Site], entry: Entry, rate_bytes: u64) {
+    for _ in 0..entry.times {
+        sites[entry.site as usize]
+            .counts
+            .free(entry.size as u64, rate_bytes);
+    }
+}
+
+/// Ruby 2.7 and 3.0 free some objects without the GC (`rb_gc_force_recycle`), so a new
+/// object at a sampled object's address also ends it there, when the hook sees it.
 const MISSES_FREES: bool = cfg!(not(ruby_gte_3_1));
-
-/// The filter bit of an address (slots are at least 40 bytes apart).
-fn filter_bit(object: VALUE) -> usize {
-    ((object >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 44) as usize % FILTER_BITS
-}
 
 /// `rb_gc_obj_slot_size` (Ruby 3.2+, exported but declared in internal headers), looked up
 /// at run time so that a Ruby without it still loads the extension.
@@ -304,17 +328,12 @@ fn slot_size_function() -> Option<unsafe extern "C" fn(VALUE) -> usize> {
     }
 }
 
-/// Both hooks: inside the allocator or the sweeper (see the module docs).
-unsafe extern "C" fn on_event(tracepoint: VALUE, _data: *mut c_void) {
+/// The NEWOBJ hook: inside the allocator (see the module docs).
+unsafe extern "C" fn on_newobj(tracepoint: VALUE, _data: *mut c_void) {
     let _ = std::panic::catch_unwind(|| {
-        // SAFETY: called by Ruby with a tracepoint of ours, inside its hook.
-        let (event, object) = unsafe {
-            let arg = debug::rb_tracearg_from_tracepoint(tracepoint);
-            (
-                debug::rb_tracearg_event_flag(arg),
-                debug::rb_tracearg_object(arg),
-            )
-        };
+        // SAFETY: called by Ruby with our NEWOBJ tracepoint, inside its hook.
+        let object =
+            unsafe { debug::rb_tracearg_object(debug::rb_tracearg_from_tracepoint(tracepoint)) };
         // Never blocks: every hook, mark and compaction runs with the GVL (from 4.0, under
         // the VM lock in any Ractor), and nothing holding the lock allocates.
         let Ok(mut guard) = TRACKER.try_lock() else {
@@ -323,12 +342,58 @@ unsafe extern "C" fn on_event(tracepoint: VALUE, _data: *mut c_void) {
         let Some(t) = guard.as_mut().filter(|t| t.running) else {
             return;
         };
-        match event {
-            NEWOBJ => t.allocated(object),
-            FREEOBJ => t.freed(object),
-            _ => {}
+        if t.allocated(object) {
+            arming::post();
         }
     });
+}
+
+/// The GC_END_MARK hook: inside the GC, between marking and sweeping.
+unsafe extern "C" fn on_end_mark(_tracepoint: VALUE, _data: *mut c_void) {
+    let _ = std::panic::catch_unwind(|| {
+        let Ok(mut guard) = TRACKER.try_lock() else {
+            return;
+        };
+        if let Some(t) = guard.as_mut().filter(|t| t.running) {
+            t.marked();
+        }
+    });
+}
+
+/// The postponed job (arming.rs): with the GVL, on a Ruby thread, outside any hook.
+unsafe extern "C" fn poll(_data: *mut c_void) {
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: with the GVL; the key is a static Symbol.
+        let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
+        let change = {
+            let mut guard = tracker();
+            let Some(t) = guard.as_mut().filter(|t| t.running) else {
+                return;
+            };
+            t.arm.observe(total, &mut t.until_sample);
+            let missed = t.replay_missed();
+            t.arm.decide(t.until_sample, missed)
+        };
+        // Outside the lock: enabling allocates, which may run a GC and its hook.
+        if let (Some(on), Some((new, _))) = (change, *tracepoint_values()) {
+            // SAFETY: our tracepoint, with the GVL, outside any hook.
+            unsafe {
+                if on {
+                    debug::rb_tracepoint_enable(new as VALUE);
+                } else {
+                    debug::rb_tracepoint_disable(new as VALUE);
+                }
+            }
+        }
+    });
+}
+
+fn total_allocated_key() -> VALUE {
+    static KEY: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // SAFETY: interns a static name with the GVL; a static Symbol is never freed.
+    *KEY.get_or_init(|| unsafe {
+        rb_sys::rb_id2sym(rb_sys::rb_intern(c"total_allocated_objects".as_ptr())) as usize
+    }) as VALUE
 }
 
 /// Marks (and so pins) every frame and class the tracker keeps.
@@ -347,24 +412,22 @@ unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
 
 /// After `GC.compact` moved objects: the live set's keys follow them.
 unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
-    let mut guard = tracker();
-    let Some(t) = guard.as_mut() else { return };
-    let moved: Vec<(VALUE, (u32, u32))> = t.live.drain().collect();
-    for (object, entry) in moved {
-        // SAFETY: in the reference-updating phase, on objects the GC has not freed.
-        t.live
-            .insert(unsafe { rb_sys::rb_gc_location(object) }, entry);
+    if let Some(t) = tracker().as_mut() {
+        t.live.moved();
     }
-    // Their new addresses' filter bits.
-    t.rebuild_filter();
+}
+
+fn tracepoint_values() -> MutexGuard<'static, Option<(usize, usize)>> {
+    TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The hidden root whose mark and compaction functions are the tracker's, and the two
-/// tracepoints, made once and kept alive for good.
+/// tracepoints, made once and kept alive for good; and the end proc that stops the poller
+/// before Ruby tears the VM down.
 fn tracepoints() -> (VALUE, VALUE) {
-    let mut made = TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((new, free)) = *made {
-        return (new as VALUE, free as VALUE);
+    let mut made = tracepoint_values();
+    if let Some((new, end_mark)) = *made {
+        return (new as VALUE, end_mark as VALUE);
     }
     // SAFETY: as state.rs's root: a leaked data type with a mark and a compaction function,
     // a hidden object whose data points at it, and registered addresses keeping the root
@@ -377,36 +440,58 @@ fn tracepoints() -> (VALUE, VALUE) {
         let data_type: &'static rb_sys::rb_data_type_t = Box::leak(Box::new(data_type));
         let data = data_type as *const rb_sys::rb_data_type_t as *mut c_void;
         let root = rb_sys::rb_data_typed_object_wrap(0, data, data_type);
-        let new = debug::rb_tracepoint_new(0, NEWOBJ, on_event, std::ptr::null_mut());
-        let free = debug::rb_tracepoint_new(0, FREEOBJ, on_event, std::ptr::null_mut());
-        for value in [root, new, free] {
+        let new = debug::rb_tracepoint_new(0, NEWOBJ, on_newobj, std::ptr::null_mut());
+        let end_mark = debug::rb_tracepoint_new(0, GC_END_MARK, on_end_mark, std::ptr::null_mut());
+        for value in [root, new, end_mark] {
             rb_sys::rb_gc_register_address(Box::leak(Box::new(value)));
         }
-        (new, free)
+        rb_sys::rb_set_end_proc(Some(at_exit), 0);
+        (new, end_mark)
     };
     *made = Some((pair.0 as usize, pair.1 as usize));
     pair
 }
 
-/// Starts tracking anew at `rate_bytes` (at least 1): what an earlier run counted is
-/// dropped.
-pub(crate) fn start(rate_bytes: u64) {
-    let (new, free) = tracepoints();
-    *tracker() = Some(Tracker::new(rate_bytes));
-    // SAFETY: our tracepoints; enabling runs no Ruby code.
+unsafe extern "C" fn at_exit(_data: VALUE) {
+    arming::stop_poller();
+}
+
+/// Starts tracking anew at `rate_bytes` (at least 1) in Ruby `version`: what an earlier run
+/// counted is dropped.
+pub(crate) fn start(rate_bytes: u64, version: &str) {
+    stop();
+    let (new, end_mark) = tracepoints();
+    let always = rate_bytes <= 1 || !arming::prepare(poll);
+    let marks = MarkBits::for_version(version);
+    // SAFETY: with the GVL; the key is made before any job needs it.
+    let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
+    *tracker() = Some(Tracker::new(
+        rate_bytes,
+        marks,
+        arming::Arm::new(always, total),
+    ));
+    // SAFETY: our tracepoints, with the GVL, outside any hook.
     unsafe {
-        debug::rb_tracepoint_enable(new);
-        debug::rb_tracepoint_enable(free);
+        if marks.is_some() {
+            debug::rb_tracepoint_enable(end_mark);
+        }
+        if always {
+            debug::rb_tracepoint_enable(new);
+        }
+    }
+    if !always {
+        arming::start_poller();
     }
 }
 
 /// Stops tracking; what was counted stays for `copy`.
 pub(crate) fn stop() {
-    if let Some((new, free)) = *TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner()) {
+    arming::stop_poller();
+    if let Some((new, end_mark)) = *tracepoint_values() {
         // SAFETY: our tracepoints.
         unsafe {
             debug::rb_tracepoint_disable(new as VALUE);
-            debug::rb_tracepoint_disable(free as VALUE);
+            debug::rb_tracepoint_disable(end_mark as VALUE);
         }
     }
     if let Some(t) = tracker().as_mut() {
@@ -443,6 +528,17 @@ pub(crate) fn copy() -> Option<Copied> {
         notes.push(format!(
             "{} samples were not followed until freed ({MAX_LIVE} were): counted as allocated, not live",
             t.live_full
+        ));
+    }
+    if t.marks.is_none() {
+        notes.push(
+            "the heap's layout of this Ruby is not known: every sample is counted as in use".into(),
+        );
+    }
+    if t.arm.missed > 0 {
+        notes.push(format!(
+            "{} sample points passed between two looks at the allocation count (a burst): each was taken at the next allocation",
+            t.arm.missed
         ));
     }
     Some(Copied {
