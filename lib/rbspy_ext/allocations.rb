@@ -73,10 +73,10 @@ module RubySpy
 
   class << self
     # Tracks the calling process's allocations, sampled: with a block, while it runs, and
-    # returns what it allocated and what of it is still alive at its end; without one, from
-    # now until {stop_tracking_allocations}. Starting again starts afresh. The hooks cost
-    # every allocation a few nanoseconds and each sample a stack walk; see the README's
-    # "Memory" section for the figures.
+    # returns what it allocated and what of it is still alive at its end (after a full GC,
+    # which the block form runs); without one, from now until {stop_tracking_allocations}.
+    # Starting again starts afresh. The allocation hook is on only near a sample point, and
+    # each sample costs a stack walk; see the README's "Memory" section for the figures.
     #
     # Before Ruby 4.0 only the Ractor that starts tracking is tracked (Ruby keeps such hooks
     # per Ractor); from 4.0 every Ractor's allocations are.
@@ -96,15 +96,20 @@ module RubySpy
 
       begin
         yield
+        NativeAllocations.collect
       ensure
         NativeAllocations.stop
       end
       allocations
     end
 
-    # What the tracking so far counted (also after it stopped), nil when it never ran.
+    # What the tracking so far counted (also after it stopped), nil when it never ran. What
+    # is in use is as of the last GC the tracker checked: every GC from Ruby 3.3, one a
+    # second before (where watching every GC would slow every allocation).
+    # @param gc [Boolean] run a full GC first (and check it), as Go's `/debug/pprof/heap?gc=1`
     # @return [RubySpy::Allocations, nil]
-    def allocations
+    def allocations(gc: false)
+      NativeAllocations.collect if gc && NativeAllocations.tracking?
       native = NativeAllocations.snapshot
       native && Allocations.new(native)
     end

@@ -191,6 +191,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     native.define_singleton_method("start", function!(start, 1))?;
     native.define_singleton_method("stop", function!(tracker::stop, 0))?;
     native.define_singleton_method("tracking?", function!(tracker::tracking, 0))?;
+    native.define_singleton_method("collect", function!(tracker::collect, 0))?;
     native.define_singleton_method("snapshot", function!(snapshot, 0))?;
     native.const_set("MAX_SITES", MAX_SITES)?;
     native.const_set("MAX_LIVE", MAX_LIVE)?;

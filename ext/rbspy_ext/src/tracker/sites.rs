@@ -1,0 +1,314 @@
+//! What the hooks keep (`Tracker`): the sample points, the sites with their frames and
+//! counts, and the live set; and the sampling itself, which runs inside the NEWOBJ hook and
+//! so calls no Ruby API but `rb_profile_frames`, `rb_class_real` and `rb_gc_obj_slot_size`,
+//! none of which allocates. The hooks, the job and the Ruby-facing functions are mod.rs.
+use super::arming::Arm;
+use super::debug;
+use super::live::{Entry, LiveSet};
+use rb_sys::VALUE;
+use rbspy_ext_core::allocs::marks::MarkBits;
+use rbspy_ext_core::allocs::SiteCounts;
+use rustc_hash::FxHashMap as HashMap;
+use std::ffi::c_void;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Frames kept per sample, innermost first.
+const MAX_DEPTH: usize = 256;
+/// Distinct sites kept; samples of new sites past it are counted, not kept.
+pub const MAX_SITES: usize = 100_000;
+/// Sampled objects followed until freed; past it a sample is counted as allocated only.
+pub const MAX_LIVE: usize = 1 << 20;
+/// Built-in types that are no object a program sees (`flags & 0x1f`): T_NONE, T_IMEMO,
+/// T_NODE, T_ICLASS, T_ZOMBIE, T_MOVED. They are not counted towards samples either.
+const INTERNAL_TYPES: [u8; 6] = [0x00, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e];
+/// Whether a GC_END_MARK hook costs allocations nothing: from 3.3 Ruby's fast allocation
+/// path looks for a NEWOBJ hook alone; before, any GC hook sends every allocation down the
+/// slow path (+16 % on bench/allocs.rb), so there it is on for one GC every [`CHECK_EVERY`].
+const END_MARK_FREE: bool = cfg!(ruby_gte_3_3);
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// A slot's size before Ruby 3.2, which has one size of slot.
+const RVALUE_SIZE: u64 = 40;
+
+pub(super) struct Site {
+    pub counts: SiteCounts,
+    pub frames: Vec<u32>,
+    pub klass: VALUE,
+    pub type_id: u8,
+}
+
+/// Everything the hooks keep.
+pub(super) struct Tracker {
+    pub rate_bytes: u64,
+    /// Bytes still to allocate before the next sample point.
+    pub until_sample: i64,
+    pub rng: u64,
+    /// (frame VALUE, line) of each distinct frame, and its index.
+    pub frames: Vec<(VALUE, i32)>,
+    pub frame_ids: HashMap<(VALUE, i32), u32>,
+    pub sites: Vec<Site>,
+    pub site_ids: HashMap<(Vec<u32>, VALUE, u8), u32>,
+    pub live: LiveSet,
+    /// Where mark bits are on this Ruby; None: no liveness (every sample stays in use).
+    pub marks: Option<MarkBits>,
+    /// `rb_gc_count()` at the last marking checked.
+    pub checked_gc: u64,
+    pub sites_full: u64,
+    pub live_full: u64,
+    pub started: Instant,
+    pub start_unix_ns: u64,
+    pub running: bool,
+    pub buf: Vec<VALUE>,
+    pub lines: Vec<i32>,
+    pub ids: Vec<u32>,
+    pub slot_size: Option<unsafe extern "C" fn(VALUE) -> usize>,
+    pub arm: Arm,
+    /// Points that passed while the hook was off, owed to the next allocation it sees.
+    pub owed: u32,
+    /// Before 3.3 the GC_END_MARK hook is on for one GC at a time (`end_mark_due`): whether
+    /// it is, the checks so far when it was turned on, and when the last check ran.
+    pub end_mark_on: bool,
+    pub end_mark_since: u64,
+    pub last_check: Instant,
+}
+
+impl Tracker {
+    pub fn new(rate_bytes: u64, marks: Option<MarkBits>, arm: Arm) -> Self {
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
+            ^ (std::process::id() as u64) << 32;
+        let mut t = Tracker {
+            rate_bytes: rate_bytes.max(1),
+            until_sample: 0,
+            rng: seed | 1,
+            frames: Vec::new(),
+            frame_ids: HashMap::default(),
+            sites: Vec::new(),
+            site_ids: HashMap::default(),
+            live: LiveSet::new(),
+            marks,
+            // SAFETY: reads the GC's count; with the GVL.
+            checked_gc: unsafe { rb_sys::rb_gc_count() } as u64,
+            sites_full: 0,
+            live_full: 0,
+            started: Instant::now(),
+            start_unix_ns: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            running: true,
+            buf: vec![0; MAX_DEPTH],
+            lines: vec![0; MAX_DEPTH],
+            ids: Vec::with_capacity(MAX_DEPTH),
+            slot_size: slot_size_function(),
+            arm,
+            owed: 0,
+            end_mark_on: false,
+            end_mark_since: 0,
+            last_check: Instant::now(),
+        };
+        t.until_sample = t.next_interval();
+        t
+    }
+
+    /// Bytes until the next sample: exponential with the rate as mean (0 at rate 1, so every
+    /// allocation is sampled).
+    pub fn next_interval(&mut self) -> i64 {
+        if self.rate_bytes <= 1 {
+            return 0;
+        }
+        // xorshift64*: a generator of our own, so the hook calls nothing it does not need.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let bits = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11;
+        let u = (bits as f64 + 1.0) / (1u64 << 53) as f64; // (0, 1]
+        (-u.ln() * self.rate_bytes as f64).min(i64::MAX as f64 / 2.0) as i64
+    }
+
+    pub fn size_of(&self, object: VALUE) -> u64 {
+        match self.slot_size {
+            // SAFETY: Ruby's own function, called on an object just allocated.
+            Some(f) => unsafe { f(object) as u64 },
+            None => RVALUE_SIZE,
+        }
+    }
+
+    /// NEWOBJ: counts the object's bytes; samples it when they cross the next point. True
+    /// when the hook should be turned off (by the postponed job): the next point is far.
+    pub fn allocated(&mut self, object: VALUE) -> bool {
+        self.arm.seen += 1;
+        // SAFETY: the object is allocated: its header (flags, class) is written before the
+        // hook runs, on every Ruby.
+        let (flags, klass) = unsafe {
+            let words = object as *const VALUE;
+            (*words, *words.add(1))
+        };
+        let type_id = (flags & 0x1f) as u8;
+        if INTERNAL_TYPES.contains(&type_id) || klass == 0 {
+            return false;
+        }
+        if MISSES_FREES {
+            // Its address may have been freed without the GC (rb_gc_force_recycle): the
+            // old object is gone.
+            if let Some(old) = self.live.remove(object) {
+                self.free(old);
+            }
+        }
+        let size = self.size_of(object);
+        self.arm.seen_bytes += size;
+        self.until_sample -= size as i64;
+        let mut times = std::mem::take(&mut self.owed);
+        if self.until_sample <= 0 {
+            // One sample however many points the object spans: Go's weight counts on it.
+            times += 1;
+            self.until_sample = self.next_interval();
+        }
+        if times == 0 {
+            return false;
+        }
+        self.sample(object, klass, type_id, size, times);
+        self.arm.far(self.until_sample)
+    }
+
+    /// The job, after `Arm::observe`: each point `until_sample` went past while the hook
+    /// was off is owed to the next allocation. Returns how many.
+    pub fn replay_missed(&mut self) -> u64 {
+        let mut missed = 0;
+        while self.until_sample <= 0 && self.rate_bytes > 1 && missed < 1_000_000 {
+            missed += 1;
+            self.until_sample += self.next_interval().max(1);
+        }
+        self.owed = self.owed.saturating_add(missed as u32);
+        missed
+    }
+
+    /// The job, before 3.3: whether to turn the GC_END_MARK hook on (a check is due, a
+    /// second after the last) or off (it has checked a GC since it was turned on).
+    pub fn end_mark_due(&mut self) -> Option<bool> {
+        if END_MARK_FREE || self.arm.always() || self.marks.is_none() {
+            return None;
+        }
+        if self.end_mark_on {
+            (self.checked_gc != self.end_mark_since).then(|| {
+                self.end_mark_on = false;
+                false
+            })
+        } else {
+            (self.last_check.elapsed() >= CHECK_EVERY).then(|| {
+                self.end_mark_on = true;
+                self.end_mark_since = self.checked_gc;
+                true
+            })
+        }
+    }
+
+    /// Whether the GC_END_MARK hook stays on while tracking: from 3.3, where it costs
+    /// allocations nothing, or where every allocation takes the slow path anyway.
+    pub fn end_mark_always(&self) -> bool {
+        self.marks.is_some() && (END_MARK_FREE || self.arm.always())
+    }
+
+    /// Counts the object `times` times (more than once for points owed to it).
+    pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, times: u32) {
+        // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
+        let n = unsafe {
+            debug::rb_profile_frames(
+                0,
+                MAX_DEPTH as i32,
+                self.buf.as_mut_ptr(),
+                self.lines.as_mut_ptr(),
+            )
+        };
+        let n = (n.max(0) as usize).min(MAX_DEPTH);
+        // SAFETY: the class of an object just allocated (a singleton class's real class).
+        let klass = unsafe { rb_sys::rb_class_real(klass) };
+        self.ids.clear();
+        for i in 0..n {
+            let key = (self.buf[i], self.lines[i]);
+            let next = self.frames.len() as u32;
+            let id = *self.frame_ids.entry(key).or_insert(next);
+            if id == next {
+                self.frames.push(key);
+            }
+            self.ids.push(id);
+        }
+        let key = (std::mem::take(&mut self.ids), klass, type_id);
+        let site = match self.site_ids.get(&key) {
+            Some(&site) => site,
+            None if self.sites.len() >= MAX_SITES => {
+                self.sites_full += 1;
+                self.ids = key.0;
+                return;
+            }
+            None => {
+                let site = self.sites.len() as u32;
+                self.sites.push(Site {
+                    counts: SiteCounts::default(),
+                    frames: key.0.clone(),
+                    klass,
+                    type_id,
+                });
+                self.site_ids.insert(key.clone(), site);
+                site
+            }
+        };
+        self.ids = key.0;
+        for _ in 0..times {
+            self.sites[site as usize].counts.add(size, self.rate_bytes);
+        }
+        let entry = Entry {
+            site,
+            size: size as u32,
+            type_id,
+            times,
+        };
+        if self.live.len() < MAX_LIVE {
+            self.live.insert(object, entry);
+        } else {
+            self.live_full += 1;
+            self.free(entry);
+        }
+    }
+
+    /// A sampled object is gone: its site's in-use counts drop it.
+    pub fn free(&mut self, entry: Entry) {
+        free_entry(&mut self.sites, entry, self.rate_bytes);
+    }
+
+    /// GC_END_MARK: every sampled object the marking left unmarked is gone.
+    pub fn marked(&mut self) {
+        let Some(marks) = self.marks else { return };
+        // SAFETY: reads the GC's count, inside its hook.
+        let count = unsafe { rb_sys::rb_gc_count() } as u64;
+        let direct = count == self.checked_gc.wrapping_add(1);
+        self.checked_gc = count;
+        self.last_check = Instant::now();
+        let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        self.live
+            .check(&marks, direct, |e| free_entry(sites, e, rate));
+    }
+}
+
+fn free_entry(sites: &mut [Site], entry: Entry, rate_bytes: u64) {
+    for _ in 0..entry.times {
+        sites[entry.site as usize]
+            .counts
+            .free(entry.size as u64, rate_bytes);
+    }
+}
+
+/// Ruby 2.7 and 3.0 free some objects without the GC (`rb_gc_force_recycle`), so a new
+/// object at a sampled object's address also ends it there, when the hook sees it.
+const MISSES_FREES: bool = cfg!(not(ruby_gte_3_1));
+
+/// `rb_gc_obj_slot_size` (Ruby 3.2+, exported but declared in internal headers), looked up
+/// at run time so that a Ruby without it still loads the extension.
+fn slot_size_function() -> Option<unsafe extern "C" fn(VALUE) -> usize> {
+    // SAFETY: dlsym on the global namespace with a NUL-terminated name; the symbol, when
+    // present, is Ruby's `size_t rb_gc_obj_slot_size(VALUE)`.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, c"rb_gc_obj_slot_size".as_ptr());
+        (!f.is_null())
+            .then(|| std::mem::transmute::<*mut c_void, unsafe extern "C" fn(VALUE) -> usize>(f))
+    }
+}
