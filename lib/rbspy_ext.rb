@@ -99,3 +99,7 @@ end
 # RUBYSPY_PPROF=127.0.0.1:6060 opens a pprof listener of its own (RubySpy::Server) as soon as
 # the gem is loaded, for processes started by a command line one cannot edit.
 RubySpy::Server.start_from_env if ENV[RubySpy::Server::ENV_ADDRESS]
+
+# RUBYSPY_ALLOCATIONS=1 tracks allocations from now on (RubySpy.track_allocations_from_env),
+# which the listener and the Rack endpoint serve as /debug/pprof/allocs and /heap.
+RubySpy.track_allocations_from_env if ENV[RubySpy::Allocations::ENV_ALLOCATIONS]

@@ -116,6 +116,59 @@ RSpec.describe "sampled allocations" do
     expect(kept.size).to eq(3000)
   end
 
+  # The rate the default-rate examples use: Go's 512 KiB where a site's Strings take 640-byte
+  # slots (3.2+), and 32 KiB before, where a slot is 40 bytes; either way one sample stands
+  # for about 819 objects, so the same number of calls gives the same number of samples.
+  def rate_for(ruby)
+    ruby.version >= "3.2" ? RubySpy::Allocations::DEFAULT_RATE : 32 * 1024
+  end
+
+  def run_rates(ruby, *args)
+    command = ruby.command(File.join(RubySpyTest::FIXTURES, "alloc_rates.rb"), *args.map(&:to_s))
+    out, err, status = Open3.capture3(*command)
+    raise "alloc_rates.rb failed: #{err}" unless status.success?
+
+    JSON.parse(out.lines.last)
+  end
+
+  # The functions of `go tool pprof -top`, first row first.
+  def top_functions(out)
+    out.lines.drop_while { |l| !l.include?("flat%") }.drop(1).map { |l| l.split.last }
+  end
+
+  it "estimates each of the top 10 sites within 10 % at the default rate (#{target_ruby})" do
+    skip "runs the target's Ruby outside its chroot" if target_ruby.inside?
+    skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
+    # 2,000,000 calls a site: about 2,400 samples each, so 10 % is 5 standard deviations.
+    calls = 2_000_000
+    result = run_rates(target_ruby, "accuracy", rate_for(target_ruby), calls)
+    expect(result["rate"]).to eq(rate_for(target_ruby))
+    sites = result["sites"]
+    expect(sites.keys).to match_array((0..9).map { |i| "Sites.site#{i}" })
+    sites.each do |site, estimate|
+      expect((estimate - calls).abs).to be < calls / 10, "#{site}: #{estimate} for #{calls} (#{result['notes']})"
+    end
+  end
+
+  it "names a leak of 10,000 objects first, in use and in the diff of two heap profiles (#{target_ruby})" do
+    skip "runs the target's Ruby outside its chroot" if target_ruby.inside?
+    skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
+    Dir.mktmpdir("rubyspy-leak") do |dir|
+      result = run_rates(target_ruby, "leak", rate_for(target_ruby), 30_000, dir)
+      expect(result["kept"]).to eq(10_000)
+      live = result["live"].sort_by { |_, n| -n }
+      expect(live.first.first).to eq("Sites.leak")
+      before = File.join(dir, "before.pb.gz")
+      after = File.join(dir, "after.pb.gz")
+      inuse = go_pprof("-top", "-sample_index=inuse_space", after)
+      expect(top_functions(inuse).first).to eq("Sites.leak")
+      diff = go_pprof("-top", "-sample_index=inuse_space", "-diff_base=#{before}", after)
+      expect(top_functions(diff).first).to eq("Sites.leak")
+      # Nothing of the leak was alive before it.
+      expect(top_functions(go_pprof("-top", "-sample_index=inuse_space", before))).not_to include("Sites.leak")
+    end
+  end
+
   it "refuses a rate it cannot use" do
     skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)

@@ -11,6 +11,28 @@ module RubySpy
   class Allocations
     # Go's MemProfileRate: one sample every 512 KiB allocated, on average.
     DEFAULT_RATE = 512 * 1024
+    # "1" tracks allocations from the moment the gem loads ({RubySpy.track_allocations_from_env}).
+    ENV_ALLOCATIONS = "RUBYSPY_ALLOCATIONS"
+    # The rate for {ENV_ALLOCATIONS}, in bytes (default {DEFAULT_RATE}).
+    ENV_RATE = "RUBYSPY_ALLOCATION_RATE"
+
+    # A forked child's tracking needs a poller thread of its own (the parent's is not
+    # copied): +Process._fork+ (Ruby 3.1+) gives it one.
+    module ForkHook
+      # @api private
+      def _fork
+        pid = super
+        NativeAllocations.after_fork if pid.zero?
+        pid
+      end
+    end
+
+    # @api private
+    def self.follow_forks
+      return if !Process.respond_to?(:_fork) || Process.singleton_class.include?(ForkHook)
+
+      Process.singleton_class.prepend(ForkHook)
+    end
 
     # @api private
     def initialize(native)
@@ -92,6 +114,7 @@ module RubySpy
       raise ArgumentError, "rate must be at least 1 byte (1: every allocation), got #{rate}" if rate < 1
 
       NativeAllocations.start(rate)
+      Allocations.follow_forks
       return nil unless block_given?
 
       begin
@@ -103,9 +126,27 @@ module RubySpy
       allocations
     end
 
+    # Starts tracking when {Allocations::ENV_ALLOCATIONS} is "1" (at
+    # {Allocations::ENV_RATE} bytes a sample, or the default), unless it runs already. The gem
+    # calls it when it loads, so the Railtie, the Puma plugin and a plain +require+ all read
+    # it; a Puma worker forked from a tracking master keeps tracking.
+    # @param env [Hash] the environment to read
+    # @return [Boolean] whether it started tracking
+    def track_allocations_from_env(env = ENV)
+      return false unless env[Allocations::ENV_ALLOCATIONS].to_s.strip == "1"
+      return false if NativeAllocations.tracking?
+
+      text = env[Allocations::ENV_RATE].to_s.strip
+      rate = text.empty? ? Allocations::DEFAULT_RATE : Integer(text, 10)
+      track_allocations(rate: rate)
+      true
+    rescue ArgumentError, TypeError => e
+      warn "rbspy_ext: #{Allocations::ENV_RATE}=#{text}: not tracking allocations: #{e.message}"
+      false
+    end
+
     # What the tracking so far counted (also after it stopped), nil when it never ran. What
-    # is in use is as of the last GC the tracker checked: every GC from Ruby 3.3, one a
-    # second before (where watching every GC would slow every allocation).
+    # is in use is as of the last GC (its marking tells which sampled objects live).
     # @param gc [Boolean] run a full GC first (and check it), as Go's `/debug/pprof/heap?gc=1`
     # @return [RubySpy::Allocations, nil]
     def allocations(gc: false)

@@ -17,6 +17,9 @@ mod http;
 mod routes;
 #[cfg(test)]
 mod tests;
+mod tracked;
+
+pub use tracked::{provide_allocations, AllocsAnswer, AllocsRequest};
 
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpListener, TcpStream};

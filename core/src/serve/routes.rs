@@ -2,7 +2,9 @@
 //! (lib/rbspy_ext/rack/pprof.rb): a token, or a loopback client not behind a proxy; one
 //! profile at a time (429); bounded parameters (400), and nothing else (no redirect).
 use super::http::{Request, Response};
+use super::tracked::{self, AllocsAnswer, AllocsRequest};
 use super::Shared;
+use crate::allocs::pprof::Opens;
 use crate::census::{self, render, CensusOptions};
 use crate::output::{self, thread_title, Format, Options};
 use crate::process::{descendants, worker_name};
@@ -26,6 +28,7 @@ enum Route {
     Profile,
     Threads,
     Heap,
+    Allocs,
 }
 
 pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> Response {
@@ -38,6 +41,7 @@ pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> R
         Some("/profile") => Route::Profile,
         Some("/threads") => Route::Threads,
         Some("/heap") => Route::Heap,
+        Some("/allocs") => Route::Allocs,
         _ => return Response::text(404, &format!("not found: try {BASE}/\n")),
     };
     let params = match Params::parse(&request.query) {
@@ -55,6 +59,7 @@ pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> R
         Route::Threads => params.only(&[]).map_or_else(|r| r, |()| threads(shared)),
         Route::Profile => profile(shared, &params),
         Route::Heap => heap(shared, &params),
+        Route::Allocs => allocs(shared, &params),
     }
 }
 
@@ -158,9 +163,16 @@ fn index(shared: &Shared) -> Response {
              [GC marking]...);\n    state_leaves=0 bills them to the frame they stood in.\n\n\
              {BASE}/threads\n    The stack of every thread now, as text (like Go's goroutine \
              dump).\n\n\
-             {BASE}/heap[?pid=PID][&debug=1]\n    A census of the heap's live objects \
+             {BASE}/heap[?gc=1]\n    While allocations are tracked (RubySpy.track_allocations, \
+             RUBYSPY_ALLOCATIONS): the sampled objects\n    still alive, by the stack that \
+             allocated them (gzipped pprof: inuse_space, inuse_objects,\n    alloc_space, \
+             alloc_objects), as of the last GC; gc=1 runs a full GC first.\n\n\
+             {BASE}/heap?census=1[&pid=PID][&debug=1]\n    A census of the heap's live objects \
              by class (gzipped pprof: inuse_objects, inuse_space;\n    debug=1: text), of this \
-             process or one of its Ruby subprocesses.\n",
+             process or one of its Ruby subprocesses: what /heap serves while\n    allocations \
+             are not tracked.\n\n\
+             {BASE}/allocs[?gc=1]\n    While allocations are tracked: every sampled allocation \
+             by stack, opening on alloc_space.\n",
             pid = config.pid,
             addr = config.addr,
         ),
@@ -234,11 +246,13 @@ fn record(shared: &Shared, seconds: Duration, rate_hz: f64, options: &Options) -
     }
 }
 
-/// A heap census of the process (or, with `pid`, of one of its Ruby subprocesses when the
+/// `/heap`: the tracked allocations still alive when tracking is on (Go's meaning: sampled
+/// live objects by the stack that allocated them); else, or with `census=1`, `pid` or
+/// `debug=1`, a heap census of the process (or of one of its Ruby subprocesses when the
 /// listener serves them) as a pprof heap profile, or text with `debug=1`. One at a time,
 /// like profiles: a census reads the whole heap.
 fn heap(shared: &Shared, params: &Params) -> Response {
-    if let Err(r) = params.only(&["pid", "debug"]) {
+    if let Err(r) = params.only(&["pid", "debug", "gc", "census"]) {
         return r;
     }
     let root = shared.config.pid;
@@ -256,33 +270,91 @@ fn heap(shared: &Shared, params: &Params) -> Response {
             );
         }
     };
-    let text = match params.get("debug") {
-        None | Some("0") => false,
-        Some("1") => true,
-        Some(_) => return Response::text(400, "debug must be 0 or 1\n"),
+    let (text, gc, census) = match (
+        flag(params, "debug"),
+        flag(params, "gc"),
+        flag(params, "census"),
+    ) {
+        (Ok(t), Ok(g), Ok(c)) => (t, g, c),
+        (Err(r), _, _) | (_, Err(r), _) | (_, _, Err(r)) => return r,
     };
+    if !(census || text || params.get("pid").is_some()) {
+        if let Some(r) = tracked_profile(shared, Opens::Inuse, gc, "heap") {
+            return r;
+        }
+    }
+    let census = exclusively(shared, || {
+        Spy::attach(pid)
+            .and_then(|mut spy| census::take(spy.target_view(), CensusOptions::default()))
+    });
+    match census {
+        Err(busy) => busy,
+        Ok(Ok(c)) if text => Response::text(200, &render::text(&c, 100)),
+        Ok(Ok(c)) => pprof_file(render::pprof(&c), "heap"),
+        Ok(Err(e)) => Response::text(500, &format!("cannot take a census: {e}\n")),
+    }
+}
+
+/// `/allocs`: every sampled allocation by stack, while tracking is on.
+fn allocs(shared: &Shared, params: &Params) -> Response {
+    if let Err(r) = params.only(&["gc"]) {
+        return r;
+    }
+    let gc = match flag(params, "gc") {
+        Ok(gc) => gc,
+        Err(r) => return r,
+    };
+    tracked_profile(shared, Opens::Allocs, gc, "allocs").unwrap_or_else(|| {
+        Response::text(
+            404,
+            "allocation tracking is off in this process: start it with \
+             RubySpy.track_allocations, or RUBYSPY_ALLOCATIONS=1 in its environment\n",
+        )
+    })
+}
+
+/// The tracker's profile, asked for one at a time; None when tracking is off.
+fn tracked_profile(shared: &Shared, opens: Opens, gc: bool, name: &str) -> Option<Response> {
+    match exclusively(shared, || tracked::ask(AllocsRequest { opens, gc })) {
+        Err(busy) => Some(busy),
+        Ok(AllocsAnswer::Profile(body)) => Some(pprof_file(body, name)),
+        Ok(AllocsAnswer::NotTracking) => None,
+        Ok(AllocsAnswer::Unavailable(why)) => Some(Response::text(503, &format!("{why}\n"))),
+    }
+}
+
+/// Runs `f` unless a profile or census is being taken in this process (then a 429).
+fn exclusively<T>(shared: &Shared, f: impl FnOnce() -> T) -> Result<T, Response> {
     if shared.busy.swap(true, Ordering::AcqRel) {
-        return Response::text(
+        return Err(Response::text(
             429,
             "a profile or census is already being taken in this process; try again later\n",
         )
-        .with_header("retry-after", "1".into());
+        .with_header("retry-after", "1".into()));
     }
-    let census = Spy::attach(pid)
-        .and_then(|mut spy| census::take(spy.target_view(), CensusOptions::default()));
+    let value = f();
     shared.busy.store(false, Ordering::Release);
-    match census {
-        Ok(c) if text => Response::text(200, &render::text(&c, 100)),
-        Ok(c) => Response {
-            status: 200,
-            content_type: "application/octet-stream",
-            extra: vec![(
-                "content-disposition",
-                "attachment; filename=\"heap.pb.gz\"".into(),
-            )],
-            body: render::pprof(&c),
-        },
-        Err(e) => Response::text(500, &format!("cannot take a census: {e}\n")),
+    Ok(value)
+}
+
+/// A parameter that is 0 or 1 (absent: 0).
+fn flag(params: &Params, key: &str) -> Result<bool, Response> {
+    match params.get(key) {
+        None | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(_) => Err(Response::text(400, &format!("{key} must be 0 or 1\n"))),
+    }
+}
+
+fn pprof_file(body: Vec<u8>, name: &str) -> Response {
+    Response {
+        status: 200,
+        content_type: "application/octet-stream",
+        extra: vec![(
+            "content-disposition",
+            format!("attachment; filename=\"{name}.pb.gz\""),
+        )],
+        body,
     }
 }
 

@@ -10,8 +10,10 @@ use rb_sys::VALUE;
 use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::census::TYPE_NAMES;
 use rbspy_ext_core::model::Frame;
+use rbspy_ext_core::serve::{provide_allocations, AllocsAnswer, AllocsRequest};
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A snapshot: the tracker's counts with names, made with the GVL outside any hook.
 #[magnus::wrap(class = "RubySpy::NativeAllocationProfile", free_immediately, size)]
@@ -185,13 +187,52 @@ impl NativeAllocationProfile {
     }
 }
 
+/// What the pprof listener serves from the tracker (core/src/serve/tracked.rs): asked on the
+/// listener's thread, made by the postponed job on a Ruby thread.
+fn serve(request: AllocsRequest) -> AllocsAnswer {
+    if !tracker::tracking() {
+        return AllocsAnswer::NotTracking;
+    }
+    let made: Option<Result<Vec<u8>, String>> = tracker::with_gvl(
+        move || {
+            let ruby = Ruby::get().map_err(|e| e.to_string())?;
+            if request.gc {
+                tracker::collect();
+            }
+            let profile = snapshot(&ruby)
+                .map_err(|e| e.to_string())?
+                .ok_or("tracking stopped")?;
+            let mut body = Vec::new();
+            pprof::write(&profile.0, request.opens, &mut body)?;
+            Ok(body)
+        },
+        SERVE_TIMEOUT,
+    );
+    match made {
+        Some(Ok(body)) => AllocsAnswer::Profile(body),
+        Some(Err(e)) => AllocsAnswer::Unavailable(format!("cannot make the profile: {e}")),
+        None => AllocsAnswer::Unavailable(format!(
+            "no Ruby thread took the request within {} s (a C call holding the GVL?), or \
+             this Ruby (2.7) cannot be asked from the listener's thread: try again, or \
+             write RubySpy.allocations from the app",
+            SERVE_TIMEOUT.as_secs()
+        )),
+    }
+}
+
+/// How long the listener waits for a Ruby thread to make an allocation profile.
+const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    tracker::prepare();
+    provide_allocations(serve);
     let module = ruby.define_module("RubySpy")?;
     let native = module.define_module("NativeAllocations")?;
     native.define_singleton_method("start", function!(start, 1))?;
     native.define_singleton_method("stop", function!(tracker::stop, 0))?;
     native.define_singleton_method("tracking?", function!(tracker::tracking, 0))?;
     native.define_singleton_method("collect", function!(tracker::collect, 0))?;
+    native.define_singleton_method("after_fork", function!(tracker::after_fork, 0))?;
     native.define_singleton_method("snapshot", function!(snapshot, 0))?;
     native.const_set("MAX_SITES", MAX_SITES)?;
     native.const_set("MAX_LIVE", MAX_LIVE)?;

@@ -52,6 +52,8 @@ module RubySpy
         case env["PATH_INFO"]
         when "", "/" then index(env)
         when "/profile" then profile(env)
+        when "/allocs" then memory(env, :allocs)
+        when "/heap" then memory(env, :heap)
         else reply(404, "not found: try #{env['SCRIPT_NAME']}/\n")
         end
       end
@@ -63,6 +65,17 @@ module RubySpy
         reply(200, <<~TEXT)
           rbspy_ext profiles of process #{Process.pid} (Ruby #{RUBY_VERSION})
 
+          #{base}/allocs[?gc=1]
+              While allocations are tracked (RubySpy.track_allocations, RUBYSPY_ALLOCATIONS=1):
+              every sampled allocation by the stack that made it, as a gzipped pprof profile
+              opening on alloc_space (alloc_objects, inuse_space and inuse_objects too).
+              gc=1 runs a full GC first.
+
+          #{base}/heap[?gc=1][&census=1]
+              While allocations are tracked: the sampled objects still alive, by stack
+              (opening on inuse_space). Otherwise, or with census=1: a census of this
+              process's heap by class (inuse_objects, inuse_space).
+
           #{base}/profile?seconds=N[&rate=HZ][&state_leaves=0]
               Records every thread of this process for N seconds (1-#{MAX_SECONDS}, default #{DEFAULT_SECONDS})
               at HZ samples a second (1-#{MAX_RATE}, default #{DEFAULT_RATE}) and returns a gzipped
@@ -71,6 +84,42 @@ module RubySpy
               Waits for the GVL and GC pauses end in leaves of their own ([waiting for GVL],
               [GC marking]...); state_leaves=0 bills them to the frame they stood in.
         TEXT
+      end
+
+      # /allocs: the tracked allocations (404 while tracking is off); /heap: the tracked
+      # objects still alive, or, while tracking is off or with census=1, a census of this
+      # process's heap by class. gc=1 runs a full GC first.
+      def memory(env, path)
+        params = ::Rack::Utils.parse_query(env["QUERY_STRING"].to_s)
+        return reply(403, "forbidden: send the token (?token= or Authorization: Bearer)\n") unless allowed?(env, params)
+
+        known = path == :heap ? %w[gc census token] : %w[gc token]
+        unknown = params.keys - known
+        return reply(400, "unknown parameter #{unknown.join(', ')}: only #{known.join(', ')}\n") if unknown.any?
+
+        gc, census = %w[gc census].map { |key| whole(params.fetch(key, "0"), 0..1) }
+        return reply(400, "gc must be 0 or 1\n") unless gc
+        return reply(400, "census must be 0 or 1\n") unless census
+
+        body = Pprof.exclusively { memory_profile(path, gc == 1, census == 1) }
+        return reply(429, "a profile or census is already being taken in this process; try again later\n", "retry-after" => "1") unless body
+        return reply(404, "allocation tracking is off in this process: start it with RubySpy.track_allocations, or RUBYSPY_ALLOCATIONS=1 in its environment\n") if body == :off
+
+        file(body, path)
+      end
+
+      def memory_profile(path, gc, census)
+        tracking = NativeAllocations.tracking?
+        return RubySpy.heap(Process.pid).render(:pprof) if path == :heap && (census || !tracking)
+        return :off unless tracking
+
+        RubySpy.allocations(gc: gc).pprof(opens: path)
+      end
+
+      def file(body, name)
+        [200, { "content-type" => "application/octet-stream",
+                "content-disposition" => %(attachment; filename="#{name}.pb.gz"),
+                "content-length" => body.bytesize.to_s }, [body]]
       end
 
       def profile(env)
@@ -99,10 +148,7 @@ module RubySpy
         # Sleeping releases the GVL; the recorder stops itself at the duration.
         deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + seconds + 0.5
         sleep 0.05 while recorder.running? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
-        body = recorder.stop.render(:pprof, state_leaves: state_leaves)
-        [200, { "content-type" => "application/octet-stream",
-                "content-disposition" => 'attachment; filename="profile.pb.gz"',
-                "content-length" => body.bytesize.to_s }, [body]]
+        file(recorder.stop.render(:pprof, state_leaves: state_leaves), :profile)
       rescue UnsupportedPlatform => e
         reply(501, "#{e.message}\n")
       end

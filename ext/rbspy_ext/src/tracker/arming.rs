@@ -142,6 +142,18 @@ pub(super) fn start_poller() {
     }
 }
 
+/// In a forked child: the poller thread was not copied, so its handle is dropped unjoined.
+pub(super) fn forget_poller() {
+    GENERATION.fetch_add(1, Ordering::SeqCst);
+    POLLER_THREAD
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some(thread) = POLLER.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        std::mem::forget(thread);
+    }
+}
+
 /// Stops the poller and waits for it: after this no job is posted, so it is safe before
 /// Ruby tears the VM down.
 pub(super) fn stop_poller() {

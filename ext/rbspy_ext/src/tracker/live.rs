@@ -48,14 +48,17 @@ impl LiveSet {
         self.objects.len()
     }
 
-    pub fn insert(&mut self, object: VALUE, entry: Entry) {
-        self.objects.insert(object, entry);
+    /// Tracks a new object; returns the one tracked at its address before, which is gone
+    /// (its slot was freed, by a GC not yet checked, and reused).
+    pub fn insert(&mut self, object: VALUE, entry: Entry) -> Option<Entry> {
+        let old = self.objects.insert(object, entry);
         self.filtered += 1;
         if self.filtered >= FILTER_BITS / 8 {
             self.rebuild_filter();
         } else {
             set_bit(&mut self.maybe_live, object);
         }
+        old
     }
 
     /// Takes out the object at `object`, if one is tracked there.

@@ -5,7 +5,11 @@
 //! scaled, is `rbspy_ext_core::allocs`; naming the frames and classes is allocs.rs.
 //!
 //! The hook is on only near a sample point (arming.rs): any NEWOBJ hook costs Ruby about
-//! 100 ns on every allocation. The GC_END_MARK hook, once per GC, keeps the live set.
+//! 100 ns on every allocation. The GC_END_MARK hook, once per GC, keeps the live set (live.rs);
+//! from 3.3 it costs allocations nothing, but before 3.3 any GC hook sends every allocation
+//! down Ruby's slow path (+16 % on bench/allocs.rb). It stays on there all the same: checking
+//! only some GCs would mistake a dead sampled object for the live one of the same type that
+//! reused its slot.
 //!
 //! What a hook may do: Ruby calls them inside the allocator and the GC, where it forbids any
 //! Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
@@ -31,6 +35,7 @@ use sites::Tracker;
 pub use sites::{MAX_LIVE, MAX_SITES};
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 /// Ruby's debug API (ruby/debug.h), declared here: rb-sys's bindings for 2.7 leave it out.
 /// The same functions and signatures on every Ruby from 2.7 (rb_profile_frames: 2.3).
@@ -99,8 +104,49 @@ unsafe extern "C" fn on_end_mark(_tracepoint: VALUE, _data: *mut c_void) {
     });
 }
 
-/// The postponed job (arming.rs): with the GVL, on a Ruby thread, outside any hook.
+/// Work a native thread (the listener's) hands the postponed job.
+type Task = Box<dyn FnOnce() + Send>;
+static TASK: Mutex<Option<Task>> = Mutex::new(None);
+
+/// Makes the postponed job known to Ruby (with the GVL, when the extension loads); false
+/// where it cannot be posted from a native thread (Ruby 2.7).
+pub(crate) fn prepare() -> bool {
+    arming::prepare(poll)
+}
+
+/// Runs `f` with the GVL on a Ruby thread (in the postponed job) and waits up to `timeout`
+/// for its value; None where no job can be posted (2.7), while another task waits, or when
+/// no Ruby thread got to it in time (a C call holding the GVL).
+pub(crate) fn with_gvl<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+    timeout: Duration,
+) -> Option<T> {
+    if !prepare() {
+        return None;
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    {
+        let mut slot = TASK.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(Box::new(move || {
+            let _ = tx.send(f());
+        }));
+    }
+    arming::post();
+    let value = rx.recv_timeout(timeout).ok();
+    TASK.lock().unwrap_or_else(|p| p.into_inner()).take();
+    value
+}
+
+/// The postponed job (arming.rs): with the GVL, on a Ruby thread, outside any hook. It runs
+/// a waiting task first.
 unsafe extern "C" fn poll(_data: *mut c_void) {
+    let task = TASK.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(task) = task {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
+    }
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: with the GVL; the key is a static Symbol.
         let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
@@ -111,12 +157,11 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             };
             t.arm.observe(total, &mut t.until_sample);
             let missed = t.replay_missed();
-            (t.arm.decide(t.until_sample, missed), t.end_mark_due())
+            t.arm.decide(t.until_sample, missed)
         };
         // Outside the lock: enabling allocates, which may run a GC and its hook.
-        if let Some((new, end_mark)) = *tracepoint_values() {
-            switch(new as VALUE, change.0);
-            switch(end_mark as VALUE, change.1);
+        if let Some((new, _)) = *tracepoint_values() {
+            switch(new as VALUE, change);
         }
     });
 }
@@ -211,9 +256,8 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
     let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total));
-    let end_mark_always = t.end_mark_always();
     *tracker() = Some(t);
-    switch(end_mark, end_mark_always.then_some(true));
+    switch(end_mark, marks.is_some().then_some(true));
     switch(new, always.then_some(true));
     if !always {
         arming::start_poller();
@@ -235,20 +279,22 @@ pub(crate) fn stop() {
     }
 }
 
-/// `GC.start`, with the GC_END_MARK hook on for it, so that what is in use is as of now.
-pub(crate) fn collect() {
-    let periodic = tracker()
+/// In a forked child (a Puma worker): the poller is the parent's, so the child starts its
+/// own. Called from `Process._fork` (lib/rbspy_ext/allocations.rb).
+pub(crate) fn after_fork() {
+    arming::forget_poller();
+    let polled = tracker()
         .as_ref()
-        .is_some_and(|t| t.running && !t.end_mark_always() && !t.end_mark_on);
-    let end_mark = tracepoint_values().map(|(_, end_mark)| end_mark as VALUE);
-    if let (true, Some(end_mark)) = (periodic, end_mark) {
-        switch(end_mark, Some(true));
+        .is_some_and(|t| t.running && !t.arm.always());
+    if polled {
+        arming::start_poller();
     }
+}
+
+/// `GC.start`: what is in use is then as of now.
+pub(crate) fn collect() {
     // SAFETY: with the GVL, outside any hook.
     unsafe { rb_sys::rb_gc_start() };
-    if let (true, Some(end_mark)) = (periodic, end_mark) {
-        switch(end_mark, Some(false));
-    }
 }
 
 pub(crate) fn tracking() -> bool {

@@ -10,7 +10,7 @@ use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use rustc_hash::FxHashMap as HashMap;
 use std::ffi::c_void;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Frames kept per sample, innermost first.
 const MAX_DEPTH: usize = 256;
@@ -21,11 +21,6 @@ pub const MAX_LIVE: usize = 1 << 20;
 /// Built-in types that are no object a program sees (`flags & 0x1f`): T_NONE, T_IMEMO,
 /// T_NODE, T_ICLASS, T_ZOMBIE, T_MOVED. They are not counted towards samples either.
 const INTERNAL_TYPES: [u8; 6] = [0x00, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e];
-/// Whether a GC_END_MARK hook costs allocations nothing: from 3.3 Ruby's fast allocation
-/// path looks for a NEWOBJ hook alone; before, any GC hook sends every allocation down the
-/// slow path (+16 % on bench/allocs.rb), so there it is on for one GC every [`CHECK_EVERY`].
-const END_MARK_FREE: bool = cfg!(ruby_gte_3_3);
-const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// A slot's size before Ruby 3.2, which has one size of slot.
 const RVALUE_SIZE: u64 = 40;
 
@@ -64,11 +59,6 @@ pub(super) struct Tracker {
     pub arm: Arm,
     /// Points that passed while the hook was off, owed to the next allocation it sees.
     pub owed: u32,
-    /// Before 3.3 the GC_END_MARK hook is on for one GC at a time (`end_mark_due`): whether
-    /// it is, the checks so far when it was turned on, and when the last check ran.
-    pub end_mark_on: bool,
-    pub end_mark_since: u64,
-    pub last_check: Instant,
 }
 
 impl Tracker {
@@ -102,9 +92,6 @@ impl Tracker {
             slot_size: slot_size_function(),
             arm,
             owed: 0,
-            end_mark_on: false,
-            end_mark_since: 0,
-            last_check: Instant::now(),
         };
         t.until_sample = t.next_interval();
         t
@@ -182,32 +169,6 @@ impl Tracker {
         missed
     }
 
-    /// The job, before 3.3: whether to turn the GC_END_MARK hook on (a check is due, a
-    /// second after the last) or off (it has checked a GC since it was turned on).
-    pub fn end_mark_due(&mut self) -> Option<bool> {
-        if END_MARK_FREE || self.arm.always() || self.marks.is_none() {
-            return None;
-        }
-        if self.end_mark_on {
-            (self.checked_gc != self.end_mark_since).then(|| {
-                self.end_mark_on = false;
-                false
-            })
-        } else {
-            (self.last_check.elapsed() >= CHECK_EVERY).then(|| {
-                self.end_mark_on = true;
-                self.end_mark_since = self.checked_gc;
-                true
-            })
-        }
-    }
-
-    /// Whether the GC_END_MARK hook stays on while tracking: from 3.3, where it costs
-    /// allocations nothing, or where every allocation takes the slow path anyway.
-    pub fn end_mark_always(&self) -> bool {
-        self.marks.is_some() && (END_MARK_FREE || self.arm.always())
-    }
-
     /// Counts the object `times` times (more than once for points owed to it).
     pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, times: u32) {
         // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
@@ -263,7 +224,9 @@ impl Tracker {
             times,
         };
         if self.live.len() < MAX_LIVE {
-            self.live.insert(object, entry);
+            if let Some(old) = self.live.insert(object, entry) {
+                self.free(old);
+            }
         } else {
             self.live_full += 1;
             self.free(entry);
@@ -282,7 +245,6 @@ impl Tracker {
         let count = unsafe { rb_sys::rb_gc_count() } as u64;
         let direct = count == self.checked_gc.wrapping_add(1);
         self.checked_gc = count;
-        self.last_check = Instant::now();
         let (sites, rate) = (&mut self.sites, self.rate_bytes);
         self.live
             .check(&marks, direct, |e| free_entry(sites, e, rate));
