@@ -169,6 +169,36 @@ RSpec.describe "sampled allocations" do
     end
   end
 
+  it "tracks from RUBYSPY_ALLOCATIONS=1 at load, and keeps tracking in a forked child" do
+    skip "runs the host's Ruby" unless target_ruby.host?
+    script = <<~'RUBY'
+      require "rbspy_ext"
+      kept = Array.new(20_000) { Object.new }
+      reader, writer = IO.pipe
+      pid = fork do
+        more = Array.new(40_000) { Object.new }
+        live = RubySpy.allocations(gc: true).sites.select { |s| s[:class] == "Object" }.sum { |s| s[:live] }
+        writer.puts [RubySpy::NativeAllocations.tracking?, live.round, more.size].join(" ")
+      end
+      Process.wait(pid)
+      live = RubySpy.allocations(gc: true).sites.select { |s| s[:class] == "Object" }.sum { |s| s[:live] }
+      puts [RubySpy.allocations.rate, live.round, kept.size, reader.gets.chomp].join(" ")
+    RUBY
+    env = { "RUBYSPY_ALLOCATIONS" => "1", "RUBYSPY_ALLOCATION_RATE" => "1024" }
+    out, err, status = Open3.capture3(env, RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"), "-e", script)
+    expect(status).to be_success, err
+    rate, parent_live, _, child_tracking, child_live, = out.split
+    expect(rate).to eq("1024")
+    # 1,024 bytes a sample: about 40 samples per 1,000 Objects, so 25 % is 8 standard deviations.
+    expect(Integer(parent_live)).to be_within(5_000).of(20_000)
+    expect(child_tracking).to eq("true")
+    expect(Integer(child_live)).to be_within(15_000).of(60_000)
+    out, err, = Open3.capture3(env.merge("RUBYSPY_ALLOCATION_RATE" => "lots"), RbConfig.ruby, "-I",
+                               File.join(RubySpyTest::ROOT, "lib"), "-e", 'require "rbspy_ext"; p RubySpy::NativeAllocations.tracking?')
+    expect(out).to eq("false\n")
+    expect(err).to include("RUBYSPY_ALLOCATION_RATE=lots: not tracking allocations")
+  end
+
   it "refuses a rate it cannot use" do
     skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)

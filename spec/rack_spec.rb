@@ -50,6 +50,8 @@ RSpec.describe RubySpy::Rack do
   end
 
   describe RubySpy::Rack::Pprof do
+    include RubySpyTest::GoPprof
+
     def get(app, query, env = {})
       status, headers, body = app.call(Rack::MockRequest.env_for("/profile?#{query}", env))
       [status, headers, body.to_enum(:each).to_a.join]
@@ -96,10 +98,41 @@ RSpec.describe RubySpy::Rack do
       crunchers&.each(&:kill)
     end
 
+    it "serves tracked allocations at /allocs and /heap, and the census at /heap without tracking" do
+      app = RubySpy::Rack::Pprof.new
+      env = { "REMOTE_ADDR" => "127.0.0.1" }
+      read = lambda do |path, query, *args|
+        status, headers, body = app.call(Rack::MockRequest.env_for("#{path}?#{query}", env))
+        expect([status, headers["content-type"]]).to eq([200, "application/octet-stream"])
+        Tempfile.create(["rack", ".pb.gz"]) do |f|
+          f.binmode.write(body.join)
+          f.flush
+          go_pprof("-top", *args, f.path)
+        end
+      end
+      RubySpy.stop_tracking_allocations
+      expect(app.call(Rack::MockRequest.env_for("/allocs", env))[0]).to eq(404)
+      expect(read.("/heap", "", "-sample_index=inuse_objects")).to match(/^\s*\d+\s.*\sString$/) # the census
+      RubySpy.track_allocations(rate: 4096)
+      kept = Array.new(20_000) { Object.new }
+      allocs = read.("/allocs", "", "-sample_index=alloc_objects", "-tagfocus=class=Object")
+      expect(allocs).to match(/Type: alloc_objects/).and match(/Class#new$/)
+      heap = read.("/heap", "gc=1", "-sample_index=inuse_objects", "-tagfocus=class=Object")
+      expect(heap).to match(/Type: inuse_objects/).and match(/Class#new$/)
+      census = read.("/heap", "census=1", "-sample_index=inuse_objects")
+      expect(census).to match(/^\s*\d+\s.*\sObject$/)
+      expect(app.call(Rack::MockRequest.env_for("/allocs?gc=2", env))[0]).to eq(400)
+      expect(app.call(Rack::MockRequest.env_for("/allocs?census=1", env))[0]).to eq(400)
+      expect(app.call(Rack::MockRequest.env_for("/heap", env.merge("REMOTE_ADDR" => "10.0.0.1")))[0]).to eq(403)
+      expect(kept.size).to eq(20_000)
+    ensure
+      RubySpy.stop_tracking_allocations
+    end
+
     it "answers what it cannot serve with a reason" do
       app = RubySpy::Rack::Pprof.new
       env = { "REMOTE_ADDR" => "127.0.0.1" }
-      expect(app.call(Rack::MockRequest.env_for("/heap", env))[0]).to eq(404)
+      expect(app.call(Rack::MockRequest.env_for("/goroutine", env))[0]).to eq(404)
       expect(app.call(Rack::MockRequest.env_for("/profile", env.merge(method: "POST")))[0]).to eq(405)
       expect { RubySpy::Rack::Pprof.new(token: "") }.to raise_error(ArgumentError, /token must not be empty/)
       expect { RubySpy::Rack::Pprof.new(token: 42) }.to raise_error(TypeError, /token must be a String/)

@@ -164,6 +164,35 @@ RSpec.describe "the pprof listener" do
     expect(get(port, "/debug/pprof/heap?debug=2").code).to eq("400")
   end
 
+  # The function of the first row of `go tool pprof -top`.
+  def top_function(out)
+    out.lines.drop_while { |l| !l.include?("flat%") }[1].split.last
+  end
+
+  it "serves tracked allocations at /debug/pprof/allocs and /heap, which go tool pprof reads by code" do
+    skip "Ruby 2.7 cannot be asked from the listener's thread (RubySpy.allocations works)" if target_ruby.version < Gem::Version.new("3.0")
+    untracked = start_target("pprof_listener", "park", ruby: serving_ruby)
+    expect(get(untracked.info["port"], "/debug/pprof/allocs").body).to match(/tracking is off/)
+    expect(get(untracked.info["port"], "/debug/pprof/allocs").code).to eq("404")
+    target = start_target("pprof_listener", "allocs", ruby: serving_ruby)
+    base = "http://127.0.0.1:#{target.info['port']}/debug/pprof"
+    sleep 0.5 # some thousands of allocations
+    allocs = go_pprof("-top", "-sample_index=alloc_objects", "#{base}/allocs")
+    expect(allocs).to match(/Type: alloc_objects/)
+    expect(allocs).to match(/\sListener\.churn$/).and match(/\sListener\.leak$/)
+    # Listener.churn allocates 50 times what Listener.leak does, but after a full GC only
+    # the kept Strings (and the churn of the moment) are alive: Listener.leak is first.
+    expect(top_function(allocs)).not_to eq("Listener.leak")
+    heap = go_pprof("-top", "-sample_index=inuse_space", "#{base}/heap?gc=1")
+    expect(heap).to match(/Type: inuse_space/)
+    expect(top_function(heap)).to eq("Listener.leak")
+    # census=1 is the census by class, as /heap serves without tracking.
+    census = go_pprof("-top", "-sample_index=inuse_objects", "#{base}/heap?census=1")
+    expect(census).to match(/^\s*\d+\s.*\sString$/)
+    expect(get(target.info["port"], "/debug/pprof/allocs?gc=2").code).to eq("400")
+    expect(get(target.info["port"], "/debug/pprof/allocs?seconds=1").code).to eq("400")
+  end
+
   it "refuses a second profile while one runs (429), and bad parameters (400), over real HTTP" do
     target = start_target("pprof_listener", "park", ruby: serving_ruby)
     port = target.info["port"]
