@@ -136,6 +136,24 @@ RSpec.describe "Rails and Puma" do
       ids.uniq.map { |id| names.fetch(id) }.uniq
     end
 
+    it "serves /debug/pprof/allocs under load, naming the allocating action's code (RUBYSPY_ALLOCATIONS=1)" do
+      server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret", "RUBYSPY_ALLOCATIONS" => "1" })
+      url = "http://127.0.0.1:#{server.port}/debug/pprof/allocs?token=s3cret"
+      top = under_load(server, ["/catalog", "/hello"], threads: 3) do
+        sleep 2 # some tens of samples at 512 KiB each
+        go_pprof("-top", "-cum", "-sample_index=alloc_space", url)
+      end
+      expect(top).to include("Type: alloc_space")
+      # "flat flat% sum% cum cum% name": the catalog action (its JSON the most) holds most of
+      # what was allocated, and its builder is there too.
+      cum = lambda do |name|
+        row = top.lines.find { |l| l.rstrip.end_with?(" #{name}") }
+        row && Float(row.split[4].delete("%"))
+      end
+      expect(cum.("CatalogController#index")).to be > 30, top
+      expect(cum.("CatalogController#build_catalog")).to be > 1, top
+    end
+
     it "serves a gzipped pprof that go tool pprof reads over HTTP, with the actions' tags as labels" do
       server = start_server("rails_app", env: { "RUBYSPY_TOKEN" => "s3cret" })
       url = "http://127.0.0.1:#{server.port}/debug/pprof/profile?seconds=2&token=s3cret"
