@@ -276,6 +276,8 @@ impl Arm {
         } else {
             ((until_sample as f64 / bytes_per_us - self.ahead_us) * 0.8) as u64
         };
+        // A shorter delay wakes the poller (it may be asleep for the old one): waking it
+        // costs a context switch, but sleeping on would miss the point.
         set_delay(delay);
         change
     }

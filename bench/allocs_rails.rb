@@ -1,0 +1,134 @@
+# frozen_string_literal: true
+
+# What sampled allocation tracking costs a Rails request (issue 38): CatalogController#index
+# of spec/fixtures/rails_app (a JSON catalog of 300 items built and rendered on each request),
+# called through the whole Rails middleware stack in one process, in windows of REQUESTS
+# requests: without any tool, with RubySpy.track_allocations at 512 KiB (the default) and at
+# 32 KiB, and, where Debian has them for this Ruby, stackprof's object mode (every
+# allocation, and interval 1000) and memory_profiler. The windows of one round run in a
+# shuffled order; each figure is the median over rounds of the process's CPU time per request
+# (CLOCK_PROCESS_CPUTIME_ID: our poller thread included), which a shared machine's other work
+# reaches less than wall time.
+#
+#   rake compile && ruby bench/allocs_rails.rb [ROUNDS] [REQUESTS]        # Rails 6.1, Ruby 3.1
+#   script/rubies ext trixie && ruby bench/allocs_rails.rb --in trixie [ROUNDS] [REQUESTS]
+#                                                                        # Rails 7.2, Ruby 3.3
+# Defaults: 15 rounds of 300 requests. TOOLS=none,rubyspy:4096 picks the windows.
+require "fileutils"
+require "open3"
+require "rbconfig"
+require "tmpdir"
+
+ROOT = File.expand_path("..", __dir__)
+MEMORY_PROFILER = "/usr/share/rubygems-integration/all/gems/memory_profiler-0.9.14/lib"
+STACKPROF = "/usr/lib/x86_64-linux-gnu/rubygems-integration/#{RbConfig::CONFIG['ruby_version']}"
+
+if ARGV.first == "--in"
+  # Runs this script inside a chroot's Ruby (and Rails), over a copy of the checkout's lib,
+  # spec and bench at the same path in the chroot.
+  name = ARGV[1]
+  root = `#{ROOT}/script/rubies list`.lines.map(&:split).find { |f| f[0] == name }&.fetch(2)
+  abort "no chroot named #{name}: script/rubies build #{name}" unless root
+  %w[lib spec bench].each do |dir|
+    target = File.join(root, ROOT, dir)
+    FileUtils.rm_rf(target)
+    FileUtils.mkdir_p(File.dirname(target))
+    FileUtils.cp_r(File.join(ROOT, dir), target)
+  end
+  exec(File.join(ROOT, "script", "rubies"), "run", name, "inside", "--chdir", ROOT, "--",
+       File.join(ROOT, "bench", "allocs_rails.rb"), *ARGV[2..])
+end
+
+rounds = Integer(ARGV.fetch(0, "15"))
+requests = Integer(ARGV.fetch(1, "300"))
+
+# The request loop, run in the app's own process (Bundler set up from its Gemfile).
+LOOP = <<~'RUBY'
+  require File.expand_path("config/environment", Dir.pwd)
+  require "rack/mock"
+  rounds, requests = ENV.fetch("ROUNDS").to_i, ENV.fetch("REQUESTS").to_i
+  tools = ENV["TOOLS"] ? ENV["TOOLS"].split(",") : %w[none rubyspy:524288 rubyspy:32768]
+  if File.directory?(ENV.fetch("STACKPROF_DIR"))
+    stackprof = Dir[File.join(ENV.fetch("STACKPROF_DIR"), "gems", "stackprof-*", "lib")].first
+    ext = Dir[File.join(ENV.fetch("STACKPROF_DIR"), "extensions", "*", "*", "stackprof-*")].first
+    if stackprof && ext && !ENV["TOOLS"]
+      $LOAD_PATH.unshift(stackprof, ext)
+      require "stackprof"
+      tools += %w[stackprof:1 stackprof:1000]
+    end
+  end
+  if File.directory?(ENV.fetch("MEMORY_PROFILER")) && !ENV["TOOLS"]
+    $LOAD_PATH.unshift(ENV.fetch("MEMORY_PROFILER"))
+    require "memory_profiler"
+    tools << "memory_profiler"
+  end
+  app = Rails.application
+  env = -> { Rack::MockRequest.env_for("https://127.0.0.1/catalog", "HTTP_X_FORWARDED_PROTO" => "https") }
+  serve = lambda do |n|
+    n.times do
+      status, _, body = app.call(env.())
+      body.close if body.respond_to?(:close)
+      raise "status #{status}" unless status == 200
+    end
+  end
+  cpu = -> { Process.clock_gettime(Process::CLOCK_PROCESS_CPUTIME_ID) }
+  timed = lambda do |n|
+    started = cpu.()
+    serve.(n)
+    cpu.() - started
+  end
+  serve.(200) # warm: caches, JIT-free Ruby's inline caches, the JSON encoder
+  objects = GC.stat(:total_allocated_objects)
+  serve.(50)
+  per_request = (GC.stat(:total_allocated_objects) - objects) / 50
+  times = Hash.new { |h, k| h[k] = [] }
+  samples = Hash.new(0)
+  missed = Hash.new(0)
+  rounds.times do
+    tools.shuffle.each do |tool|
+      GC.start
+      case tool
+      when "none" then times[tool] << timed.(requests)
+      when /\Arubyspy:(\d+)\z/
+        RubySpy.track_allocations(rate: Integer($1))
+        times[tool] << timed.(requests)
+        result = RubySpy.stop_tracking_allocations
+        samples[tool] += result.sites.sum { |s| s[:samples] }
+        missed[tool] += result.notes.grep(/sample points passed/).sum { |n| n[/\d+/].to_i }
+      when /\Astackprof:(\d+)\z/
+        t = nil
+        StackProf.run(mode: :object, interval: Integer($1)) { t = timed.(requests) }
+        times[tool] << t
+      when "memory_profiler"
+        t = nil
+        MemoryProfiler.report { t = timed.(requests / 10) * 10 }
+        times[tool] << t
+      end
+    end
+  end
+  median = ->(a) { a.sort[a.size / 2] }
+  base = median.(times["none"])
+  puts format("Rails %s, Ruby %s: %d rounds of %d requests to /catalog (%d objects a request)",
+              Rails.version, RUBY_VERSION, rounds, requests, per_request)
+  times.each do |tool, list|
+    m = median.(list)
+    extra = if samples[tool].positive?
+              format("  %6.1f samples a request, %.0f%% of points missed", samples[tool].to_f / (rounds * requests),
+                     100.0 * missed[tool] / samples[tool])
+            else
+              ""
+            end
+    puts format("  %-18s %8.3f ms CPU a request  %+7.1f%%%s", tool, m * 1000 / requests, 100 * (m / base - 1), extra)
+  end
+RUBY
+
+Dir.mktmpdir("rbspy-allocs-rails") do |dir|
+  app = File.join(dir, "rails_app")
+  system(RbConfig.ruby, File.join(ROOT, "spec/fixtures/rails_app/generate"), app, exception: true)
+  env = { "BUNDLE_GEMFILE" => File.join(app, "Gemfile"), "RAILS_ENV" => "production", "ROUNDS" => rounds.to_s,
+          "REQUESTS" => requests.to_s, "STACKPROF_DIR" => STACKPROF, "MEMORY_PROFILER" => MEMORY_PROFILER,
+          "SECRET_KEY_BASE" => "bench" * 8, "TOOLS" => ENV.fetch("TOOLS", nil) }
+  out, status = Open3.capture2e(env, RbConfig.ruby, "-rbundler/setup", "-e", LOOP, chdir: app)
+  puts out
+  exit(status.exitstatus || 1)
+end
