@@ -199,6 +199,40 @@ RSpec.describe "sampled allocations" do
     expect(err).to include("RUBYSPY_ALLOCATION_RATE=lots: not tracking allocations")
   end
 
+  it "draws allocations as a summary, flamegraph, speedscope and collapsed stacks ending in the class" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
+    kept = nil
+    allocations = RubySpy.track_allocations(rate: 1) { kept = Array.new(3000) { Object.new } }
+    # Collapsed: every stack that ends in (Object) sums to the 3,000 Objects.
+    folded = allocations.render(:collapsed, measure: :alloc_objects).lines.map { |l| l.rpartition(" ") }
+    objects = folded.select { |stack, _, _| stack.end_with?(";Class#new;(Object)") }
+    expect(objects.sum { |_, _, n| Integer(n) }).to eq(3000)
+    # In use, in bytes: the same Objects, each in its slot.
+    inuse = allocations.render(:collapsed, measure: :inuse_space).lines.map { |l| l.rpartition(" ") }
+    expect(inuse.select { |stack, _, _| stack.end_with?(";(Object)") }.sum { |_, _, n| Integer(n) })
+      .to eq(3000 * GC::INTERNAL_CONSTANTS.fetch(:RVALUE_SIZE))
+    # Speedscope: the weights of the samples whose innermost frame is (Object).
+    doc = JSON.parse(allocations.render(:speedscope, measure: :alloc_objects))
+    names = doc.dig("shared", "frames").map { |f| f["name"] }
+    profile = doc["profiles"].first
+    weights = profile["samples"].zip(profile["weights"]).select { |stack, _| names[stack.last] == "(Object)" }
+    expect(weights.sum { |_, w| w }).to eq(3000)
+    # Flamegraph: the (Object) frame's title counts objects, not samples.
+    svg = allocations.render(:flamegraph, measure: :alloc_objects)
+    expect(svg).to include("(Object) (3,000 objects")
+    # Summary: the classes table has the 3,000 Objects.
+    summary = allocations.render(:summary, measure: :alloc_objects)
+    classes = summary.split(/^Top \d+ classes by alloc_objects$/).last
+    expect(classes).to match(/^\s+[\d.]+%\s+3000\s+\(Object\)$/)
+    Dir.mktmpdir("rubyspy-views") do |dir|
+      path = allocations.write(File.join(dir, "a.txt"), format: :summary, measure: :alloc_objects)
+      expect(File.read(path)).to eq(summary)
+    end
+    expect { allocations.render(:pprof) }.to raise_error(ArgumentError, /summary, flamegraph, speedscope, collapsed/)
+    expect { allocations.render(:summary, measure: :cpu) }.to raise_error(ArgumentError, /alloc_objects/)
+    expect(kept.size).to eq(3000)
+  end
+
   it "refuses a rate it cannot use" do
     skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)

@@ -77,6 +77,10 @@ pub struct Profile {
     /// labels samples with it. Empty for a profile of a single process.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub workers: BTreeMap<i32, String>,
+    /// What a stack's count is when not a sample of time: "objects" or "bytes" for a view
+    /// of allocations (`allocs::view`), which the flamegraph shows in place of "samples".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count_name: Option<String>,
 }
 
 fn no_tags() -> Vec<TagSet> {
@@ -122,6 +126,7 @@ impl Profile {
             tag_sets: self.tag_sets.clone(),
             timeline: Timeline::default(),
             workers: self.workers.clone(),
+            count_name: self.count_name.clone(),
         }
     }
 

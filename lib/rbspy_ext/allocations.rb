@@ -78,12 +78,35 @@ module RubySpy
       @native.pprof(opens.to_s)
     end
 
-    # Writes {#pprof} to +path+.
+    # What a view counts: Go's sample types.
+    MEASURES = %i[alloc_objects alloc_space inuse_objects inuse_space].freeze
+    # The views {#render} draws (pprof is {#pprof}).
+    VIEWS = %i[summary flamegraph speedscope collapsed].freeze
+
+    # The allocations as a view: +:summary+ text (the top functions, source lines and classes),
+    # or a +:flamegraph+ (SVG), +:speedscope+ (JSON) or +:collapsed+ drawing whose stacks each
+    # end in the class allocated, "(String)". Counts are estimates of +measure+.
+    # @param format [Symbol] one of {VIEWS}
+    # @param measure [Symbol] one of {MEASURES}: objects or bytes, allocated or still in use
+    # @return [String]
+    # @raise [ArgumentError] for another format or measure
+    # @example
+    #   puts RubySpy.allocations.render(:summary, measure: :inuse_space)
+    def render(format = :summary, measure: :alloc_space)
+      raise ArgumentError, "format must be one of #{VIEWS.join(', ')} (pprof: #pprof), got #{format.inspect}" unless VIEWS.include?(format)
+      raise ArgumentError, "measure must be one of #{MEASURES.join(', ')}, got #{measure.inspect}" unless MEASURES.include?(measure)
+
+      @native.render(format.to_s, measure.to_s)
+    end
+
+    # Writes {#pprof} to +path+, or with +format+ a view ({#render}).
     # @param path [String]
     # @param opens [Symbol] see {#pprof}
+    # @param format [Symbol, nil] one of {VIEWS}; nil: pprof
+    # @param measure [Symbol] see {#render}
     # @return [String] the path
-    def write(path, opens: :heap)
-      File.binwrite(path, pprof(opens: opens))
+    def write(path, opens: :heap, format: nil, measure: :alloc_space)
+      File.binwrite(path, format ? render(format, measure: measure) : pprof(opens: opens))
       path
     end
 

@@ -17,6 +17,7 @@
 //! it is allocated; what it allocates outside the heap later (a long String's buffer) is not.
 pub mod marks;
 pub mod pprof;
+pub mod view;
 
 use crate::model::Frame;
 

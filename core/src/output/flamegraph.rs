@@ -21,23 +21,29 @@ pub fn write(profile: &Profile, out: &mut dyn Write, options: &Options) -> Resul
         .collect();
 
     let mut opts = inferno::flamegraph::Options::default();
-    opts.title = format!("rbspy_ext: pid {}, {} samples", profile.pid, shaped.samples);
+    let count_name = profile.count_name.as_deref().unwrap_or("samples");
+    opts.title = format!(
+        "rbspy_ext: pid {}, {} {count_name}",
+        profile.pid, shaped.samples
+    );
     let mut subtitle = format!(
-        "Ruby {}, {:.2} s at {} Hz",
+        "Ruby {}, {:.2} s",
         if profile.ruby_version.is_empty() {
             "?"
         } else {
             &profile.ruby_version
         },
         profile.duration_ns as f64 / 1e9,
-        profile.rate_hz
     );
+    if profile.rate_hz > 0.0 {
+        subtitle.push_str(&format!(" at {} Hz", profile.rate_hz));
+    }
     if let Some(note) = note {
         subtitle.push_str("; ");
         subtitle.push_str(&note);
     }
     opts.subtitle = Some(subtitle);
-    opts.count_name = "samples".to_string();
+    opts.count_name = count_name.to_string();
     // Colour by a hash of the frame name: the same function keeps its colour from one
     // recording to the next.
     opts.hash = true;

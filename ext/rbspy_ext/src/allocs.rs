@@ -7,9 +7,11 @@ use crate::tracker::{self, debug, MAX_LIVE, MAX_SITES};
 use magnus::rb_sys::FromRawValue;
 use magnus::{function, method, prelude::*, Error, RString, Ruby};
 use rb_sys::VALUE;
+use rbspy_ext_core::allocs::view::{self, Measure};
 use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::census::TYPE_NAMES;
 use rbspy_ext_core::model::Frame;
+use rbspy_ext_core::output::{self, Format, Options};
 use rbspy_ext_core::serve::{provide_allocations, AllocsAnswer, AllocsRequest};
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::Arc;
@@ -148,6 +150,39 @@ impl NativeAllocationProfile {
         Ok(ruby.str_from_slice(&out))
     }
 
+    /// The allocations as `summary` text, or a `flamegraph`, `speedscope` or `collapsed`
+    /// drawing, counting `measure` (`alloc_objects`, `alloc_space`, `inuse_objects`,
+    /// `inuse_space`).
+    fn render(
+        ruby: &Ruby,
+        rb_self: &Self,
+        format: String,
+        measure: String,
+    ) -> Result<RString, Error> {
+        let arg_error = |e: String| Error::new(ruby.exception_arg_error(), e);
+        let measure = Measure::parse(&measure).map_err(arg_error)?;
+        if format == "summary" {
+            return Ok(ruby.str_new(&view::summary(&rb_self.0, measure)));
+        }
+        let format = match Format::from_name(&format) {
+            Ok(f @ (Format::Flamegraph | Format::Speedscope | Format::Collapsed)) => f,
+            _ => {
+                return Err(arg_error(format!(
+                    "allocations render as summary, flamegraph, speedscope or collapsed, not {format:?} (pprof: #pprof)"
+                )))
+            }
+        };
+        let mut out = Vec::new();
+        output::write(
+            &view::as_profile(&rb_self.0, measure),
+            format,
+            &mut out,
+            &Options::default(),
+        )
+        .map_err(|e| Error::new(errors::class(ruby, "Error"), e.to_string()))?;
+        Ok(ruby.str_from_slice(&out))
+    }
+
     /// `[[frame indexes], class, type, samples, allocated, allocated_bytes, live, live_bytes]`
     /// per site; `frames` gives the frames' rows.
     #[allow(clippy::type_complexity)]
@@ -238,6 +273,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     native.const_set("MAX_LIVE", MAX_LIVE)?;
     let profile = module.define_class("NativeAllocationProfile", ruby.class_object())?;
     profile.define_method("pprof", method!(NativeAllocationProfile::pprof, 1))?;
+    profile.define_method("render", method!(NativeAllocationProfile::render, 2))?;
     profile.define_method("sites", method!(NativeAllocationProfile::sites, 0))?;
     profile.define_method("frames", method!(NativeAllocationProfile::frames, 0))?;
     profile.define_method("rate", method!(NativeAllocationProfile::rate, 0))?;
