@@ -72,8 +72,12 @@ module RubySpy
     # from its GC's heap pages without stopping or changing it. +Process.pid+ counts the
     # calling process.
     #
+    # With +sites: true+, a process that tracks allocations ({RubySpy.track_allocations},
+    # +RUBYSPY_ALLOCATIONS=1+) also gives the code that allocated them: {Census#sites}.
+    #
     # @param pid [Integer]
     # @param max_bytes [Integer, nil] see {Handle#heap}
+    # @param sites [Boolean] see {Handle#heap}
     # @return [RubySpy::Census]
     # @raise (see .snapshot)
     # @example
@@ -81,8 +85,9 @@ module RubySpy
     #   census.classes.first(5).each { |c| puts "#{c[:objects]} #{c[:name]} (#{c[:bytes]} bytes)" }
     #   later = RubySpy.heap(worker_pid)
     #   (later - census).first # the class that grew most
-    def heap(pid, max_bytes: nil)
-      attach(pid).heap(max_bytes: max_bytes)
+    #   RubySpy.heap(worker_pid, sites: true).sites&.first # the top class and its sites
+    def heap(pid, max_bytes: nil, sites: false)
+      attach(pid).heap(max_bytes: max_bytes, sites: sites)
     end
 
     # How a thread's Ractor is named in views: "ractor 2", or "ractor 2 (name)" when it was

@@ -13,6 +13,7 @@ require "rbspy_ext"
 # each in a subprocess inside a copy of the project, and the files they leave behind.
 RSpec.describe "the RSpec integration" do
   include RubySpyTest::Recording
+  include RubySpyTest::GoPprof
 
   RUNNER = 'require "rspec/core"; exit RSpec::Core::Runner.run(ARGV)'
 
@@ -42,7 +43,8 @@ RSpec.describe "the RSpec integration" do
     json = File.join(@dir, "results.json")
     out, err, status = Open3.capture3(
       { "RUBYSPY" => nil, "RUBYSPY_DIR" => nil, "RUBYSPY_FORMAT" => nil, "RUBYSPY_RATE" => nil,
-        "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil }.merge(env),
+        "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil, "RUBYSPY_ALLOCATIONS" => nil,
+        "RUBYSPY_ALLOCATION_RATE" => nil }.merge(env),
       RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"), "-e", RUNNER, "--",
       "--require", "rbspy_ext/rspec", "--format", "progress", "--format", "json", "--out", json, *args,
       chdir: @dir
@@ -105,6 +107,40 @@ RSpec.describe "the RSpec integration" do
     expect(by_example[first].share("Work.shuffle_letters")).to eq(0.0)
     expect(by_example[second].share("Work.shuffle_letters")).to be > 0.8
     expect(by_example[second].samples).to be_within(by_example[second].samples / 2).of(by_example[first].samples)
+  end
+
+  it "rubyspy: { allocations: true } writes an example's every allocation, and what it kept, as Go's profile" do
+    run = rspec("spec/allocs_check.rb")
+    expect(run.summary).to eq([2, 0]), run.err
+    expect(written("examples")).to eq(%w[spec-allocs_check.rb-1-1.allocs.pb.gz spec-allocs_check.rb-1-1.allocs.txt])
+    expect(run.out).to include("rubyspy: 1 example profile in tmp/rubyspy/examples/")
+    pb = path("examples", "spec-allocs_check.rb-1-1.allocs.pb.gz")
+    # Rate 1: exact. Each of 5,000 turns makes a temporary String and a kept one; after the
+    # example's GC only the kept ones are in use.
+    allocated = go_pprof("-top", "-cum", "-sample_index=alloc_objects", "-focus=Work.keep_strings", pb)
+    expect(allocated).to match(/^\s*\d+\s+[\d.]+%\s+[\d.]+%\s+10000\s+[\d.]+%\s+Work\.keep_strings$/)
+    kept = go_pprof("-top", "-cum", "-sample_index=inuse_objects", "-focus=Work.keep_strings", pb)
+    expect(kept).to match(/^\s*\d+\s+[\d.]+%\s+[\d.]+%\s+5000\s+[\d.]+%\s+Work\.keep_strings$/)
+    expect(pprof_functions(pb)).not_to include("Work.make_garbage") # not tracked
+    text = File.read(path("examples", "spec-allocs_check.rb-1-1.allocs.txt"))
+    lines = File.readlines(File.join(@dir, "work.rb"))
+    temporary, kept_line = ['"temporary".dup', 'KEPT << "kept".dup'].map { |code| lines.index { |l| l.include?(code) } + 1 }
+    expect(text).to match(/^Allocated: \d+ objects/)
+    expect(text).to match(/work\.rb:#{temporary} Kernel#dup/).and match(/work\.rb:#{kept_line} Kernel#dup/)
+  end
+
+  it "RUBYSPY_ALLOCATIONS=1 tracks the suite's allocations, prints the lines that allocate most, writes them" do
+    run = rspec("spec/allocs_check.rb", env: { "RUBYSPY_ALLOCATIONS" => "1", "RUBYSPY_ALLOCATION_RATE" => "4096" })
+    expect(run.summary).to eq([2, 0]), run.err
+    expect(written).to eq(%w[suite.allocs.pb.gz suite.allocs.txt])
+    expect(run.err).to include("RUBYSPY_ALLOCATIONS tracks the whole suite: no example tracks its own")
+    head = run.out.lines.drop_while { |l| !l.start_with?("rubyspy: allocations of the suite") }
+    expect(head.first).to match(/\d+ objects, \d+ bytes of slots \(one sample per 4096 bytes\), written to /)
+    top = head.drop(2).first(2).join
+    # 100,000 Strings of garbage, then 10,000 of which half are kept.
+    expect(head[2]).to match(%r{\A\s+\d+\s+\d+  work\.rb:\d+ Work\.make_garbage}), top
+    expect(head.drop(2).first(5).join).to include("Work.keep_strings")
+    expect(pprof_functions(path("suite.allocs.pb.gz"))).to include("Work.make_garbage", "Work.keep_strings")
   end
 
   it "10 ms examples get samples of their own code, 20 of 20" do

@@ -21,6 +21,7 @@ pub mod bpf;
 pub mod census;
 pub mod cost;
 pub mod error;
+pub mod heap_sites;
 pub mod lines;
 pub mod memory;
 pub mod model;

@@ -393,6 +393,25 @@ pub struct ProfilerStateSymbols {
 pub fn find_profiler_state_symbols(pid: i32, maps: &[Mapping]) -> Option<ProfilerStateSymbols> {
     const OFFSET: &str = "ruby_profiler_state_tp_offset";
     const OWNER: &str = "ruby_profiler_state_owner_tp_offset";
+    extension_paths(maps).into_iter().find_map(|p| {
+        let binary = read_binary(pid, maps, p, &[OFFSET, OWNER]).ok()?;
+        Some(ProfilerStateSymbols {
+            offset: binary.symbol(OFFSET)?,
+            owner_offset: binary.symbol(OWNER),
+        })
+    })
+}
+
+/// The address of `name` in an rbspy_ext extension the target has loaded, if it has one
+/// that exports it.
+pub fn find_extension_symbol(pid: i32, maps: &[Mapping], name: &str) -> Option<u64> {
+    extension_paths(maps)
+        .into_iter()
+        .find_map(|p| read_binary(pid, maps, p, &[name]).ok()?.symbol(name))
+}
+
+/// Every mapped `rbspy_ext*.so`.
+fn extension_paths(maps: &[Mapping]) -> Vec<&str> {
     let mut paths: Vec<&str> = maps
         .iter()
         .map(|m| m.path.as_str())
@@ -402,13 +421,7 @@ pub fn find_profiler_state_symbols(pid: i32, maps: &[Mapping]) -> Option<Profile
         })
         .collect();
     paths.dedup();
-    paths.into_iter().find_map(|p| {
-        let binary = read_binary(pid, maps, p, &[OFFSET, OWNER]).ok()?;
-        Some(ProfilerStateSymbols {
-            offset: binary.symbol(OFFSET)?,
-            owner_offset: binary.symbol(OWNER),
-        })
-    })
+    paths
 }
 
 #[cfg(test)]

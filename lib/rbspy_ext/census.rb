@@ -171,11 +171,56 @@ module RubySpy
     # @raise [ArgumentError] for another format
     def render(format = :text, limit: 30)
       case format.to_sym
-      when :text then @native.text(Integer(limit))
+      when :text then text(Integer(limit))
       when :json then @native.to_json
       when :pprof then @native.pprof
       else raise ArgumentError, "unknown census format #{format.inspect}: use :text, :json or :pprof"
       end
+    end
+
+    # Live objects by class with the code that allocated them, when the census was taken
+    # with +sites: true+ of a process that tracks allocations: the sampled objects the
+    # process follows that are still in their slots, matched to the census's classes.
+    #
+    # @return [Array<Hash>, nil] one per class with sampled objects alive, most bytes first:
+    #   +:name+, +:type+, +:objects+, +:bytes+ (the census's), and +:sites+, most bytes
+    #   first, each +:frames+ (Array of {RubySpy::Frame}, innermost first) and the estimated
+    #   +:objects+ and slot +:bytes+ still alive from it, from +:samples+ samples; nil when
+    #   sites were not asked for or could not be read ({#sites_note} says why)
+    def sites
+      return @sites if defined?(@sites)
+
+      @sites = @native.sites&.map do |row|
+        row.merge(sites: row[:sites].map { |s| s.merge(frames: s[:frames].map { |f| Frame.from_row(f) }) })
+      end.freeze
+    end
+
+    # @return [String, nil] why {#sites} is nil although sites were asked for (the process
+    #   does not track allocations, or has not published yet)
+    def sites_note
+      @native.sites_note
+    end
+
+    # @return [Time, nil] when the process published the sites {#sites} reads (it publishes
+    #   at most once a second while its allocations change, and when tracking stops)
+    def sites_published_at
+      figures = @native.sites_figures
+      figures && Time.at(figures[3] / 1000r)
+    end
+
+    # @return [Boolean, nil] whether the process was still tracking when it published
+    def sites_tracking?
+      @native.sites_figures&.first
+    end
+
+    # The tracked allocations as the sites were read: what was allocated since tracking
+    # started, and in use the sampled objects still in their slots. Writes Go's heap
+    # profile, flame graphs and summaries as {RubySpy.allocations} does.
+    #
+    # @return [RubySpy::Allocations, nil] nil without {#sites}
+    def allocations
+      native = @native.sites_profile
+      native && Allocations.new(native)
     end
 
     # Writes {#render}(+format+) to +path+.
@@ -187,6 +232,17 @@ module RubySpy
       File.binwrite(path, render(format))
       path
     end
+
+    # The census as text, followed by each class's top sites when it has them.
+    def text(limit)
+      with_sites = @native.sites_text(limit, 5)
+      return with_sites if with_sites
+
+      out = @native.text(limit)
+      note = sites_note
+      note ? "#{out}\nallocation sites: #{note}\n" : out
+    end
+    private :text
 
     # @return [String] the census as JSON
     def to_json(*)

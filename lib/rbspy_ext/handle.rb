@@ -75,15 +75,17 @@ module RubySpy
     #
     # @param max_bytes [Integer, nil] stop before reading more than this many bytes of pages;
     #   the census is then {Census#partial? partial}
+    # @param sites [Boolean] also read the allocation sites the process publishes while it
+    #   tracks allocations, and join them with the census ({Census#sites})
     # @return [RubySpy::Census]
     # @raise [ArgumentError] if +max_bytes+ is not a positive Integer
     # @raise [RubySpy::Error] a subclass naming why the heap cannot be read
-    def heap(max_bytes: nil)
+    def heap(max_bytes: nil, sites: false)
       unless max_bytes.nil? || (max_bytes.is_a?(Integer) && max_bytes.positive?)
         raise ArgumentError, "max_bytes: must be a positive Integer (bytes) or nil, got #{max_bytes.inspect}"
       end
 
-      Census.new(@lock.synchronize { @native.census(max_bytes) })
+      Census.new(@lock.synchronize { @native.census(max_bytes, sites ? true : false) })
     end
 
     extend Forwardable

@@ -5,6 +5,7 @@ require "fileutils"
 require_relative "error"
 require_relative "native"
 require_relative "profile"
+require_relative "test_allocations"
 
 module RubySpy
   # What the test-framework integrations (rbspy_ext/rspec, rbspy_ext/minitest) share: the
@@ -30,7 +31,9 @@ module RubySpy
     # @!attribute state_leaves [Boolean] waits for the GVL and GC pauses as leaves of their own
     #   in the files and the summary (+[waiting for GVL]+...); RUBYSPY_STATE_LEAVES=0 turns
     #   them off
-    Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, :state_leaves, keyword_init: true)
+    # @!attribute allocations [Integer, nil] RUBYSPY_ALLOCATIONS=1: track the suite's
+    #   allocations at this rate (RUBYSPY_ALLOCATION_RATE bytes, default 512 KiB)
+    Settings = Struct.new(:mode, :rate, :formats, :dir, :sample, :state_leaves, :allocations, keyword_init: true)
 
     class << self
       # Whether +value+ is a sampling rate a recording takes ({RubySpy.valid_rate?}). The
@@ -59,7 +62,8 @@ module RubySpy
                      formats: formats(env["RUBYSPY_FORMAT"], "RUBYSPY_FORMAT"),
                      dir: env["RUBYSPY_DIR"].to_s.empty? ? DEFAULT_DIR : env["RUBYSPY_DIR"],
                      sample: sample(env["RUBYSPY_SAMPLE"]),
-                     state_leaves: !%w[0 false no off].include?(env["RUBYSPY_STATE_LEAVES"].to_s.strip.downcase))
+                     state_leaves: !%w[0 false no off].include?(env["RUBYSPY_STATE_LEAVES"].to_s.strip.downcase),
+                     allocations: AllocationTracking.suite_rate(env))
       end
 
       # Prints +message+ once per run on standard error, prefixed with "rubyspy:".
@@ -176,12 +180,16 @@ module RubySpy
         finish(@boot, "boot", "the load of the suite") if @boot
         @boot = nil
         @suite = start_recorder(rate) if @settings.mode == :suite
+        @allocations = @settings.allocations && AllocationTracking.start(@settings.allocations)
       end
 
       # Ends the suite's recording: its files, its summary, and the count of test profiles.
       def end_suite
-        finish(@suite, @worker ? "suite.#{@worker}" : "suite", "the suite") if @suite
+        name = @worker ? "suite.#{@worker}" : "suite"
+        finish(@suite, name, "the suite") if @suite
         @suite = nil
+        finish_allocations(File.join(@settings.dir, name), "the suite") if @allocations
+        @allocations = false
         return if @written.empty?
 
         out.puts "rubyspy: #{@written.size} #{@noun} profile#{"s" unless @written.size == 1} in " \
@@ -209,6 +217,10 @@ module RubySpy
       # +source+ (for warnings).
       # @return what the test returned
       def profile_one(id, options, source, &test)
+        if options.key?(:allocations)
+          return allocations_one(id, AllocationTracking.test_rate(options[:allocations], source), &test)
+        end
+
         recorder = start_recorder(test_rate(options))
         return test.call unless recorder
 
@@ -222,6 +234,33 @@ module RubySpy
       end
 
       private
+
+      # One test's allocations (+allocations:+ in its options) instead of its samples.
+      def allocations_one(id, rate, &test)
+        if @allocations
+          TestProfiling.warn_once("RUBYSPY_ALLOCATIONS tracks the whole suite: no #{@noun} tracks its own")
+          rate = nil
+        end
+        return test.call unless rate && AllocationTracking.start(rate)
+
+        begin
+          result = RubySpy.tag(TAG => id, &test)
+        ensure
+          base = File.join(@settings.dir, "examples", TestProfiling.file_name(id))
+          _, paths = AllocationTracking.finish(base)
+          # One profile (its text summary beside it), as the end-of-run count says.
+          @written << paths.first if paths
+        end
+        result
+      end
+
+      def finish_allocations(base, what)
+        allocations, paths = AllocationTracking.finish(base)
+        return unless allocations
+
+        out.puts
+        AllocationTracking.summary(allocations, what, paths).each { |line| out.puts line }
+      end
 
       def write_test_profile(id, options, source, profile)
         formats = TestProfiling.formats(options[:format] || options[:formats], source) ||

@@ -17,6 +17,7 @@
 //! it is allocated; what it allocates outside the heap later (a long String's buffer) is not.
 pub mod marks;
 pub mod pprof;
+pub mod published;
 pub mod view;
 
 use crate::model::Frame;
@@ -64,6 +65,13 @@ impl SiteCounts {
         self.sampled_bytes += size;
         self.weight += w;
         self.weighted_bytes += w * size as f64;
+        self.add_live(size, rate_bytes);
+    }
+
+    /// Counts one more sampled object of `size` bytes as alive only (a live set read from
+    /// outside recounts what is alive; what was allocated stays the tracker's count).
+    pub fn add_live(&mut self, size: u64, rate_bytes: u64) {
+        let w = weight(size, rate_bytes);
         self.live_samples += 1;
         self.live_bytes += size;
         self.live_weight += w;

@@ -1,25 +1,21 @@
 //! `RubySpy::NativeAllocations`: sampled allocation tracking in this process (the hooks and
-//! what they keep are tracker.rs), and `NativeAllocationProfile`, a snapshot of it with its
-//! frames and classes named, made with the GVL and outside any hook. The Ruby API is
+//! what they keep are tracker/), its snapshots (`NativeAllocationProfile`, alloc_profile.rs)
+//! with frames and classes named, made with the GVL and outside any hook, and the blob it
+//! publishes for readers outside (tracker/publish.rs). The Ruby API is
 //! lib/rbspy_ext/allocations.rb.
-use crate::errors;
-use crate::tracker::{self, debug, MAX_LIVE, MAX_SITES};
+use crate::alloc_profile::NativeAllocationProfile;
+use crate::tracker::{self, debug, Copied, MAX_LIVE, MAX_SITES};
 use magnus::rb_sys::FromRawValue;
-use magnus::{function, method, prelude::*, Error, RString, Ruby};
+use magnus::{function, prelude::*, Error, RString, Ruby};
 use rb_sys::VALUE;
-use rbspy_ext_core::allocs::view::{self, Measure};
+use rbspy_ext_core::allocs::published::{LiveSample, LiveSet};
 use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::census::TYPE_NAMES;
 use rbspy_ext_core::model::Frame;
-use rbspy_ext_core::output::{self, Format, Options};
 use rbspy_ext_core::serve::{provide_allocations, AllocsAnswer, AllocsRequest};
 use rustc_hash::FxHashMap as HashMap;
-use std::sync::Arc;
-use std::time::Duration;
-
-/// A snapshot: the tracker's counts with names, made with the GVL outside any hook.
-#[magnus::wrap(class = "RubySpy::NativeAllocationProfile", free_immediately, size)]
-struct NativeAllocationProfile(Arc<AllocProfile>);
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// `NativeAllocations.start(rate_bytes)`: starts tracking anew (what an earlier run counted
 /// is dropped).
@@ -63,17 +59,38 @@ fn class_name(klass: VALUE) -> String {
         .unwrap_or_default()
 }
 
-/// The tracker's counts as an `AllocProfile`: frames named as snapshots name them (a C
-/// function at its caller's path and line).
+/// The tracker's counts as an `AllocProfile` (see `named`), or None before any tracking.
 fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
-    let Some(copied) = tracker::copy() else {
+    let Some(copied) = tracker::copy(false) else {
         return Ok(None);
     };
-    let raw: Vec<(String, Option<String>, Option<String>)> = copied
-        .frames
-        .iter()
-        .map(|&(frame, _)| frame_names(frame))
-        .collect();
+    let version: String = ruby.eval("RUBY_VERSION")?;
+    Ok(Some(NativeAllocationProfile(Arc::new(named(
+        copied, version,
+    )))))
+}
+
+/// Names of frames already named in this tracking run (by frame index: the tracker only
+/// appends frames during a run), so that publishing once a second names only new ones.
+type Names = (String, Option<String>, Option<String>);
+static NAMED: Mutex<(u64, Vec<Names>)> = Mutex::new((0, Vec::new()));
+
+fn frame_names_of(run: u64, frames: &[(VALUE, i32)]) -> Vec<Names> {
+    let mut named = NAMED.lock().unwrap_or_else(|p| p.into_inner());
+    if named.0 != run || named.1.len() > frames.len() {
+        *named = (run, Vec::with_capacity(frames.len()));
+    }
+    let known = named.1.len();
+    for &(frame, _) in &frames[known..] {
+        named.1.push(frame_names(frame));
+    }
+    named.1.clone()
+}
+
+/// The copied counts with names: frames named as snapshots name them (a C function at its
+/// caller's path and line), classes by their path.
+fn named(copied: Copied, version: String) -> AllocProfile {
+    let raw = frame_names_of(copied.start_unix_ns, &copied.frames);
     let mut frames: Vec<Frame> = Vec::new();
     let mut frame_ids: HashMap<Frame, u32> = HashMap::default();
     let mut sites = Vec::with_capacity(copied.sites.len());
@@ -118,8 +135,7 @@ fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
         counts.type_name = TYPE_NAMES[type_id as usize & 0x1f].to_string();
         sites.push(counts);
     }
-    let version: String = ruby.eval("RUBY_VERSION")?;
-    Ok(Some(NativeAllocationProfile(Arc::new(AllocProfile {
+    AllocProfile {
         pid: std::process::id() as i32,
         ruby_version: version,
         rate_bytes: copied.rate_bytes,
@@ -128,98 +144,43 @@ fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
         frames,
         sites,
         notes: copied.notes,
-    }))))
+    }
 }
 
-impl NativeAllocationProfile {
-    /// Gzipped pprof that opens on `inuse_space` (`heap`) or `alloc_space` (`allocs`).
-    fn pprof(ruby: &Ruby, rb_self: &Self, opens: String) -> Result<RString, Error> {
-        let opens = match opens.as_str() {
-            "heap" => pprof::Opens::Inuse,
-            "allocs" => pprof::Opens::Allocs,
-            other => {
-                return Err(Error::new(
-                    ruby.exception_arg_error(),
-                    format!("profile must be :heap or :allocs, not {other:?}"),
-                ))
-            }
-        };
-        let mut out = Vec::new();
-        pprof::write(&rb_self.0, opens, &mut out)
-            .map_err(|e| Error::new(errors::class(ruby, "Error"), e))?;
-        Ok(ruby.str_from_slice(&out))
-    }
-
-    /// The allocations as `summary` text, or a `flamegraph`, `speedscope` or `collapsed`
-    /// drawing, counting `measure` (`alloc_objects`, `alloc_space`, `inuse_objects`,
-    /// `inuse_space`).
-    fn render(
-        ruby: &Ruby,
-        rb_self: &Self,
-        format: String,
-        measure: String,
-    ) -> Result<RString, Error> {
-        let arg_error = |e: String| Error::new(ruby.exception_arg_error(), e);
-        let measure = Measure::parse(&measure).map_err(arg_error)?;
-        if format == "summary" {
-            return Ok(ruby.str_new(&view::summary(&rb_self.0, measure)));
-        }
-        let format = match Format::from_name(&format) {
-            Ok(f @ (Format::Flamegraph | Format::Speedscope | Format::Collapsed)) => f,
-            _ => {
-                return Err(arg_error(format!(
-                    "allocations render as summary, flamegraph, speedscope or collapsed, not {format:?} (pprof: #pprof)"
-                )))
-            }
-        };
-        let mut out = Vec::new();
-        output::write(
-            &view::as_profile(&rb_self.0, measure),
-            format,
-            &mut out,
-            &Options::default(),
-        )
-        .map_err(|e| Error::new(errors::class(ruby, "Error"), e.to_string()))?;
-        Ok(ruby.str_from_slice(&out))
-    }
-
-    /// `[[frame indexes], class, type, samples, allocated, allocated_bytes, live, live_bytes]`
-    /// per site; `frames` gives the frames' rows.
-    #[allow(clippy::type_complexity)]
-    fn sites(&self) -> Vec<(Vec<u32>, String, String, u64, u64, u64, u64, u64)> {
-        (self.0.sites.iter())
-            .map(|s| {
-                let e = s.estimates();
-                (
-                    s.frames.clone(),
-                    s.class.clone(),
-                    s.type_name.clone(),
-                    s.samples,
-                    e.alloc_objects,
-                    e.alloc_space,
-                    e.inuse_objects,
-                    e.inuse_space,
-                )
-            })
-            .collect()
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn frames(&self) -> Vec<(&str, &str, Option<&str>, Option<&str>, i32, bool)> {
-        self.0.frames.iter().map(crate::rows::frame_row).collect()
-    }
-
-    fn rate(&self) -> u64 {
-        self.0.rate_bytes
-    }
-
-    fn duration(&self) -> f64 {
-        self.0.duration_ns as f64 / 1e9
-    }
-
-    fn notes(&self) -> Vec<String> {
-        self.0.notes.clone()
-    }
+/// Makes the blob readers outside read (tracker/publish.rs calls it from the postponed job
+/// and when tracking stops): the named profile, each site's class and type, and the live
+/// samples, copied at one moment.
+fn publish() {
+    let Some(mut copied) = tracker::copy(true) else {
+        return;
+    };
+    let Ok(ruby) = Ruby::get() else { return };
+    let Ok(version) = ruby.eval::<String>("RUBY_VERSION") else {
+        return;
+    };
+    let site_classes: Vec<(u64, u8)> = (copied.sites.iter())
+        .map(|&(_, _, klass, type_id)| (klass, type_id))
+        .collect();
+    let live = (std::mem::take(&mut copied.live).into_iter())
+        .map(|(address, site, size, times)| LiveSample {
+            address,
+            site,
+            size,
+            times,
+        })
+        .collect();
+    let running = copied.running;
+    let published_at_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let set = LiveSet {
+        tracking: running,
+        published_at_ms,
+        profile: named(copied, version),
+        site_classes,
+        live,
+    };
+    tracker::store(set.encode());
 }
 
 /// What the pprof listener serves from the tracker (core/src/serve/tracked.rs): asked on the
@@ -260,6 +221,7 @@ const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     tracker::prepare();
+    tracker::set_publisher(publish);
     provide_allocations(serve);
     let module = ruby.define_module("RubySpy")?;
     let native = module.define_module("NativeAllocations")?;
@@ -269,16 +231,8 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     native.define_singleton_method("collect", function!(tracker::collect, 0))?;
     native.define_singleton_method("after_fork", function!(tracker::after_fork, 0))?;
     native.define_singleton_method("snapshot", function!(snapshot, 0))?;
+    native.define_singleton_method("published_at_ms", function!(tracker::published_at_ms, 0))?;
     native.const_set("MAX_SITES", MAX_SITES)?;
     native.const_set("MAX_LIVE", MAX_LIVE)?;
-    let profile = module.define_class("NativeAllocationProfile", ruby.class_object())?;
-    profile.define_method("pprof", method!(NativeAllocationProfile::pprof, 1))?;
-    profile.define_method("render", method!(NativeAllocationProfile::render, 2))?;
-    profile.define_method("sites", method!(NativeAllocationProfile::sites, 0))?;
-    profile.define_method("frames", method!(NativeAllocationProfile::frames, 0))?;
-    profile.define_method("rate", method!(NativeAllocationProfile::rate, 0))?;
-    profile.define_method("duration", method!(NativeAllocationProfile::duration, 0))?;
-    profile.define_method("notes", method!(NativeAllocationProfile::notes, 0))?;
-    crate::classes::resolve::<NativeAllocationProfile>(ruby);
     Ok(())
 }

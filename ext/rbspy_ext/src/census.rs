@@ -2,22 +2,26 @@
 //! `RubySpy::Census` (lib/rbspy_ext/census.rb) wraps. Rendering, diffs and the rows all read
 //! it where it is; JSON is only what `save`/`load` and `--output x.json` write and read.
 //! Taking one is `NativeHandle#census` (handle.rs).
+use crate::alloc_profile::NativeAllocationProfile;
 use crate::errors;
 use magnus::{function, method, prelude::*, Error, RArray, RHash, RString, Ruby};
 use rbspy_ext_core::census::{render, Census, ClassDelta, ClassRow, RactorHeap};
+use rbspy_ext_core::heap_sites::{self, Sites};
 
 #[magnus::wrap(class = "RubySpy::NativeCensus", free_immediately, size)]
-pub(crate) struct NativeCensus(Census);
+pub(crate) struct NativeCensus(Census, Option<Sites>);
 
 impl NativeCensus {
-    pub(crate) fn new(census: Census) -> Self {
-        NativeCensus(census)
+    /// A census, with its allocation sites when they were asked for (`rubyspy heap --by
+    /// site`).
+    pub(crate) fn new(census: Census, sites: Option<Sites>) -> Self {
+        NativeCensus(census, sites)
     }
 
     /// A census saved as JSON; `RubySpy::InvalidCensus` says what is wrong with it.
     fn from_json(ruby: &Ruby, json: String) -> Result<Self, Error> {
         Census::from_json(&json)
-            .map(NativeCensus)
+            .map(|c| NativeCensus(c, None))
             .map_err(|e| Error::new(errors::class(ruby, "InvalidCensus"), e))
     }
 
@@ -80,6 +84,73 @@ impl NativeCensus {
             out.push(delta(ruby, d)?)?;
         }
         Ok(out)
+    }
+
+    /// Why the census has no allocation sites, when they were asked for and could not be
+    /// read (nil when they were read, or not asked for).
+    fn sites_note(&self) -> Option<String> {
+        match &self.1 {
+            Some(Sites::Unavailable(why)) => Some(why.clone()),
+            _ => None,
+        }
+    }
+
+    /// The census's text followed by each class's top `per_class` allocation sites.
+    fn sites_text(&self, limit: usize, per_class: usize) -> Option<String> {
+        match &self.1 {
+            Some(Sites::Joined(j)) => Some(heap_sites::text(&self.0, j, limit, per_class)),
+            _ => None,
+        }
+    }
+
+    /// `{name:, type:, objects:, bytes:, sites: [{frames:, objects:, bytes:, samples:}]}`
+    /// per class with sampled objects alive, most bytes first; `frames` are frame rows,
+    /// innermost first. Nil without sites.
+    fn sites(ruby: &Ruby, rb_self: &Self) -> Result<Option<RArray>, Error> {
+        let Some(Sites::Joined(j)) = &rb_self.1 else {
+            return Ok(None);
+        };
+        let out = ruby.ary_new();
+        for class in j.classes.iter().filter(|c| !c.sites.is_empty()) {
+            let hash = ruby.hash_new();
+            hash.aset(ruby.to_symbol("name"), class.name.as_str())?;
+            hash.aset(ruby.to_symbol("type"), class.type_name.as_str())?;
+            hash.aset(ruby.to_symbol("objects"), class.objects)?;
+            hash.aset(ruby.to_symbol("bytes"), class.bytes)?;
+            let sites = ruby.ary_new();
+            for share in &class.sites {
+                let site = ruby.hash_new();
+                let frames = ruby.ary_new();
+                for &f in &j.profile.sites[share.site].frames {
+                    frames.push(crate::rows::frame_row(&j.profile.frames[f as usize]))?;
+                }
+                site.aset(ruby.to_symbol("frames"), frames)?;
+                site.aset(ruby.to_symbol("objects"), share.objects)?;
+                site.aset(ruby.to_symbol("bytes"), share.bytes)?;
+                site.aset(ruby.to_symbol("samples"), share.samples)?;
+                sites.push(site)?;
+            }
+            hash.aset(ruby.to_symbol("sites"), sites)?;
+            out.push(hash)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// The joined allocations (in use: the samples still in their slots), nil without sites.
+    fn sites_profile(&self) -> Option<NativeAllocationProfile> {
+        match &self.1 {
+            Some(Sites::Joined(j)) => Some(NativeAllocationProfile::new(j.profile.clone())),
+            _ => None,
+        }
+    }
+
+    /// `[tracking, samples still there, samples gone, published at (Unix ms)]`, nil
+    /// without sites.
+    fn sites_figures(&self) -> Option<(bool, u64, u64, u64)> {
+        match &self.1 {
+            Some(Sites::Joined(j)) => Some((j.tracking, j.there, j.gone, j.published_at_ms)),
+            _ => None,
+        }
     }
 
     /// The changes since `earlier` as text, the `limit` that grew most, then shrank.
@@ -150,6 +221,11 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("ractors", method!(NativeCensus::ractors, 0))?;
     class.define_method("diff", method!(NativeCensus::diff, 1))?;
     class.define_method("diff_text", method!(NativeCensus::diff_text, 2))?;
+    class.define_method("sites", method!(NativeCensus::sites, 0))?;
+    class.define_method("sites_note", method!(NativeCensus::sites_note, 0))?;
+    class.define_method("sites_text", method!(NativeCensus::sites_text, 2))?;
+    class.define_method("sites_profile", method!(NativeCensus::sites_profile, 0))?;
+    class.define_method("sites_figures", method!(NativeCensus::sites_figures, 0))?;
     crate::classes::resolve::<NativeCensus>(ruby);
     Ok(())
 }

@@ -5,6 +5,7 @@ use crate::rows::frame_row;
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, RHash, Ruby, Value};
 use rbspy_ext_core::census;
+use rbspy_ext_core::heap_sites;
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::{Config, Frame, Spy};
 use std::collections::HashMap;
@@ -97,12 +98,22 @@ impl Handle {
 
     /// A census of the process's heap (`RubySpy::Census` wraps it). `max_bytes`: stop
     /// before reading more than this many bytes of pages (the census is then partial).
-    fn census(ruby: &Ruby, rb_self: &Self, max_bytes: Option<u64>) -> Result<NativeCensus, Error> {
-        let census = run(ruby, rb_self.own_process, "taking a heap census", || {
+    /// `sites`: join the allocation sites the process publishes (`heap_sites::read_sites`).
+    fn census(
+        ruby: &Ruby,
+        rb_self: &Self,
+        max_bytes: Option<u64>,
+        sites: bool,
+    ) -> Result<NativeCensus, Error> {
+        let (census, sites) = run(ruby, rb_self.own_process, "taking a heap census", || {
             let options = census::CensusOptions { max_bytes };
-            census::take(rb_self.lock().target_view(), options)
+            let mut spy = rb_self.lock();
+            let census = census::take(spy.target_view(), options)?;
+            let view = spy.target_view();
+            let sites = sites.then(|| heap_sites::read_sites(view.pid(), view.mem(), &census));
+            Ok((census, sites))
         })?;
-        Ok(NativeCensus::new(census))
+        Ok(NativeCensus::new(census, sites))
     }
 
     /// `{ids:, fresh:, tags:}`: the frame ids of the current stack, innermost first,
@@ -202,7 +213,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         method!(Handle::profiler_state_offset, 0),
     )?;
     class.define_method("thread_snapshots", method!(Handle::thread_snapshots, 0))?;
-    class.define_method("census", method!(Handle::census, 1))?;
+    class.define_method("census", method!(Handle::census, 2))?;
     crate::classes::resolve::<Handle>(ruby);
     Ok(())
 }

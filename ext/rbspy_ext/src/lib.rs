@@ -2,6 +2,7 @@
 //! docs and the error classes live in lib/; this file only wires the native class.
 use magnus::{Error, Ruby};
 
+mod alloc_profile;
 mod allocs;
 mod census;
 mod classes;
@@ -65,6 +66,7 @@ fn ractor_safe() {
 fn init(ruby: &Ruby) -> Result<(), Error> {
     check_series(ruby)?;
     ractor_safe();
+    alloc_profile::init(ruby)?;
     census::init(ruby)?;
     allocs::init(ruby)?;
     handle::init(ruby)?;

@@ -3,10 +3,13 @@
 module RubySpy
   module CLI
     # `rubyspy heap`: a census of a process's heap (RubySpy.heap) as a top list, JSON or
-    # pprof; the classes that grew between two saved censuses (--diff A B); or the top
-    # growers every N seconds (--watch N) until Ctrl-C or the process's exit.
+    # pprof; with --by site, each class's allocation sites from a process that tracks
+    # allocations (text, or Go's heap profile as pprof); the classes that grew between two
+    # saved censuses (--diff A B); or the top growers every N seconds (--watch N) until
+    # Ctrl-C or the process's exit.
     module Heap
       FORMATS = %w[text json pprof].freeze
+      BY = %w[class site].freeze
 
       module_function
 
@@ -16,7 +19,7 @@ module RubySpy
       def run(argv)
         options = { format: nil, limit: 30 }
         parser = OptionParser.new do |opts|
-          opts.banner = "Usage: rubyspy heap --pid PID [--output FILE] [--format text|json|pprof]\n" \
+          opts.banner = "Usage: rubyspy heap --pid PID [--by class|site] [--output FILE] [--format text|json|pprof]\n" \
                         "       rubyspy heap --diff EARLIER.json LATER.json\n" \
                         "       rubyspy heap --pid PID --watch SECONDS"
           CLI.pid_option(opts, options)
@@ -25,6 +28,8 @@ module RubySpy
           opts.on("-f", "--format FORMAT", FORMATS, "text (default on a terminal), json or pprof") do |v|
             options[:format] = v
           end
+          opts.on("--by WHAT", BY, "class (default), or site: each class's allocation sites, read from a " \
+                                   "process that tracks allocations (RUBYSPY_ALLOCATIONS=1)") { |v| options[:by] = v }
           opts.on("-n", "--limit N", Integer, "rows of the top list (default 30)") { |v| options[:limit] = v }
           opts.on("--max-bytes BYTES", Integer, "stop after reading this many bytes of pages (a partial census)") do |v|
             options[:max_bytes] = v
@@ -39,10 +44,32 @@ module RubySpy
         raise Usage, "--limit must be positive, got #{options[:limit]}" unless options[:limit].positive?
 
         handle = RubySpy.attach(options[:pid], force_version: options[:force_version])
+        raise Usage, "--watch shows classes; --by site is a single look" if options[:watch] && options[:by] == "site"
         return watch(handle, options) if options[:watch]
 
-        census = handle.heap(max_bytes: options[:max_bytes])
+        census = handle.heap(max_bytes: options[:max_bytes], sites: options[:by] == "site")
+        return write_sites(census, options) if options[:by] == "site"
+
         write(census, options)
+      end
+
+      # `--by site`: the census with each class's sites as text (a note on stderr when the
+      # process does not track allocations), or as pprof Go's heap profile of the tracked
+      # allocations (in use: the sampled objects still alive).
+      # @return [Integer] 0
+      def write_sites(census, options)
+        warn "rubyspy: #{census.sites_note}" if census.sites_note
+        format = (options[:format] || format_of(options[:output])).to_sym
+        allocations = census.allocations
+        return write(census, options) unless format == :pprof && allocations
+
+        out = allocations.pprof(opens: :heap)
+        return $stdout.tap(&:binmode).write(out) && 0 unless options[:output]
+
+        File.binwrite(options[:output], out)
+        warn "rubyspy: wrote the tracked allocations of #{census.sites.size} classes (pprof, opening on " \
+             "inuse_space) to #{options[:output]}"
+        0
       end
 
       # Writes +census+ in the format asked (or the output file's extension says) to the

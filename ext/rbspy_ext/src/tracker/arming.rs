@@ -209,10 +209,6 @@ impl Arm {
         }
     }
 
-    pub fn always(&self) -> bool {
-        self.always
-    }
-
     /// In the hook, after a sample: whether the next point is far enough to turn it off.
     pub fn far(&mut self, until_sample: i64) -> bool {
         if self.always || until_sample <= self.within {

@@ -61,6 +61,13 @@ impl LiveSet {
         old
     }
 
+    /// Every object tracked: (address, site, slot bytes, samples).
+    pub fn samples(&self) -> Vec<(u64, u32, u32, u32)> {
+        (self.objects.iter())
+            .map(|(&o, e)| (o, e.site, e.size, e.times))
+            .collect()
+    }
+
     /// Takes out the object at `object`, if one is tracked there.
     pub fn remove(&mut self, object: VALUE) -> Option<Entry> {
         let bit = filter_bit(object);

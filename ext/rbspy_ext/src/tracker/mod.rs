@@ -26,8 +26,10 @@
 //! Ruby 4.0 (hooks are per Ractor there); from 4.0 internal hooks fire in every Ractor.
 mod arming;
 mod live;
+mod publish;
 mod sites;
 
+pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
@@ -74,6 +76,9 @@ fn tracker() -> MutexGuard<'static, Option<Tracker>> {
 
 /// The NEWOBJ hook: inside the allocator (see the module docs).
 unsafe extern "C" fn on_newobj(tracepoint: VALUE, _data: *mut c_void) {
+    if publish::QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: called by Ruby with our NEWOBJ tracepoint, inside its hook.
         let object =
@@ -150,19 +155,20 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: with the GVL; the key is a static Symbol.
         let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
-        let change = {
+        let (change, changes) = {
             let mut guard = tracker();
             let Some(t) = guard.as_mut().filter(|t| t.running) else {
                 return;
             };
             t.arm.observe(total, &mut t.until_sample);
             let missed = t.replay_missed();
-            t.arm.decide(t.until_sample, missed)
+            (t.arm.decide(t.until_sample, missed), t.changes)
         };
         // Outside the lock: enabling allocates, which may run a GC and its hook.
         if let Some((new, _)) = *tracepoint_values() {
             switch(new as VALUE, change);
         }
+        publish::when_due(changes);
     });
 }
 
@@ -204,6 +210,7 @@ unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
 unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
     if let Some(t) = tracker().as_mut() {
         t.live.moved();
+        t.changes += 1;
     }
 }
 
@@ -251,15 +258,18 @@ unsafe extern "C" fn at_exit(_data: VALUE) {
 pub(crate) fn start(rate_bytes: u64, version: &str) {
     stop();
     let (new, end_mark) = tracepoints();
-    let always = rate_bytes <= 1 || !arming::prepare(poll);
+    let posts = arming::prepare(poll);
+    let always = rate_bytes <= 1 || !posts;
     let marks = MarkBits::for_version(version);
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
     let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total));
     *tracker() = Some(t);
+    publish::reset();
     switch(end_mark, marks.is_some().then_some(true));
     switch(new, always.then_some(true));
-    if !always {
+    // With the hook always on (rate 1), the job still publishes the live set.
+    if posts {
         arming::start_poller();
     }
 }
@@ -274,8 +284,12 @@ pub(crate) fn stop() {
             debug::rb_tracepoint_disable(end_mark as VALUE);
         }
     }
-    if let Some(t) = tracker().as_mut() {
-        t.running = false;
+    let stopped = tracker()
+        .as_mut()
+        .map(|t| std::mem::replace(&mut t.running, false));
+    if stopped == Some(true) {
+        // Readers outside see the run's last counts, and that it stopped.
+        publish::now();
     }
 }
 
@@ -283,10 +297,8 @@ pub(crate) fn stop() {
 /// own. Called from `Process._fork` (lib/rbspy_ext/allocations.rb).
 pub(crate) fn after_fork() {
     arming::forget_poller();
-    let polled = tracker()
-        .as_ref()
-        .is_some_and(|t| t.running && !t.arm.always());
-    if polled {
+    let polled = tracker().as_ref().is_some_and(|t| t.running);
+    if polled && prepare() {
         arming::start_poller();
     }
 }
@@ -310,9 +322,13 @@ pub(crate) struct Copied {
     pub notes: Vec<String>,
     pub start_unix_ns: u64,
     pub duration_ns: u64,
+    pub running: bool,
+    /// With `copy(true)`: each live sample's address, site, slot bytes and samples.
+    pub live: Vec<(u64, u32, u32, u32)>,
 }
 
-pub(crate) fn copy() -> Option<Copied> {
+/// The tracker's counts, and with `live` its live samples, as of one moment.
+pub(crate) fn copy(live: bool) -> Option<Copied> {
     let guard = tracker();
     let t = guard.as_ref()?;
     let mut notes = Vec::new();
@@ -348,5 +364,7 @@ pub(crate) fn copy() -> Option<Copied> {
         notes,
         start_unix_ns: t.start_unix_ns,
         duration_ns: t.started.elapsed().as_nanos() as u64,
+        running: t.running,
+        live: if live { t.live.samples() } else { Vec::new() },
     })
 }

@@ -59,6 +59,9 @@ pub(super) struct Tracker {
     pub arm: Arm,
     /// Points that passed while the hook was off, owed to the next allocation it sees.
     pub owed: u32,
+    /// Samples taken and markings that freed some: whether there is anything new to
+    /// publish (publish.rs).
+    pub changes: u64,
 }
 
 impl Tracker {
@@ -92,6 +95,7 @@ impl Tracker {
             slot_size: slot_size_function(),
             arm,
             owed: 0,
+            changes: 0,
         };
         t.until_sample = t.next_interval();
         t
@@ -214,6 +218,7 @@ impl Tracker {
             }
         };
         self.ids = key.0;
+        self.changes += 1;
         for _ in 0..times {
             self.sites[site as usize].counts.add(size, self.rate_bytes);
         }
@@ -246,8 +251,12 @@ impl Tracker {
         let direct = count == self.checked_gc.wrapping_add(1);
         self.checked_gc = count;
         let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        let before = self.live.len();
         self.live
             .check(&marks, direct, |e| free_entry(sites, e, rate));
+        if self.live.len() != before {
+            self.changes += 1;
+        }
     }
 }
 
