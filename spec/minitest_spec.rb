@@ -22,7 +22,8 @@ RSpec.describe "the Minitest integration" do
 
   def minitest(file, *args, env: {})
     clean = { "RUBYSPY" => nil, "RUBYSPY_DIR" => nil, "RUBYSPY_FORMAT" => nil, "RUBYSPY_RATE" => nil,
-              "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil, "TEST_ENV_NUMBER" => nil }
+              "RUBYSPY_SAMPLE" => nil, "RUBYSPY_STATE_LEAVES" => nil, "TEST_ENV_NUMBER" => nil,
+              "RUBYSPY_ALLOCATIONS" => nil, "RUBYSPY_ALLOCATION_RATE" => nil }
     out, err, status = Open3.capture3(clean.merge(env), RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
                                       file, *args, chdir: @dir)
     expect(status.success?).to be(true), "#{out}\n#{err}"
@@ -46,6 +47,16 @@ RSpec.describe "the Minitest integration" do
     expect(by_test["WorkTest#test_crunch"].share("Work.crunch")).to be > 0.8
     expect(by_test["WorkTest#test_crunch"].share("Work.shuffle_letters")).to eq(0.0)
     expect(by_test["WorkTest#test_shuffle_letters"].share("Work.shuffle_letters")).to be > 0.8
+  end
+
+  it "RUBYSPY_ALLOCATIONS=1 tracks the run's allocations, writes them and prints the lines that allocate most" do
+    out = minitest("test/work_test.rb", env: { "RUBYSPY_ALLOCATIONS" => "1" })
+    expect(written).to eq(%w[suite.allocs.pb.gz suite.allocs.txt])
+    head = out.lines.drop_while { |l| !l.start_with?("rubyspy: allocations of the suite") }
+    expect(head.first).to match(/one sample per 524288 bytes\), written to tmp\/rubyspy\/suite\.allocs\.pb\.gz/)
+    # Work.shuffle_letters makes a String a turn, for half a second: nearly all of it.
+    expect(head[2]).to match(/\A\s+\d+\s+\d+  work\.rb:\d+ Work\.shuffle_letters \(String#reverse\)$/)
+    expect(File.read(path("suite.allocs.txt"))).to match(%r{work\.rb:\d+ String#reverse})
   end
 
   it "RUBYSPY=1's report shows waits for the GVL as a row of their own, unless RUBYSPY_STATE_LEAVES=0" do

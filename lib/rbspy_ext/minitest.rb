@@ -19,6 +19,8 @@ module RubySpy
   # - +RUBYSPY=boot+ records only the load of the suite into +tmp/rubyspy/boot.*+.
   # - +RUBYSPY_SAMPLE=10+ profiles ten tests picked from Minitest's seed (+--seed+ picks the
   #   same ones again), each into +tmp/rubyspy/examples/<Class-test_name>.<ext>+.
+  # - +RUBYSPY_ALLOCATIONS=1+ tracks the run's allocations into +tmp/rubyspy/suite.allocs.*+ and
+  #   prints the source lines that allocated most, as for RSpec.
   # - +RUBYSPY_RATE+, +RUBYSPY_FORMAT+ and +RUBYSPY_DIR+ as for RSpec.
   # - Parallel workers write their own suite files: +suite.<TEST_ENV_NUMBER>.*+ under
   #   parallel_tests (+suite.1.*+ for its first process), +suite.<worker>.*+ in each process
@@ -33,7 +35,7 @@ module RubySpy
       # @param settings [TestProfiling::Settings]
       # @return [void]
       def install(settings = TestProfiling.settings)
-        return unless settings.mode != :off || settings.sample.positive?
+        return unless settings.mode != :off || settings.sample.positive? || settings.allocations
         if (reason = RubySpy::Native.unsupported_reason)
           return TestProfiling.warn_once("not profiling: rbspy_ext cannot read processes on #{RUBY_PLATFORM} " \
                                          "(#{reason})")

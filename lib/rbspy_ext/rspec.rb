@@ -25,6 +25,11 @@ module RubySpy
   #   has every thread's samples while the example ran (a server thread's too), each tagged
   #   +example: <example id>+. The process keeps its sampler's spy warm between recordings,
   #   so a 10 ms example gets samples of its own code.
+  # - +rubyspy: { allocations: true }+ (or a rate in bytes) tracks that example's allocations
+  #   instead of its time: +tmp/rubyspy/examples/<example id>.allocs.pb.gz+ (Go's profile) and
+  #   +.allocs.txt+. +RUBYSPY_ALLOCATIONS=1+ tracks the whole suite's
+  #   (+RUBYSPY_ALLOCATION_RATE+ bytes a sample, default 512 KiB) into +suite.allocs.*+ and
+  #   prints the top source lines.
   # - +RUBYSPY_SAMPLE=10+ profiles ten examples picked at random (from RSpec's seed, so
   #   +--seed+ picks the same ones again), as if each were marked +:rubyspy+.
   # - +RUBYSPY_RATE+ (Hz, default 999), +RUBYSPY_FORMAT+ (one or more of
