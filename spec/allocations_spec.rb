@@ -233,6 +233,24 @@ RSpec.describe "sampled allocations" do
     expect(kept.size).to eq(3000)
   end
 
+  it "follows 300,000 live samples at rate 1, and its own census joins them by site" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
+    keeper = Class.new
+    stub_const("HeldBySpec", keeper)
+    kept = nil
+    allocations = RubySpy.track_allocations(rate: 1) { kept = Array.new(300_000) { HeldBySpec.new } }
+    live = allocations.sites.select { |s| s[:class] == "HeldBySpec" }
+    expect(live.sum { |s| s[:live] }).to eq(300_000)
+    # Tracking stopped with the block, and published its last counts: a census of this
+    # very process reads them back and finds every sampled object in its slot.
+    census = RubySpy.heap(Process.pid, sites: true)
+    expect(census.sites_tracking?).to be(false)
+    row = census.sites.find { |c| c[:name] == "HeldBySpec" }
+    expect(row).to include(objects: 300_000)
+    expect(row[:sites].sum { |s| s[:objects] }).to eq(300_000)
+    expect(kept.size).to eq(300_000)
+  end
+
   it "refuses a rate it cannot use" do
     skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     expect { RubySpy.track_allocations(rate: 0) }.to raise_error(ArgumentError, /at least 1 byte/)

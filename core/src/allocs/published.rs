@@ -8,9 +8,9 @@
 //! The header is four words: a magic that is also the format's version, a sequence number
 //! that is odd while the tracker rewrites the header, the blob's address and its length. A
 //! reader takes the header, the blob, then the header again, and keeps the blob only when
-//! the sequence read the same and even both times. The tracker keeps the two blobs before
-//! the current one alive, so a reader that loses the race reads old bytes, never unmapped
-//! ones, and tries again.
+//! the sequence read the same and even both times. The tracker keeps the blob before
+//! the current one alive, so a reader that loses the race reads old bytes and tries again
+//! (and one held up through two publications gets a failed read, never a fault).
 //!
 //! Why JSON: the blob is written at most once a second, read rarely, and its reader must
 //! reject anything malformed, which serde does; a site's frames are names, not the target's

@@ -53,7 +53,9 @@ impl LiveSet {
     pub fn insert(&mut self, object: VALUE, entry: Entry) -> Option<Entry> {
         let old = self.objects.insert(object, entry);
         self.filtered += 1;
-        if self.filtered >= FILTER_BITS / 8 {
+        // Rebuilt (to clear the bits of objects gone) after as many insertions as the set
+        // holds at the least: a large set would otherwise be rebuilt at every insertion.
+        if self.filtered >= (FILTER_BITS / 8).max(2 * self.objects.len()) {
             self.rebuild_filter();
         } else {
             set_bit(&mut self.maybe_live, object);

@@ -6,7 +6,10 @@
 //! When: from the postponed job, at most once every [`EVERY`] and only when the tracker
 //! changed (a sample, a GC that freed some), and once more when tracking stops. Making the
 //! blob names only the frames it has not named before (allocs.rs keeps them), so a
-//! publication costs about its JSON: well under a millisecond for thousands of sites.
+//! publication costs about its JSON: well under a millisecond for thousands of sites. A
+//! larger one (every allocation tracked in a big heap: up to a million live samples, some
+//! 70 MB of JSON) waits [`SPACING`] times as long as it took, so publishing never takes more
+//! than 1 % of the process's time; two blobs are kept, the current one and the one before.
 use rbspy_ext_core::allocs::published::MAGIC;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,6 +18,8 @@ use std::time::{Duration, Instant};
 
 /// How often at most the job publishes a changed live set.
 pub const EVERY: Duration = Duration::from_secs(1);
+/// The time to the next publication, at the least, in publications' own durations.
+const SPACING: u32 = 100;
 
 /// The header: magic, sequence (odd while it is rewritten), blob address, blob length.
 #[repr(C)]
@@ -36,11 +41,12 @@ pub static rbspy_ext_allocations_state: Header = Header {
     len: AtomicU64::new(0),
 };
 
-/// The blob published and the two before it: a reader that read the header just before a
+/// The blob published and the one before it: a reader that read the header just before a
 /// publication still reads mapped bytes (and then sees the sequence change and retries).
 static KEPT: Mutex<VecDeque<Vec<u8>>> = Mutex::new(VecDeque::new());
-/// When the job last published, and the tracker's change count then.
-static LAST: Mutex<Option<(Instant, u64)>> = Mutex::new(None);
+/// When the job last published, the tracker's change count then, and how long that
+/// publication took.
+static LAST: Mutex<Option<(Instant, u64, Duration)>> = Mutex::new(None);
 /// What makes and stores a blob (allocs.rs), with the GVL.
 static PUBLISHER: OnceLock<fn()> = OnceLock::new();
 /// True while the publisher runs: the NEWOBJ hook does not count the profiler's own
@@ -66,15 +72,19 @@ pub fn when_due(changes: u64) {
         let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
         let due = match *last {
             None => changes > 0,
-            Some((at, seen)) => seen != changes && at.elapsed() >= EVERY,
+            Some((at, seen, took)) => seen != changes && at.elapsed() >= EVERY.max(took * SPACING),
         };
         if due {
-            *last = Some((Instant::now(), changes));
+            *last = Some((Instant::now(), changes, Duration::ZERO));
         }
         due
     };
     if due {
+        let started = Instant::now();
         now();
+        if let Some(last) = LAST.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            last.2 = started.elapsed();
+        }
     }
 }
 
@@ -105,7 +115,7 @@ pub fn store(blob: Vec<u8>) {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_millis() as u64);
     STORED_AT_MS.store(now, Ordering::Release);
-    while kept.len() > 3 {
+    while kept.len() > 2 {
         kept.pop_front();
     }
 }
