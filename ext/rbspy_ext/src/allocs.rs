@@ -26,9 +26,16 @@ fn start(ruby: &Ruby, rate_bytes: u64) -> Result<(), Error> {
             "rate must be at least 1 byte (1: every allocation)",
         ));
     }
-    let version: String = ruby.eval("RUBY_VERSION")?;
-    tracker::start(rate_bytes, &version);
+    tracker::start(rate_bytes, ruby_version());
     Ok(())
+}
+
+/// `RUBY_VERSION`, read once when the extension loads: the postponed job must not evaluate
+/// Ruby code (compiling an eval there, in the middle of a `require`, crashed Ruby 3.3).
+static RUBY_VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+fn ruby_version() -> &'static str {
+    RUBY_VERSION.get().map_or("", String::as_str)
 }
 
 /// One raw frame's label, path (None for a C function) and absolute path.
@@ -60,14 +67,10 @@ fn class_name(klass: VALUE) -> String {
 }
 
 /// The tracker's counts as an `AllocProfile` (see `named`), or None before any tracking.
-fn snapshot(ruby: &Ruby) -> Result<Option<NativeAllocationProfile>, Error> {
-    let Some(copied) = tracker::copy(false) else {
-        return Ok(None);
-    };
-    let version: String = ruby.eval("RUBY_VERSION")?;
-    Ok(Some(NativeAllocationProfile(Arc::new(named(
-        copied, version,
-    )))))
+fn snapshot() -> Option<NativeAllocationProfile> {
+    let copied = tracker::copy(false)?;
+    let profile = named(copied, ruby_version().to_string());
+    Some(NativeAllocationProfile(Arc::new(profile)))
 }
 
 /// Names of frames already named in this tracking run (by frame index: the tracker only
@@ -154,10 +157,7 @@ fn publish() {
     let Some(mut copied) = tracker::copy(true) else {
         return;
     };
-    let Ok(ruby) = Ruby::get() else { return };
-    let Ok(version) = ruby.eval::<String>("RUBY_VERSION") else {
-        return;
-    };
+    let version = ruby_version().to_string();
     let site_classes: Vec<(u64, u8)> = (copied.sites.iter())
         .map(|&(_, _, klass, type_id)| (klass, type_id))
         .collect();
@@ -191,13 +191,12 @@ fn serve(request: AllocsRequest) -> AllocsAnswer {
     }
     let made: Option<Result<Vec<u8>, String>> = tracker::with_gvl(
         move || {
-            let ruby = Ruby::get().map_err(|e| e.to_string())?;
+            // On a Ruby thread with the GVL (the postponed job), or not at all.
+            Ruby::get().map_err(|e| e.to_string())?;
             if request.gc {
                 tracker::collect();
             }
-            let profile = snapshot(&ruby)
-                .map_err(|e| e.to_string())?
-                .ok_or("tracking stopped")?;
+            let profile = snapshot().ok_or("tracking stopped")?;
             let mut body = Vec::new();
             pprof::write(&profile.0, request.opens, &mut body)?;
             Ok(body)
@@ -220,6 +219,8 @@ fn serve(request: AllocsRequest) -> AllocsAnswer {
 const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    let version: String = ruby.eval("RUBY_VERSION")?;
+    let _ = RUBY_VERSION.set(version);
     tracker::prepare();
     tracker::set_publisher(publish);
     provide_allocations(serve);
