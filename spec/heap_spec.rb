@@ -153,6 +153,23 @@ RSpec.describe "the heap census" do
     expect(stash.size).to eq(1234)
   end
 
+  it "says the process exited when it exits in the middle of a census" do
+    skip "checked once, on the host's Ruby" unless RubySpyTest::TargetRuby.current.host?
+    # 20 million Objects: a census of some 300 ms, killed 50 ms in.
+    script = 'KEEP = Array.new(20_000_000) { Object.new }; GC.start; $stdout.puts "ready"; $stdout.flush; sleep'
+    Open3.popen2(RbConfig.ruby, "-e", script) do |_stdin, out, wait|
+      expect(out.gets).to eq("ready\n")
+      handle = RubySpy.attach(wait.pid)
+      killer = Thread.new do
+        sleep 0.05
+        Process.kill(:KILL, wait.pid)
+      end
+      expect { handle.heap }.to raise_error(RubySpy::ProcessExited, /#{wait.pid}/)
+      killer.join
+      expect(wait.value.signaled?).to be(true)
+    end
+  end
+
   it "stops at max_bytes with a partial census, and names bad arguments" do
     target = start_target("heap_populations")
     partial = RubySpy.heap(target.pid, max_bytes: 1 << 20)

@@ -235,6 +235,12 @@ pub struct Aggregator {
     timeline: Timeline,
     tick_us: u64,
     timeline_full: bool,
+    /// By thread index: the tick it was last sampled at (profile_retire.rs).
+    last_seen: Vec<u64>,
+    /// By process: the index of its "ended threads", once it has one.
+    merged: FxHashMap<i32, u32>,
+    /// Threads merged into "ended threads" so far.
+    retired: u64,
 }
 
 /// Most walker tokens remembered by the aggregator.
@@ -331,8 +337,10 @@ impl Aggregator {
                 crate::timeline::MAX_SAMPLES
             ));
         }
+        let thread_index = self.profile.stacks[index].thread;
+        self.seen(thread_index);
         // A thread may be named after it was first seen.
-        let recorded = &mut self.profile.threads[self.profile.stacks[index].thread as usize];
+        let recorded = &mut self.profile.threads[thread_index as usize];
         if thread.name.is_some() && recorded.name != thread.name {
             recorded.name = thread.name.clone();
         }
@@ -431,6 +439,7 @@ impl Aggregator {
     /// Counts one sample tick (attempted, whatever its outcome).
     pub fn tick(&mut self) {
         self.profile.ticks += 1;
+        self.retire_if_due();
     }
 
     /// Counts one sample tick taken `since_start` into the recording: the time its samples
@@ -496,6 +505,10 @@ pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
         c_function,
     }
 }
+
+#[path = "profile_retire.rs"]
+mod retire;
+pub use retire::{ENDED_THREADS, MAX_THREADS};
 
 #[cfg(test)]
 #[path = "profile_tests.rs"]

@@ -102,3 +102,76 @@ fn a_thread_seen_without_its_tid_is_the_same_thread_and_a_new_tid_a_new_one() {
         [42, 43]
     );
 }
+
+#[test]
+fn threads_that_ended_are_merged_past_the_bound_with_every_sample_kept() {
+    let mut agg = Aggregator::new(1, "3.3.8", 1000.0, 0);
+    let main = ThreadInfo {
+        pid: 1,
+        tid: 1,
+        name: None,
+        ruby_thread: 0x1000,
+        main: true,
+        ractor: 1,
+        ractor_name: None,
+    };
+    let work = [frame("Job#run", "job.rb", 3, false)];
+    let idle = [frame("Kernel#sleep", "", 0, true)];
+    let mut tick = 0u64;
+    // 2,000 short-lived threads, each sampled for 3 ticks beside the main thread.
+    for n in 0..2_000u64 {
+        let worker = ThreadInfo {
+            tid: 100 + n as i64,
+            ruby_thread: 0x10_0000 + n * 0x100,
+            main: false,
+            name: Some(format!("job-{}", n % 7)),
+            ..main.clone()
+        };
+        for _ in 0..3 {
+            tick += 1;
+            agg.tick_at(std::time::Duration::from_micros(tick * 1000));
+            agg.add(&main, ThreadState::Blocked, &idle);
+            agg.add(&worker, ThreadState::Running, &work);
+        }
+    }
+    let p = agg.finish(tick * 1_000_000);
+    // Kept apart: those ended within ENDED_AFTER_TICKS, and those since the last look (256
+    // ticks), at a thread every 3 ticks; then main and "ended threads".
+    let bound = (retire::ENDED_AFTER_TICKS as usize + 256) / 3 + 2;
+    assert!(p.threads.len() <= bound, "{} threads", p.threads.len());
+    assert_eq!(p.samples, 2 * 3 * 2_000);
+    assert_eq!(p.timeline.len() as u64, p.samples);
+    p.timeline.check(p.stacks.len()).unwrap();
+    // The timeline and the aggregate agree, stack by stack.
+    let mut counted = vec![0u64; p.stacks.len()];
+    for &s in &p.timeline.stacks {
+        counted[s as usize] += 1;
+    }
+    assert_eq!(
+        counted,
+        p.stacks.iter().map(|s| s.count).collect::<Vec<_>>()
+    );
+    let ended = p
+        .threads
+        .iter()
+        .position(|t| t.name.as_deref() == Some(ENDED_THREADS))
+        .expect("an ended-threads thread") as u32;
+    let merged: u64 = p
+        .stacks
+        .iter()
+        .filter(|s| s.thread == ended)
+        .map(|s| s.count)
+        .sum();
+    let running = p.stacks.iter().filter(|s| s.state == ThreadState::Running);
+    assert_eq!(running.map(|s| s.count).sum::<u64>(), 3 * 2_000);
+    assert!(merged >= 3 * (2_000 - bound as u64), "{merged}");
+    // Ended threads' stacks are summed: one stack of Job#run, not one per thread.
+    assert_eq!(p.stacks.iter().filter(|s| s.thread == ended).count(), 1);
+    // The main thread is never merged.
+    assert_eq!(p.threads.iter().filter(|t| t.main).count(), 1);
+    assert!(
+        p.notes.iter().any(|n| n.contains("ended were merged")),
+        "{:?}",
+        p.notes
+    );
+}
