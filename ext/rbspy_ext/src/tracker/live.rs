@@ -88,13 +88,27 @@ impl LiveSet {
     }
 
     /// After `GC.compact` moved objects: every key follows its object (`rb_gc_location`).
-    pub fn moved(&mut self) {
+    /// An address that no longer reads (its page freed by a GC whose marking was not
+    /// checked) is handed to `dead`: `rb_gc_location` would read it and fault.
+    pub fn moved(&mut self, mut dead: impl FnMut(Entry)) {
         let moved: Vec<(VALUE, Entry)> = self.objects.drain().collect();
         for (object, entry) in moved {
-            // SAFETY: in the reference-updating phase, on objects the GC has not freed.
+            if read_word(object).is_err() {
+                dead(entry);
+                continue;
+            }
+            // SAFETY: in the reference-updating phase, on a mapped slot: a live object, or
+            // a freed slot, which rb_gc_location returns as it is.
             let to = unsafe { rb_sys::rb_gc_location(object) };
             self.objects.insert(to, entry);
         }
+        self.rebuild_filter();
+    }
+
+    /// Stops following every object (tracking stopped: no marking will be checked again,
+    /// so the addresses would go stale).
+    pub fn clear(&mut self) {
+        self.objects.clear();
         self.rebuild_filter();
     }
 

@@ -208,8 +208,9 @@ unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
 
 /// After `GC.compact` moved objects: the live set's keys follow them.
 unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
-    if let Some(t) = tracker().as_mut() {
-        t.live.moved();
+    if let Some(t) = tracker().as_mut().filter(|t| t.running) {
+        let (sites, rate) = (&mut t.sites, t.rate_bytes);
+        t.live.moved(|e| sites::free_entry(sites, e, rate));
         t.changes += 1;
     }
 }
@@ -290,6 +291,11 @@ pub(crate) fn stop() {
     if stopped == Some(true) {
         // Readers outside see the run's last counts, and that it stopped.
         publish::now();
+    }
+    // No marking is checked from now on: the addresses would go stale (and a compaction
+    // would follow freed ones). The counts stay, as of the last marking.
+    if let Some(t) = tracker().as_mut() {
+        t.live.clear();
     }
 }
 

@@ -260,7 +260,7 @@ impl Tracker {
     }
 }
 
-fn free_entry(sites: &mut [Site], entry: Entry, rate_bytes: u64) {
+pub(super) fn free_entry(sites: &mut [Site], entry: Entry, rate_bytes: u64) {
     for _ in 0..entry.times {
         sites[entry.site as usize]
             .counts
