@@ -270,6 +270,26 @@ RSpec.describe "RubySpy.snapshot" do
       end
       expect(target.health_problems).to eq([])
     end
+
+    # A handle trusts what it cached of the stack's iseqs and method entries between full
+    # validations. A compaction moves a running method's iseq and rewrites its definition's
+    # pointer in place, while the method entry a frame points at stays where it is.
+    it "return the same frames after compactions move the parked methods' code" do
+      target = start_target("compacts_under_frames")
+      handle = RubySpy.attach(target.pid)
+      first = handle.snapshot
+      expect(first).to match_backtrace(target.frames, ruby_version: target.ruby_version)
+      expect(first.map(&:base_label)).to include("outer", "middle", "inner")
+
+      3.times do |i|
+        File.write("#{target.ready_path}.go#{i + 1}", "")
+        target.result(".done#{i + 1}", timeout: 60)
+        again = handle.snapshot
+        expect(again).to eq(first), "after compaction #{i + 1}:\n" +
+                                    RubySpyTest::FrameComparison.side_by_side(again, first, target.ruby_version)
+      end
+      expect(target.health_problems).to eq([])
+    end
   end
 
   describe "several copies of one fixture" do

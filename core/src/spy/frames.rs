@@ -387,7 +387,15 @@ impl<M: Memory> Walker<'_, M> {
                 .map(|m| m.label_owner);
             if owner.is_none() && info.is_method {
                 // Every method frame has a method entry: not finding one means the frame
-                // was being pushed or popped while we read it.
+                // was being pushed or popped while we read it, or that cached entries are
+                // stale (a compaction moves iseqs and rewrites each definition in place,
+                // leaving the `def` and `owner` they are validated by): read them again.
+                if me.is_some() {
+                    for m in mes.keys() {
+                        self.cache.methods.remove(m);
+                    }
+                    self.cache.changed = true;
+                }
                 return Err(Attempt::Changed(
                     "method frame without a method entry".into(),
                 ));
