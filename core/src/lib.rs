@@ -27,6 +27,7 @@ pub mod memory;
 pub mod model;
 pub mod objects;
 pub mod output;
+pub mod outside;
 pub mod process;
 pub mod profile;
 pub mod record;

@@ -284,23 +284,33 @@ fn read_binary(pid: i32, maps: &[Mapping], path: &str, wanted: &[&str]) -> Resul
             detail: String::new(),
         })?;
     let bytes = read_mapped_file(pid, first)?;
-    let elf = Elf::parse(&bytes).map_err(|e| Error::NotRuby {
-        pid,
-        detail: format!("{path} is not a readable ELF file ({e})"),
-    })?;
     let base_mapping = mine
         .iter()
         .filter(|m| m.offset == 0)
         .min_by_key(|m| m.start)
         .unwrap_or(first);
+    parse_binary(&bytes, path, base_mapping.start, wanted)
+        .map_err(|detail| Error::NotRuby { pid, detail })
+}
+
+/// What the spy needs from the bytes of an ELF file mapped at `base` (the start of its
+/// mapping at file offset 0). The file is the target's: any bytes at all must give an
+/// error, never a panic (fuzzed by `fuzz/fuzz_targets/elf.rs`).
+pub fn parse_binary(
+    bytes: &[u8],
+    path: &str,
+    base: u64,
+    wanted: &[&str],
+) -> std::result::Result<RubyBinary, String> {
+    let elf = Elf::parse(bytes).map_err(|e| format!("{path} is not a readable ELF file ({e})"))?;
     let first_load = elf
         .program_headers
         .iter()
         .filter(|p| p.p_type == PT_LOAD)
-        .map(|p| p.p_vaddr & !(p.p_align.max(1) - 1))
+        .map(|p| p.p_vaddr & !(p.p_align.max(1).wrapping_sub(1)))
         .min()
         .unwrap_or(0);
-    let bias = base_mapping.start.wrapping_sub(first_load);
+    let bias = base.wrapping_sub(first_load);
     // `.dynsym` first; then `.symtab` where the file still has one. A statically linked ruby
     // (rbenv's and ruby-build's default) exports `ruby_version` but keeps
     // `ruby_current_vm_ptr` and `ruby_global_symbols` hidden: only its `.symtab` has them.
@@ -327,7 +337,7 @@ fn read_binary(pid: i32, maps: &[Mapping], path: &str, wanted: &[&str]) -> Resul
         .filter(|p| p.p_type == PT_LOAD && p.is_write())
         .map(|p| {
             let start = bias.wrapping_add(p.p_vaddr);
-            (start, start + p.p_memsz)
+            (start, start.wrapping_add(p.p_memsz))
         })
         .collect();
     Ok(RubyBinary {

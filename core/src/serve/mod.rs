@@ -166,6 +166,18 @@ impl Drop for Server {
     }
 }
 
+/// How far a request head gets through the listener without the process behind it: parsed
+/// (None while incomplete), routed, its query decoded. The status it is refused with, or
+/// 200 when it would go on to be served. What the fuzz target `http_request` drives: the
+/// head and query are the only bytes a client controls.
+pub fn screen(head: &[u8]) -> Option<u16> {
+    match http::parse_head(head) {
+        Ok(None) => None,
+        Err(_) => Some(400),
+        Ok(Some(request)) => Some(routes::route(&request).map_or_else(|r| r.status, |_| 200)),
+    }
+}
+
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     while !shared.stop.load(Ordering::Relaxed) {
         let mut pfd = libc::pollfd {

@@ -23,7 +23,7 @@ const DEFAULT_SECONDS: u64 = 30;
 const DEFAULT_RATE: u64 = 100;
 const BASE: &str = "/debug/pprof";
 
-enum Route {
+pub(super) enum Route {
     Index,
     Profile,
     Threads,
@@ -32,20 +32,8 @@ enum Route {
 }
 
 pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> Response {
-    if request.method != "GET" && request.method != "HEAD" {
-        return Response::text(405, "only GET is served\n")
-            .with_header("allow", "GET, HEAD".into());
-    }
-    let route = match request.path.strip_prefix(BASE) {
-        Some("" | "/") => Route::Index,
-        Some("/profile") => Route::Profile,
-        Some("/threads") => Route::Threads,
-        Some("/heap") => Route::Heap,
-        Some("/allocs") => Route::Allocs,
-        _ => return Response::text(404, &format!("not found: try {BASE}/\n")),
-    };
-    let params = match Params::parse(&request.query) {
-        Ok(p) => p,
+    let (route, params) = match route(request) {
+        Ok(routed) => routed,
         Err(r) => return r,
     };
     if !allowed(shared, request, &params, peer) {
@@ -63,8 +51,27 @@ pub(super) fn respond(shared: &Shared, request: &Request, peer: SocketAddr) -> R
     }
 }
 
+/// What a request asks for, from its head alone (no state: see `super::screen`): a method
+/// served, a known path, and its query's parameters, each at most once.
+pub(super) fn route(request: &Request) -> Result<(Route, Params), Response> {
+    if request.method != "GET" && request.method != "HEAD" {
+        return Err(
+            Response::text(405, "only GET is served\n").with_header("allow", "GET, HEAD".into())
+        );
+    }
+    let route = match request.path.strip_prefix(BASE) {
+        Some("" | "/") => Route::Index,
+        Some("/profile") => Route::Profile,
+        Some("/threads") => Route::Threads,
+        Some("/heap") => Route::Heap,
+        Some("/allocs") => Route::Allocs,
+        _ => return Err(Response::text(404, &format!("not found: try {BASE}/\n"))),
+    };
+    Ok((route, Params::parse(&request.query)?))
+}
+
 /// The query's parameters, each at most once.
-struct Params(Vec<(String, String)>);
+pub(super) struct Params(Vec<(String, String)>);
 
 impl Params {
     fn parse(query: &str) -> Result<Params, Response> {

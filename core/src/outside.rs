@@ -1,0 +1,93 @@
+//! Every reader of bytes that come from outside the profiler, as one function each that takes
+//! any bytes and must neither panic, hang nor allocate without bound: the files a user hands
+//! back (raw profiles, saved censuses), what a client sends the listener, what a target
+//! publishes (its allocations blob) and the ELF files and maps text of a target.
+//!
+//! The fuzz targets in `fuzz/` are one line each over these, and `tests/outside_inputs.rs`
+//! replays every input a fuzz run found a crash with (`tests/outside_inputs/<target>/`), so
+//! that each stays fixed. Memory images (the stack walker, the census, tag tables) have
+//! their own fuzzing in `tests/synthetic.rs`, and their coverage-guided targets build on
+//! the same images.
+use crate::allocs::published::LiveSet;
+use crate::census::{render, Census};
+use crate::output::{self, Format, Options};
+use crate::process;
+use std::io::Write;
+
+/// A writer that keeps nothing: rendering is exercised, its output is not wanted.
+struct Sink;
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A profile in the raw format (`Profile.load`, `rubyspy report`), plain or gzipped, then
+/// written in every format: a file that loads must render.
+pub fn raw_profile(data: &[u8]) {
+    let Ok(profile) = output::raw::read_raw(&mut &data[..]) else {
+        return;
+    };
+    for format in Format::ALL {
+        let _ = output::write(&profile, format, &mut Sink, &Options::default());
+    }
+}
+
+/// A census saved as JSON (`Census.load`, `rubyspy heap --diff`), then rendered and diffed
+/// with itself, as `--diff` does with two.
+pub fn census_file(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(census) = Census::from_json(text) else {
+        return;
+    };
+    let _ = render::text(&census, 100);
+    let _ = render::pprof(&census);
+    let _ = render::diff_text(&census.diff(&census), 100);
+    let _ = (census.counts(), census.objects());
+}
+
+/// A request head as the listener reads it off a connection: parsed, routed, its query
+/// decoded.
+pub fn http_request(data: &[u8]) {
+    let _ = crate::serve::screen(data);
+}
+
+/// An ELF file as the spy reads a target's binary and extension: header, program headers,
+/// both symbol tables and their string tables.
+pub fn elf(data: &[u8]) {
+    const WANTED: &[&str] = &["ruby_version", "ruby_current_vm_ptr", "ruby_global_symbols"];
+    let _ = process::parse_binary(data, "fuzzed", 0x5555_0000_0000, WANTED);
+}
+
+/// /proc/PID/maps text, and the heap ranges the census takes from it.
+pub fn maps(data: &[u8]) {
+    let maps = process::parse_maps(&String::from_utf8_lossy(data));
+    let _ = process::heap_ranges(&maps);
+}
+
+/// The live set a tracking target publishes (`rbspy_ext_allocations_state`), decoded and
+/// encoded again.
+pub fn live_set(data: &[u8]) {
+    if let Ok(set) = LiveSet::decode(data) {
+        let _ = set.encode();
+    }
+}
+
+/// A reader of outside bytes.
+pub type Reader = fn(&[u8]);
+
+/// Every target by name, for the fuzz script and the regression test.
+pub const TARGETS: [(&str, Reader); 6] = [
+    ("raw_profile", raw_profile),
+    ("census_file", census_file),
+    ("http_request", http_request),
+    ("elf", elf),
+    ("maps", maps),
+    ("live_set", live_set),
+];
