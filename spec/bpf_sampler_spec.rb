@@ -207,19 +207,38 @@ RSpec.describe "the BPF sampler" do
     end
   end
 
-  it "leaves no program behind when the recording process is killed outright" do
+  # The BPF programs and maps process +pid+ holds, by id, from its descriptors' fdinfo: its
+  # own, whatever other recordings share the machine.
+  def bpf_objects(pid)
+    ids = { "prog" => [], "map" => [] }
+    Dir.glob("/proc/#{pid}/fdinfo/*").each do |info|
+      File.read(info).scan(/^(prog|map)_id:\s+(\d+)/) { |kind, id| ids[kind] << id.to_i }
+    rescue Errno::ENOENT, Errno::ESRCH
+      next # a descriptor closed meanwhile
+    end
+    ids.transform_values(&:uniq)
+  end
+
+  def loaded?(kind, id)
+    system("bpftool", kind, "show", "id", id.to_s, out: File::NULL, err: File::NULL)
+  end
+
+  it "leaves no program or map behind when the recording process is killed outright" do
     target = spinning("nested_methods")
     pid = Process.spawn(RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-f", "collapsed",
                         "-o", File::NULL, chdir: RubySpyTest::ROOT, out: File::NULL, err: File::NULL)
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
-    sleep 0.1 until !our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-    expect(our_programs.size).to eq(1)
+    held = wait_for("the recorder's program loaded") do
+      ids = bpf_objects(pid)
+      ids if ids["prog"].any? && ids["map"].any?
+    end
+    expect(held.flat_map { |kind, ids| ids.map { |id| loaded?(kind, id) } }).to all(be(true))
     Process.kill(:KILL, pid)
     Process.wait(pid)
-    # The kernel frees a program once its last descriptor closes, with the process's files.
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
-    sleep 0.1 until our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-    expect(our_programs).to eq([])
+    # The kernel frees a program and its maps once their last descriptor closes, with the
+    # process's files (after an RCU grace period).
+    left = -> { held.flat_map { |kind, ids| ids.select { |id| loaded?(kind, id) }.map { |id| "#{kind} #{id}" } } }
+    wait_for("the programs and maps unloaded", timeout: 10) { left.call.empty? }
+    expect(left.call).to eq([])
     expect(target.health_problems).to eq([])
   end
 
