@@ -240,10 +240,11 @@ const WANTED: &[&str] = &[
     "rb_shape_tree_ptr",
 ];
 
-/// Opens the bytes of a mapped file as the target sees it. /proc/PID/map_files works across
-/// mount namespaces and chroots (root only); the path through /proc/PID/root and the plain
-/// path are fallbacks for unprivileged readers of their own processes.
-fn read_mapped_file(pid: i32, mapping: &Mapping) -> Result<Vec<u8>> {
+/// Maps the file behind a mapping of the target as the target sees it, read-only.
+/// /proc/PID/map_files works across mount namespaces and chroots (root only); the path
+/// through /proc/PID/root and the plain path are fallbacks for unprivileged readers of their
+/// own processes.
+fn map_mapped_file(pid: i32, mapping: &Mapping) -> Result<MappedFile> {
     let candidates = [
         format!(
             "/proc/{pid}/map_files/{:x}-{:x}",
@@ -254,8 +255,8 @@ fn read_mapped_file(pid: i32, mapping: &Mapping) -> Result<Vec<u8>> {
     ];
     let mut last = None;
     for c in &candidates {
-        match fs::read(c) {
-            Ok(bytes) => return Ok(bytes),
+        match fs::File::open(c).and_then(|f| MappedFile::new(&f)) {
+            Ok(mapped) => return Ok(mapped),
             Err(e) => last = Some(e),
         }
     }
@@ -264,6 +265,55 @@ fn read_mapped_file(pid: i32, mapping: &Mapping) -> Result<Vec<u8>> {
         &format!("opening {}", mapping.path),
         last.expect("at least one candidate"),
     ))
+}
+
+/// A file mapped read-only, unmapped when dropped. Mapped rather than read: an extension
+/// built with debug information is about 30 MB, and a buffer that large, once freed, stays
+/// in the malloc arena of the thread that read it (a listener's connection thread held 28 MB
+/// of it for good), while mapped pages go back with the mapping. (A file truncated while
+/// mapped would fault on access; binaries a process has loaded are not rewritten in place,
+/// since that would crash the process itself.)
+struct MappedFile {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+impl MappedFile {
+    fn new(file: &fs::File) -> std::io::Result<MappedFile> {
+        use std::os::fd::AsRawFd;
+        let len = usize::try_from(file.metadata()?.len())
+            .map_err(|_| std::io::Error::other("file too large"))?;
+        if len == 0 {
+            return Err(std::io::Error::other("empty file"));
+        }
+        // SAFETY: a fresh read-only private mapping of an open file; nothing else aliases it.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(MappedFile { addr, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes at `addr` while the mapping lives (until drop).
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.addr, self.len) };
+    }
 }
 
 fn is_libruby(path: &str) -> bool {
@@ -283,13 +333,13 @@ fn read_binary(pid: i32, maps: &[Mapping], path: &str, wanted: &[&str]) -> Resul
             pid,
             detail: String::new(),
         })?;
-    let bytes = read_mapped_file(pid, first)?;
+    let file = map_mapped_file(pid, first)?;
     let base_mapping = mine
         .iter()
         .filter(|m| m.offset == 0)
         .min_by_key(|m| m.start)
         .unwrap_or(first);
-    parse_binary(&bytes, path, base_mapping.start, wanted)
+    parse_binary(file.bytes(), path, base_mapping.start, wanted)
         .map_err(|detail| Error::NotRuby { pid, detail })
 }
 

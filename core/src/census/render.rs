@@ -246,8 +246,9 @@ pub fn pprof(census: &Census) -> Vec<u8> {
         sample,
         location,
         function,
-        time_nanos: census.taken_at_ms as i64 * 1_000_000,
-        duration_nanos: census.duration_us as i64 * 1000,
+        // Saturating: a census file may say anything (found by the census_file fuzz target).
+        time_nanos: (census.taken_at_ms as i64).saturating_mul(1_000_000),
+        duration_nanos: (census.duration_us as i64).saturating_mul(1000),
         period_type,
         period: 1,
         comment,
