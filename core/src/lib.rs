@@ -22,6 +22,7 @@ pub mod census;
 pub mod cost;
 pub mod error;
 pub mod heap_sites;
+pub mod image;
 pub mod lines;
 pub mod memory;
 pub mod model;

@@ -6,8 +6,8 @@
 //! The fuzz targets in `fuzz/` are one line each over these, and `tests/outside_inputs.rs`
 //! replays every input a fuzz run found a crash with (`tests/outside_inputs/<target>/`), so
 //! that each stays fixed. Memory images (the stack walker, the census, tag tables) have
-//! their own fuzzing in `tests/synthetic.rs`, and their coverage-guided targets build on
-//! the same images.
+//! mutation fuzzing in `tests/synthetic.rs` over synthetic images; `memory_image` is the
+//! coverage-guided stack walker over images of live Rubies (`image`).
 use crate::allocs::published::LiveSet;
 use crate::census::{render, Census};
 use crate::output::{self, Format, Options};
@@ -82,12 +82,34 @@ pub fn live_set(data: &[u8]) {
 /// A reader of outside bytes.
 pub type Reader = fn(&[u8]);
 
+/// A memory image of a live Ruby (`image::capture`, seeded by bench/fuzz from the Rubies
+/// this machine has) under the stack walker: a snapshot, and every thread sampled twice.
+pub fn memory_image(data: &[u8]) {
+    let Some(image) = crate::image::load(data) else {
+        return;
+    };
+    let mut spy = crate::Spy::with_memory(
+        1,
+        image.memory,
+        image.layout,
+        &image.version,
+        image.roots,
+        image.symbols,
+    )
+    .with_writable(image.writable);
+    let _ = spy.snapshot();
+    for _ in 0..2 {
+        let _ = spy.sample_threads(crate::spy::ThreadSelection::All);
+    }
+}
+
 /// Every target by name, for the fuzz script and the regression test.
-pub const TARGETS: [(&str, Reader); 6] = [
+pub const TARGETS: [(&str, Reader); 7] = [
     ("raw_profile", raw_profile),
     ("census_file", census_file),
     ("http_request", http_request),
     ("elf", elf),
     ("maps", maps),
     ("live_set", live_set),
+    ("memory_image", memory_image),
 ];

@@ -114,6 +114,30 @@ fn snapshot_equals_the_targets_own_backtrace() {
     }
 }
 
+/// An image captured from a live Ruby (the `memory_image` fuzz target's seeds) holds all a
+/// walk needs: a spy over it reads the stack the live process had, and any cut of the image
+/// loads as an image or as nothing.
+#[test]
+fn a_captured_image_walks_to_the_live_stack() {
+    let target = Target::spawn("parked.rb", &["5"]);
+    let live = Spy::attach(target.pid()).unwrap().snapshot().unwrap();
+    let bytes = rbspy_ext_core::image::capture(target.pid()).unwrap();
+    let image = rbspy_ext_core::image::load(&bytes).expect("a captured image loads");
+    let mut spy = Spy::with_memory(
+        1,
+        image.memory,
+        image.layout,
+        &image.version,
+        image.roots,
+        image.symbols,
+    )
+    .with_writable(image.writable);
+    assert_eq!(spy.snapshot().unwrap(), live);
+    for cut in (0..bytes.len()).step_by(97) {
+        rbspy_ext_core::outside::memory_image(&bytes[..cut]);
+    }
+}
+
 #[test]
 fn warm_snapshots_take_at_most_three_reads_and_agree() {
     let target = Target::spawn("parked.rb", &["40"]);

@@ -360,6 +360,21 @@ impl<M: Memory> Spy<M> {
         }
     }
 
+    /// What a spy over a memory image of this target needs (`with_memory`): its layout, its
+    /// roots, the symbol table's address once a walk has found it, and libruby's writable
+    /// segments (`outside::capture_image`).
+    pub fn image_parts(&self) -> (&'static Layout, VmRoots, Option<u64>, Vec<(u64, u64)>) {
+        let t = &self.target;
+        let roots = VmRoots {
+            vm: t.vm,
+            main_thread: t.main_thread,
+            gvl_owner: t.gvl_owner,
+            thread_list: t.thread_list_head,
+        };
+        let symbols = self.cache.symbols.as_ref().map(|s| s.addr);
+        (t.layout, roots, symbols, t.writable.clone())
+    }
+
     /// Where libruby's writable data is, for a spy over a memory image (`with_memory`): the
     /// scans for structs no symbol names look there.
     pub fn with_writable(mut self, segments: Vec<(u64, u64)>) -> Self {
