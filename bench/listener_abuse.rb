@@ -55,11 +55,15 @@ Dir.mktmpdir("rbspy-abuse-") do |dir|
     scrape = Thread.new do
       sleep 1
       t = now
-      socket = Socket.tcp("127.0.0.1", port)
-      socket.write("GET /debug/pprof/profile?seconds=2&rate=100 HTTP/1.1\r\n\r\n")
-      answer = socket.read.to_s
-      socket.close
-      [answer[/\AHTTP\/1\.1 \d+/] || "closed unanswered", (now - t).round(2)]
+      begin
+        socket = Socket.tcp("127.0.0.1", port, connect_timeout: 10)
+        socket.write("GET /debug/pprof/profile?seconds=2&rate=100 HTTP/1.1\r\n\r\n")
+        answer = socket.wait_readable(20) ? socket.read.to_s : "no answer within 20 s"
+        socket.close
+      rescue SystemCallError, IOError => e
+        answer = e.class.name
+      end
+      [answer[/\AHTTP\/1\.1 \d+/] || answer[0, 40].then { |a| a.empty? ? "closed unanswered" : a }, (now - t).round(2)]
     end
     rate, out = tick_rate(info["ticks"], seconds) do
       IO.popen(["wrk", "-t2", "-c#{connections}", "-d#{seconds}s", "--timeout", "5s", url], err: [:child, :out], &:read)
