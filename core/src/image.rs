@@ -1,14 +1,14 @@
 //! A live Ruby's memory as a spy read it, saved to bytes and loaded again: the seeds of the
 //! coverage-guided stack-walker target (`outside::memory_image`). `capture` attaches, walks
 //! once to warm up, then walks again through a memory that keeps every byte it returns; the
-//! image is those bytes, with what a spy over them needs (version, roots, the symbol table's
+//! image is those bytes, with what a spy over them needs (version and layout, roots, the symbol table's
 //! address, libruby's writable segments). Loaded, any bytes give an image or None.
 use crate::error::{MemoryError, Result};
 use crate::memory::{Memory, MemoryImage, ProcessMemory};
 use crate::spy::{Spy, ThreadSelection};
 use crate::vm::VmRoots;
 
-use rbspy_ext_bindings::{layout_for_version, Layout};
+use rbspy_ext_bindings::{Layout, LAYOUTS};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
@@ -65,8 +65,11 @@ pub fn capture(pid: i32) -> Result<Vec<u8>> {
     }
     let kept = spy.memory().kept.borrow();
     let mut out = MAGIC.to_vec();
-    put(&mut out, &(version.len() as u64).to_le_bytes());
-    out.extend_from_slice(version.as_bytes());
+    // The layout by name: a dev series has several, which attaching chose between.
+    for text in [version.as_str(), layout.name] {
+        put(&mut out, &(text.len() as u64).to_le_bytes());
+        out.extend_from_slice(text.as_bytes());
+    }
     for word in [
         roots.vm,
         roots.main_thread,
@@ -118,9 +121,9 @@ fn merge(kept: &BTreeMap<u64, Vec<u8>>) -> Vec<(u64, Vec<u8>)> {
 /// Ruby version. Regions that overlap one already mapped are left out.
 pub fn load(data: &[u8]) -> Option<Image> {
     let mut r = Reader(data.strip_prefix(MAGIC.as_slice())?);
-    let version_len = usize::try_from(r.word()?).ok()?;
-    let version = std::str::from_utf8(r.take(version_len)?).ok()?.to_string();
-    let layout = layout_for_version(&version)?;
+    let version = r.text()?.to_string();
+    let name = r.text()?;
+    let layout = LAYOUTS.iter().find(|l| l.name == name)?;
     let roots = VmRoots {
         vm: r.word()?,
         main_thread: r.word()?,
@@ -170,6 +173,11 @@ impl<'a> Reader<'a> {
         let (head, rest) = self.0.split_at(n);
         self.0 = rest;
         Some(head)
+    }
+
+    fn text(&mut self) -> Option<&'a str> {
+        let len = usize::try_from(self.word()?).ok()?;
+        std::str::from_utf8(self.take(len)?).ok()
     }
 
     fn word(&mut self) -> Option<u64> {
