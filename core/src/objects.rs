@@ -219,6 +219,21 @@ impl SymbolTable {
         array_len(l, head) == Some(last_id / l.id_entry_unit + 1)
     }
 
+    /// Where `confirms` looks at a T_DATA alone (4.1's directory of chunks), whether the
+    /// first ID above the operators and one halfway to the candidate's last ID both name a
+    /// String through it (not the last itself, which a busy target may be writing): many
+    /// words of a static ruby's data look like a counter beside a T_DATA, and the first of
+    /// them is not always the table (a snapshot then failed with "method name ID does not
+    /// resolve" on every attempt).
+    pub fn resolves<M: Memory>(mem: &M, l: &Layout, ids: u64, last_id: u64) -> bool {
+        let first = l.last_op_id + 1;
+        [first, first + last_id.saturating_sub(first) / 2]
+            .iter()
+            .all(|&serial| {
+                id_string(mem, l, ids, serial).is_ok_and(|s| read_string(mem, l, s).is_ok())
+            })
+    }
+
     /// The name of `id`, e.g. "each" or "__classpath__".
     pub fn name<M: Memory>(&mut self, mem: &M, l: &Layout, id: u64) -> ObjResult<Arc<str>> {
         if let Some(n) = self.names.get(&id) {
@@ -235,49 +250,54 @@ impl SymbolTable {
         if serial == 0 || serial > last_id {
             return Err(ObjectError::Shape("ID", id));
         }
-        let ids = word(&head, l.symbols_ids);
-        let chunk = match l.id_dir {
-            None => read_array_entry(mem, l, ids, serial / l.id_entry_unit)?,
-            Some((capa_at, entries_at)) => {
-                // `ids` wraps a directory {capa, entries}: chunk i at entries[i].
-                let data_at = l
-                    .id_chunk_data
-                    .ok_or(ObjectError::Shape("ID directory", ids))?;
-                if !is_heap_object(ids) {
-                    return Err(ObjectError::Shape("ID directory", ids));
-                }
-                let dir = mem.read_u64(field(ids, data_at))?;
-                let mut d = [0u8; 16];
-                mem.read(dir, &mut d)?;
-                let (capa, entries) = (word(&d, capa_at), word(&d, entries_at));
-                let index = serial / l.id_entry_unit;
-                if index >= capa {
-                    return Err(ObjectError::Shape("ID directory index", ids));
-                }
-                mem.read_u64(entries.wrapping_add(index * 8))?
-            }
-        };
-        let entry = (serial % l.id_entry_unit) * l.id_entry_size + l.id_entry_str;
-        let str_value = match l.id_chunk_data {
-            None => read_array_entry(mem, l, chunk, entry)?,
-            Some(data_at) => {
-                // 4.1: a T_DATA over an rb_darray {size, capa, entries...} of this chunk's IDs.
-                if !is_heap_object(chunk) {
-                    return Err(ObjectError::Shape("ID chunk", chunk));
-                }
-                let darray = mem.read_u64(field(chunk, data_at))?;
-                let size = mem.read_u64(darray)?;
-                if serial % l.id_entry_unit >= size.min(l.id_entry_unit) {
-                    return Err(ObjectError::Shape("ID chunk index", chunk));
-                }
-                let at = darray.wrapping_add(l.id_chunk_header as u64);
-                mem.read_u64(at.wrapping_add(entry.wrapping_mul(8)))?
-            }
-        };
+        let str_value = id_string(mem, l, word(&head, l.symbols_ids), serial)?;
         let name: Arc<str> = read_string(mem, l, str_value)?.into();
         self.names.insert(id, name.clone());
         Ok(name)
     }
+}
+
+/// The String VALUE that names ID serial `serial`, through the table's `ids`.
+fn id_string<M: Memory>(mem: &M, l: &Layout, ids: u64, serial: u64) -> ObjResult<u64> {
+    let chunk = match l.id_dir {
+        None => read_array_entry(mem, l, ids, serial / l.id_entry_unit)?,
+        Some((capa_at, entries_at)) => {
+            // `ids` wraps a directory {capa, entries}: chunk i at entries[i].
+            let data_at = l
+                .id_chunk_data
+                .ok_or(ObjectError::Shape("ID directory", ids))?;
+            if !is_heap_object(ids) {
+                return Err(ObjectError::Shape("ID directory", ids));
+            }
+            let dir = mem.read_u64(field(ids, data_at))?;
+            let mut d = [0u8; 16];
+            mem.read(dir, &mut d)?;
+            let (capa, entries) = (word(&d, capa_at), word(&d, entries_at));
+            let index = serial / l.id_entry_unit;
+            if index >= capa {
+                return Err(ObjectError::Shape("ID directory index", ids));
+            }
+            mem.read_u64(entries.wrapping_add(index * 8))?
+        }
+    };
+    let entry = (serial % l.id_entry_unit) * l.id_entry_size + l.id_entry_str;
+    let str_value = match l.id_chunk_data {
+        None => read_array_entry(mem, l, chunk, entry)?,
+        Some(data_at) => {
+            // 4.1: a T_DATA over an rb_darray {size, capa, entries...} of this chunk's IDs.
+            if !is_heap_object(chunk) {
+                return Err(ObjectError::Shape("ID chunk", chunk));
+            }
+            let darray = mem.read_u64(field(chunk, data_at))?;
+            let size = mem.read_u64(darray)?;
+            if serial % l.id_entry_unit >= size.min(l.id_entry_unit) {
+                return Err(ObjectError::Shape("ID chunk index", chunk));
+            }
+            let at = darray.wrapping_add(l.id_chunk_header as u64);
+            mem.read_u64(at.wrapping_add(entry.wrapping_mul(8)))?
+        }
+    };
+    Ok(str_value)
 }
 
 /// The last ID serial in use, from the symbol table's counter (4.0 counts the next one).

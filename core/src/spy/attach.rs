@@ -507,9 +507,12 @@ impl<M: Memory> Target<M> {
             |bytes| {
                 SymbolTable::candidate(l, bytes)
                     .filter(|(_, ids)| in_heap(*ids))
-                    .map(|(last_id, ids)| (ids, last_id))
+                    .map(|(last_id, ids)| (ids, (last_id, ids)))
             },
-            |last_id, head| SymbolTable::confirms(l, *last_id, head),
+            |&(last_id, ids), head| {
+                SymbolTable::confirms(l, last_id, head)
+                    && (l.id_dir.is_none() || SymbolTable::resolves(&self.mem, l, ids, last_id))
+            },
         )
         .map(|(at, _)| at)
     }
