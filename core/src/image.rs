@@ -26,6 +26,21 @@ pub struct Image {
     pub memory: MemoryImage,
 }
 
+impl Image {
+    /// A spy over the image, as over the process it was captured from.
+    pub fn spy(self) -> Spy<MemoryImage> {
+        Spy::with_memory(
+            1,
+            self.memory,
+            self.layout,
+            &self.version,
+            self.roots,
+            self.symbols,
+        )
+        .with_writable(self.writable)
+    }
+}
+
 /// A process's memory that keeps a copy of every range read from it.
 struct Keeping {
     process: ProcessMemory,

@@ -219,12 +219,10 @@ impl SymbolTable {
         array_len(l, head) == Some(last_id / l.id_entry_unit + 1)
     }
 
-    /// Where `confirms` looks at a T_DATA alone (4.1's directory of chunks), whether the
-    /// first ID above the operators and one halfway to the candidate's last ID both name a
-    /// String through it (not the last itself, which a busy target may be writing): many
-    /// words of a static ruby's data look like a counter beside a T_DATA, and the first of
-    /// them is not always the table (a snapshot then failed with "method name ID does not
-    /// resolve" on every attempt).
+    /// For 4.1's directory (a T_DATA, all `confirms` sees): whether the first ID above the
+    /// operators and one halfway to the last (not the last, maybe being written) name
+    /// Strings. Many words of a static ruby's data look like a counter beside a T_DATA, and
+    /// the first is not always the table ("method name ID does not resolve" then, for good).
     pub fn resolves<M: Memory>(mem: &M, l: &Layout, ids: u64, last_id: u64) -> bool {
         let first = l.last_op_id + 1;
         [first, first + last_id.saturating_sub(first) / 2]

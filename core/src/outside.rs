@@ -88,15 +88,7 @@ pub fn memory_image(data: &[u8]) {
     let Some(image) = crate::image::load(data) else {
         return;
     };
-    let mut spy = crate::Spy::with_memory(
-        1,
-        image.memory,
-        image.layout,
-        &image.version,
-        image.roots,
-        image.symbols,
-    )
-    .with_writable(image.writable);
+    let mut spy = image.spy();
     let _ = spy.snapshot();
     for _ in 0..2 {
         let _ = spy.sample_threads(crate::spy::ThreadSelection::All);

@@ -123,15 +123,7 @@ fn a_captured_image_walks_to_the_live_stack() {
     let live = Spy::attach(target.pid()).unwrap().snapshot().unwrap();
     let bytes = rbspy_ext_core::image::capture(target.pid()).unwrap();
     let image = rbspy_ext_core::image::load(&bytes).expect("a captured image loads");
-    let mut spy = Spy::with_memory(
-        1,
-        image.memory,
-        image.layout,
-        &image.version,
-        image.roots,
-        image.symbols,
-    )
-    .with_writable(image.writable);
+    let mut spy = image.spy();
     assert_eq!(spy.snapshot().unwrap(), live);
     for cut in (0..bytes.len()).step_by(97) {
         rbspy_ext_core::outside::memory_image(&bytes[..cut]);
