@@ -144,8 +144,6 @@ RSpec.describe "exe/rubyspy" do
       FileUtils.rm_rf(shared) if shared
     end
 
-    # Fails about one run in ten while the start-up attach bug below stands (exit 1 with
-    # "VM (ruby_current_vm_ptr does not validate) ..." on stderr).
     it "-- COMMAND records the command until it exits and writes the profile" do
       output = File.join(@dir, "command.txt")
       script = <<~RUBY

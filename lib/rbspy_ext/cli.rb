@@ -376,14 +376,18 @@ module RubySpy
 
     # Process.spawn has no uid option: fork, give up root for good, exec.
     # The user's supplementary groups (initgroups) and HOME, USER and LOGNAME come along, as
-    # sudo -u would give them, when the uid has a passwd entry.
+    # sudo -u would give them, when the uid has a passwd entry. Returns once the child has
+    # exec'd (or failed to): before that it is a copy of this Ruby, which attaching would
+    # take for the command's (the pipe's write end closes on exec).
     def spawn_as(command, uid, gid)
       user = begin
         Etc.getpwuid(uid)
       rescue ArgumentError
         nil
       end
-      fork do
+      reader, writer = IO.pipe
+      pid = fork do
+        reader.close
         user ? Process.initgroups(user.name, gid) : Process.groups = [gid]
         Process::GID.change_privilege(gid)
         Process::UID.change_privilege(uid)
@@ -393,6 +397,10 @@ module RubySpy
         warn "rubyspy: cannot run #{command.first} as uid #{uid}: #{e.message}"
         exit!(127)
       end
+      writer.close
+      reader.read # EOF at the exec, or at the exit of a child that could not
+      reader.close
+      pid
     end
 
     def check_writable(path)
