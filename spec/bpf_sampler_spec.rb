@@ -53,10 +53,40 @@ RSpec.describe "the BPF sampler" do
     end.join("\n")
   end
 
-  # The programs loaded now whose name is ours.
-  def our_programs
-    out, = Open3.capture2e("bpftool", "prog", "show")
-    out.lines.grep(/name rbspy_sample\b/)
+  # The BPF programs and maps process +pid+ holds, by id, from its descriptors' fdinfo: its
+  # own, whatever other recordings share the machine.
+  def bpf_objects(pid)
+    ids = { "prog" => [], "map" => [] }
+    Dir.glob("/proc/#{pid}/fdinfo/*").each do |info|
+      File.read(info).scan(/^(prog|map)_id:\s+(\d+)/) { |kind, id| ids[kind] << id.to_i }
+    rescue Errno::ENOENT, Errno::ESRCH
+      next # a descriptor closed meanwhile
+    end
+    ids.transform_values(&:uniq)
+  end
+
+  def loaded?(kind, id)
+    system("bpftool", kind, "show", "id", id.to_s, out: File::NULL, err: File::NULL)
+  end
+
+  # Waits until process +pid+ holds a BPF program and its maps, and returns their ids.
+  def held_bpf_objects(pid)
+    wait_for("the recorder's program loaded") do
+      ids = bpf_objects(pid)
+      ids if ids["prog"].any? && ids["map"].any?
+    end
+  end
+
+  # The kernel frees a program and its maps once their last descriptor closes (after an RCU
+  # grace period): the objects of +held+ still loaded after a few seconds.
+  def still_loaded(held)
+    left = -> { held.flat_map { |kind, ids| ids.select { |id| loaded?(kind, id) }.map { |id| "#{kind} #{id}" } } }
+    begin
+      wait_for("the programs and maps unloaded", timeout: 10) { left.call.empty? }
+    rescue RuntimeError
+      # The expectation names what is left.
+    end
+    left.call
   end
 
   describe "on the snapshot corpus" do
@@ -181,11 +211,13 @@ RSpec.describe "the BPF sampler" do
     # 0.5 s of CPU time, however long the machine takes to give it: ~500 samples at 999 Hz.
     target = start_target("exits_soon", "0.5", "cpu")
     profile = nil
+    # This process loads the program: its own ids, whatever other recordings share the machine.
+    held = Thread.new { held_bpf_objects(Process.pid) }
     Timeout.timeout(60) { profile = record(target.pid, mode: :bpf, duration: 30) }
     expect(profile.duration).to be < 15 # ended by the exit, not by its 30 s
     expect(profile.samples).to be >= 0.5 * 999 * 0.5, "#{profile.samples} samples; errors #{profile.errors}"
     expect(profile.notes.join).to include("exited")
-    expect(our_programs).to eq([])
+    expect(still_loaded(held.value)).to eq([])
   end
 
   it "writes a pprof profile that go tool pprof reads, from rubyspy record --bpf, and unloads on Ctrl-C" do
@@ -195,50 +227,27 @@ RSpec.describe "the BPF sampler" do
       cmd = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "--rate", "999",
              "--format", "pprof", "-o", out]
       Open3.popen3(*cmd, chdir: RubySpyTest::ROOT) do |_in, _out, err, wait|
-        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
-        sleep 0.1 until !our_programs.empty? || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-        expect(our_programs.size).to eq(1)
+        held = held_bpf_objects(wait.pid)
+        expect(held["prog"].size).to eq(1)
         sleep 0.5
         Process.kill(:INT, wait.pid)
         expect(wait.value.exitstatus).to eq(0), err.read
+        expect(still_loaded(held)).to eq([])
       end
-      expect(our_programs).to eq([])
       expect(pprof_functions(out)).to include("Object#level6", "Park.spin")
     end
-  end
-
-  # The BPF programs and maps process +pid+ holds, by id, from its descriptors' fdinfo: its
-  # own, whatever other recordings share the machine.
-  def bpf_objects(pid)
-    ids = { "prog" => [], "map" => [] }
-    Dir.glob("/proc/#{pid}/fdinfo/*").each do |info|
-      File.read(info).scan(/^(prog|map)_id:\s+(\d+)/) { |kind, id| ids[kind] << id.to_i }
-    rescue Errno::ENOENT, Errno::ESRCH
-      next # a descriptor closed meanwhile
-    end
-    ids.transform_values(&:uniq)
-  end
-
-  def loaded?(kind, id)
-    system("bpftool", kind, "show", "id", id.to_s, out: File::NULL, err: File::NULL)
   end
 
   it "leaves no program or map behind when the recording process is killed outright" do
     target = spinning("nested_methods")
     pid = Process.spawn(RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-f", "collapsed",
                         "-o", File::NULL, chdir: RubySpyTest::ROOT, out: File::NULL, err: File::NULL)
-    held = wait_for("the recorder's program loaded") do
-      ids = bpf_objects(pid)
-      ids if ids["prog"].any? && ids["map"].any?
-    end
+    held = held_bpf_objects(pid)
     expect(held.flat_map { |kind, ids| ids.map { |id| loaded?(kind, id) } }).to all(be(true))
     Process.kill(:KILL, pid)
     Process.wait(pid)
-    # The kernel frees a program and its maps once their last descriptor closes, with the
-    # process's files (after an RCU grace period).
-    left = -> { held.flat_map { |kind, ids| ids.select { |id| loaded?(kind, id) }.map { |id| "#{kind} #{id}" } } }
-    wait_for("the programs and maps unloaded", timeout: 10) { left.call.empty? }
-    expect(left.call).to eq([])
+    # Closed with the process's files.
+    expect(still_loaded(held)).to eq([])
     expect(target.health_problems).to eq([])
   end
 
