@@ -1,43 +1,37 @@
 //! A live Ruby's memory as a spy read it, saved to bytes and loaded again: the seeds of the
-//! coverage-guided stack-walker target (`outside::memory_image`). `capture` attaches, walks
-//! once to warm up, then walks again through a memory that keeps every byte it returns; the
-//! image is those bytes, with what a spy over them needs (version and layout, roots, the symbol table's
-//! address, libruby's writable segments). Loaded, any bytes give an image or None.
+//! coverage-guided targets over memory images (`outside::memory_image`, the stack walker
+//! and tag tables; `outside::heap_image`, the census). `capture` attaches, walks once to
+//! warm up, then walks again (and takes a census, if asked) through a memory that keeps
+//! every byte it returns; the image is those bytes, with what a spy over them needs and
+//! attaching read from the process's maps and ELF files (`spy::ImageParts`: version and
+//! layout, roots, the symbol table's address, libruby's writable segments, the heap's
+//! ranges, where the tags are). Loaded, any bytes give an image or None.
+use crate::census::{self, CensusOptions};
 use crate::error::{MemoryError, Result};
 use crate::memory::{Memory, MemoryImage, ProcessMemory};
-use crate::spy::{Spy, ThreadSelection};
+use crate::spy::{ImageParts, Spy, ThreadSelection};
 use crate::vm::VmRoots;
 
-use rbspy_ext_bindings::{Layout, LAYOUTS};
+use rbspy_ext_bindings::LAYOUTS;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-const MAGIC: &[u8; 8] = b"RBSPYIM1";
+const MAGIC: &[u8; 8] = b"RBSPYIM2";
 /// Most bytes an image may map when loaded: a fuzzed length is refused above it.
 const MAX_BYTES: usize = 64 << 20;
+/// Most ranges of each list (writable segments, heap ranges) an image may name.
+const MAX_RANGES: u64 = 64;
 
 /// A memory image of a Ruby process and what a spy over it needs.
 pub struct Image {
-    pub layout: &'static Layout,
-    pub version: String,
-    pub roots: VmRoots,
-    pub symbols: Option<u64>,
-    pub writable: Vec<(u64, u64)>,
+    pub parts: ImageParts,
     pub memory: MemoryImage,
 }
 
 impl Image {
     /// A spy over the image, as over the process it was captured from.
     pub fn spy(self) -> Spy<MemoryImage> {
-        Spy::with_memory(
-            1,
-            self.memory,
-            self.layout,
-            &self.version,
-            self.roots,
-            self.symbols,
-        )
-        .with_writable(self.writable)
+        Spy::over_image(1, self.memory, &self.parts)
     }
 }
 
@@ -61,43 +55,54 @@ impl Memory for Keeping {
     }
 }
 
-/// What a snapshot and two samples of every thread of `pid` read, as an image's bytes.
-pub fn capture(pid: i32) -> Result<Vec<u8>> {
+/// What a snapshot and two samples of every thread of `pid` read (tags included, where the
+/// target has loaded the extension), and with `census` what a census of its heap read, as
+/// an image's bytes.
+pub fn capture(pid: i32, census: bool) -> Result<Vec<u8>> {
     let mut warm = Spy::attach(pid)?;
     warm.snapshot()?;
     let _ = warm.sample_threads(ThreadSelection::All);
-    let (layout, roots, symbols, writable) = warm.image_parts();
+    let parts = warm.image_parts();
     let keeping = Keeping {
         process: ProcessMemory::new(pid),
         kept: RefCell::default(),
     };
-    let version = warm.version().to_string();
-    let mut spy = Spy::with_memory(pid, keeping, layout, &version, roots, symbols)
-        .with_writable(writable.clone());
+    let mut spy = Spy::over_image(pid, keeping, &parts);
     spy.snapshot()?;
+    let _ = spy.snapshot_tags();
     for _ in 0..2 {
         let _ = spy.sample_threads(ThreadSelection::All);
+    }
+    if census {
+        census::take(spy.target_view(), CensusOptions::default())?;
     }
     let kept = spy.memory().kept.borrow();
     let mut out = MAGIC.to_vec();
     // The layout by name: a dev series has several, which attaching chose between.
-    for text in [version.as_str(), layout.name] {
+    for text in [parts.version.as_str(), parts.layout.name] {
         put(&mut out, &(text.len() as u64).to_le_bytes());
         out.extend_from_slice(text.as_bytes());
     }
-    for word in [
-        roots.vm,
-        roots.main_thread,
-        roots.gvl_owner,
-        roots.thread_list,
-    ] {
+    let r = parts.roots;
+    let (tags, owner) = parts.tags.unwrap_or((0, None));
+    let words = [
+        r.vm,
+        r.main_thread,
+        r.gvl_owner,
+        r.thread_list,
+        parts.symbols.unwrap_or(0),
+        tags as u64,
+        owner.unwrap_or(0) as u64,
+    ];
+    for word in words {
         put(&mut out, &word.to_le_bytes());
     }
-    put(&mut out, &symbols.unwrap_or(0).to_le_bytes());
-    put(&mut out, &(writable.len() as u64).to_le_bytes());
-    for (start, end) in &writable {
-        put(&mut out, &start.to_le_bytes());
-        put(&mut out, &end.to_le_bytes());
+    for ranges in [&parts.writable, &parts.heap] {
+        put(&mut out, &(ranges.len() as u64).to_le_bytes());
+        for (start, end) in ranges {
+            put(&mut out, &start.to_le_bytes());
+            put(&mut out, &end.to_le_bytes());
+        }
     }
     let regions = merge(&kept);
     put(&mut out, &(regions.len() as u64).to_le_bytes());
@@ -146,10 +151,10 @@ pub fn load(data: &[u8]) -> Option<Image> {
         thread_list: r.word()?,
     };
     let symbols = Some(r.word()?).filter(|&a| a != 0);
-    let mut writable = Vec::new();
-    for _ in 0..r.word()?.min(64) {
-        writable.push((r.word()?, r.word()?));
-    }
+    let (tags, owner) = (r.word()? as i64, r.word()? as i64);
+    let tags = (tags != 0).then_some((tags, (owner != 0).then_some(owner)));
+    let writable = r.ranges()?;
+    let heap = r.ranges()?;
     let mut memory = MemoryImage::new();
     let mut mapped: Vec<(u64, u64)> = Vec::new();
     let mut total = 0usize;
@@ -168,14 +173,16 @@ pub fn load(data: &[u8]) -> Option<Image> {
         mapped.push((addr, end));
         memory.map(addr, bytes.to_vec());
     }
-    Some(Image {
+    let parts = ImageParts {
         layout,
         version,
         roots,
         symbols,
         writable,
-        memory,
-    })
+        heap,
+        tags,
+    };
+    Some(Image { parts, memory })
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -197,5 +204,18 @@ impl<'a> Reader<'a> {
 
     fn word(&mut self) -> Option<u64> {
         Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+
+    /// A count, then that many (start, end) pairs: at most `MAX_RANGES` of them are kept.
+    fn ranges(&mut self) -> Option<Vec<(u64, u64)>> {
+        let count = self.word()?;
+        let mut out = Vec::new();
+        for i in 0..count {
+            let range = (self.word()?, self.word()?);
+            if i < MAX_RANGES {
+                out.push(range);
+            }
+        }
+        Some(out)
     }
 }

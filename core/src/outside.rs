@@ -5,9 +5,9 @@
 //!
 //! The fuzz targets in `fuzz/` are one line each over these, and `tests/outside_inputs.rs`
 //! replays every input a fuzz run found a crash with (`tests/outside_inputs/<target>/`), so
-//! that each stays fixed. Memory images (the stack walker, the census, tag tables) have
-//! mutation fuzzing in `tests/synthetic.rs` over synthetic images; `memory_image` is the
-//! coverage-guided stack walker over images of live Rubies (`image`).
+//! that each stays fixed. Memory images of live Rubies (`image`) drive the rest:
+//! `memory_image` the stack walker and the tag tables, `heap_image` the census (the
+//! mutation fuzzing of `tests/synthetic.rs` covers the same readers over synthetic images).
 use crate::allocs::published::LiveSet;
 use crate::census::{render, Census};
 use crate::output::{self, Format, Options};
@@ -83,20 +83,34 @@ pub fn live_set(data: &[u8]) {
 pub type Reader = fn(&[u8]);
 
 /// A memory image of a live Ruby (`image::capture`, seeded by bench/fuzz from the Rubies
-/// this machine has) under the stack walker: a snapshot, and every thread sampled twice.
+/// this machine has, one of them tagged) under the stack walker and the tag reader: a
+/// snapshot and its tags, and every thread sampled twice.
 pub fn memory_image(data: &[u8]) {
     let Some(image) = crate::image::load(data) else {
         return;
     };
     let mut spy = image.spy();
     let _ = spy.snapshot();
+    let _ = spy.snapshot_tags();
     for _ in 0..2 {
         let _ = spy.sample_threads(crate::spy::ThreadSelection::All);
     }
 }
 
+/// A memory image of a live Ruby's heap as a census read it (`image::capture` with its
+/// census: pages, their headers, shapes, tables, class names) under the census.
+pub fn heap_image(data: &[u8]) {
+    let Some(image) = crate::image::load(data) else {
+        return;
+    };
+    let mut spy = image.spy();
+    if let Ok(census) = crate::census::take(spy.target_view(), Default::default()) {
+        let _ = render::text(&census, 100);
+    }
+}
+
 /// Every target by name, for the fuzz script and the regression test.
-pub const TARGETS: [(&str, Reader); 7] = [
+pub const TARGETS: [(&str, Reader); 8] = [
     ("raw_profile", raw_profile),
     ("census_file", census_file),
     ("http_request", http_request),
@@ -104,4 +118,5 @@ pub const TARGETS: [(&str, Reader); 7] = [
     ("maps", maps),
     ("live_set", live_set),
     ("memory_image", memory_image),
+    ("heap_image", heap_image),
 ];

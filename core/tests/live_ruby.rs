@@ -114,19 +114,29 @@ fn snapshot_equals_the_targets_own_backtrace() {
     }
 }
 
-/// An image captured from a live Ruby (the `memory_image` fuzz target's seeds) holds all a
-/// walk needs: a spy over it reads the stack the live process had, and any cut of the image
-/// loads as an image or as nothing.
+/// An image captured from a live Ruby (the `memory_image` and `heap_image` fuzz targets'
+/// seeds) holds all a walk and a census need: a spy over it reads the stack the live
+/// process had and counts the heap it has (parked, it allocates nothing), and any cut of
+/// the image loads as an image or as nothing.
 #[test]
-fn a_captured_image_walks_to_the_live_stack() {
+fn a_captured_image_walks_to_the_live_stack_and_counts_its_heap() {
     let target = Target::spawn("parked.rb", &["5"]);
-    let live = Spy::attach(target.pid()).unwrap().snapshot().unwrap();
-    let bytes = rbspy_ext_core::image::capture(target.pid()).unwrap();
+    let mut live = Spy::attach(target.pid()).unwrap();
+    let frames = live.snapshot().unwrap();
+    let census = rbspy_ext_core::census::take(live.target_view(), Default::default()).unwrap();
+    let bytes = rbspy_ext_core::image::capture(target.pid(), true).unwrap();
     let image = rbspy_ext_core::image::load(&bytes).expect("a captured image loads");
     let mut spy = image.spy();
-    assert_eq!(spy.snapshot().unwrap(), live);
-    for cut in (0..bytes.len()).step_by(97) {
+    assert_eq!(spy.snapshot().unwrap(), frames);
+    let counted = rbspy_ext_core::census::take(spy.target_view(), Default::default()).unwrap();
+    assert!(census.objects() > 1000, "{} objects", census.objects());
+    // All but the pid, the time and the duration.
+    assert_eq!(counted.counts()[3..], census.counts()[3..]);
+    assert_eq!(counted.classes, census.classes);
+    assert_eq!(counted.types, census.types);
+    for cut in (0..bytes.len()).step_by(bytes.len() / 300) {
         rbspy_ext_core::outside::memory_image(&bytes[..cut]);
+        rbspy_ext_core::outside::heap_image(&bytes[..cut]);
     }
 }
 

@@ -98,9 +98,10 @@ pub struct ClassRow {
 }
 
 impl ClassRow {
-    /// Slot and outside bytes together: what `ObjectSpace.memsize_of` sums to.
+    /// Slot and outside bytes together: what `ObjectSpace.memsize_of` sums to (saturating:
+    /// sizes read from a changing heap, or a file, can be anything).
     pub fn bytes(&self) -> u64 {
-        self.slot_bytes + self.heap_bytes
+        self.slot_bytes.saturating_add(self.heap_bytes)
     }
 }
 

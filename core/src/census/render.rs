@@ -121,7 +121,7 @@ fn ractor_lines(out: &mut String, census: &Census) {
             "  {who}, {}: {} live objects, {}, in {} pages",
             r.state,
             r.objects,
-            human_bytes(r.slot_bytes + r.heap_bytes),
+            human_bytes(r.slot_bytes.saturating_add(r.heap_bytes)),
             r.pages
         );
     }

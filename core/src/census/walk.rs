@@ -312,17 +312,19 @@ impl Count<'_> {
         for ((klass, id), objects) in shaped {
             if let Some(capacity) = capacities.get(&id) {
                 let tally = self.by_class.entry((klass, T_OBJECT)).or_default();
-                tally.heap_bytes += capacity * 8 * objects;
+                let bytes = capacity.saturating_mul(8).saturating_mul(objects);
+                tally.heap_bytes = tally.heap_bytes.saturating_add(bytes);
             }
         }
     }
 }
 
 impl Tally {
+    /// Saturating: outside bytes read from a heap that changes (or a freed slot) can be anything.
     fn add(&mut self, other: Tally) {
         self.objects += other.objects;
         self.slot_bytes += other.slot_bytes;
-        self.heap_bytes += other.heap_bytes;
+        self.heap_bytes = self.heap_bytes.saturating_add(other.heap_bytes);
     }
 }
 
@@ -447,7 +449,7 @@ impl Count<'_> {
             row.free_slots += free;
             row.objects += live.objects;
             row.slot_bytes += live.slot_bytes;
-            row.heap_bytes += live.heap_bytes;
+            row.heap_bytes = row.heap_bytes.saturating_add(live.heap_bytes);
         }
     }
 
@@ -474,7 +476,7 @@ impl Count<'_> {
             T_STRING
                 if flags & l.rstring_noembed != 0 && flags & (h.str_shared | h.str_nofree) == 0 =>
             {
-                word(slot, h.rstring_capa) + 1
+                word(slot, h.rstring_capa).saturating_add(1)
             }
             T_ARRAY if flags & (l.rarray_embed_flag | h.ary_shared) == 0 => {
                 let words = if flags & h.ary_shared_root != 0 {
@@ -482,7 +484,7 @@ impl Count<'_> {
                 } else {
                     word(slot, h.rarray_capa)
                 };
-                words * 8
+                words.saturating_mul(8)
             }
             T_HASH => match (h.hash_st_inline, h.hash_st_ptr) {
                 (Some(at), _)
@@ -590,7 +592,8 @@ impl Count<'_> {
                     self.census.unreadable_tables += 1;
                     continue;
                 };
-                self.by_class.entry((*klass, *t)).or_default().heap_bytes += bytes;
+                let tally = self.by_class.entry((*klass, *t)).or_default();
+                tally.heap_bytes = tally.heap_bytes.saturating_add(bytes);
             }
         }
     }

@@ -28,6 +28,7 @@ mod view;
 mod walker;
 mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
+pub use attach::ImageParts;
 pub use captured::{Capture, CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
 use envs::Envs;
 pub use view::TargetView;

@@ -141,6 +141,13 @@ pub(super) struct Decoder<'a, M: Memory> {
 }
 
 impl TagReader {
+    /// Where the offsets are already known (a spy over a memory image, whose process's
+    /// maps cannot be read): they are not looked for.
+    pub(super) fn preset(&mut self, offset: i64, owner_offset: Option<i64>) {
+        self.offset = Some(offset);
+        self.owner_offset = owner_offset;
+    }
+
     /// See [`Spy::profiler_state_offset`].
     pub(super) fn offset<M: Memory>(&mut self, t: &Target<M>) -> Option<i64> {
         if self.offset.is_some() {
