@@ -14,6 +14,7 @@ require "json"
 require "tmpdir"
 require "rbconfig"
 require "socket"
+require_relative "support"
 
 seconds = Integer(ARGV.fetch(0, "10"))
 root = File.expand_path("..", __dir__)
@@ -24,13 +25,11 @@ unless system("which wrk", out: File::NULL)
 end
 
 def holdings(pid)
-  rss = File.read("/proc/#{pid}/status")[/^VmRSS:\s+(\d+)/, 1].to_i / 1024.0
-  format("%d threads, %d fds, %.1f MB", Dir.children("/proc/#{pid}/task").size, Dir.children("/proc/#{pid}/fd").size, rss)
+  format("%d threads, %d fds, %.1f MB", Dir.children("/proc/#{pid}/task").size, Dir.children("/proc/#{pid}/fd").size,
+         rss_mb(pid))
 end
 
 def ticks(path) = File.read(path).to_i
-
-def now = Process.clock_gettime(Process::CLOCK_MONOTONIC)
 
 # Ticks a second of the app thread over +seconds+, while the block runs (if any).
 def tick_rate(path, seconds)

@@ -15,17 +15,10 @@ require "rbspy_ext"
 require "json"
 require "tmpdir"
 require "rbconfig"
+require_relative "support"
 
 minutes = Float(ARGV.fetch(0, "60"))
 root = File.expand_path("..", __dir__)
-
-def rss_mb(pid)
-  File.read("/proc/#{pid}/status")[/^VmRSS:\s+(\d+)/, 1].to_i / 1024.0
-rescue Errno::ENOENT
-  nil
-end
-
-def now = Process.clock_gettime(Process::CLOCK_MONOTONIC)
 
 Dir.mktmpdir("rbspy-soak-") do |dir|
   ready = File.join(dir, "ready")

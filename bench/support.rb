@@ -4,6 +4,16 @@
 # CPU-bound target with its slowdown under a profiler.
 require "tmpdir"
 
+# Seconds on the monotonic clock.
+def now = Process.clock_gettime(Process::CLOCK_MONOTONIC)
+
+# Process +pid+'s resident memory in MB, or nil once it has gone.
+def rss_mb(pid)
+  File.read("/proc/#{pid}/status")[/^VmRSS:\s+(\d+)/, 1].to_i / 1024.0
+rescue Errno::ENOENT
+  nil
+end
+
 # The rbspy binary: $RBSPY, or one installed from crates.io into the cache on first use.
 def rbspy_binary
   from_env = ENV["RBSPY"]

@@ -5,6 +5,7 @@ require "objspace"
 require "open3"
 require "tmpdir"
 require_relative "spec_helper"
+require_relative "fixtures/lib/compaction"
 require "rbspy_ext"
 
 # Sampled allocation tracking in the process itself (RubySpy.track_allocations, issue 38):
@@ -51,16 +52,6 @@ RSpec.describe "sampled allocations" do
     expect(ours["retained"][line.("garbage-arrays")]).to eq(0)
   end
 
-  # Compacts toward empty pages, so that every movable object moves (GC.compact alone may
-  # leave a dense heap as it is).
-  def move_everything
-    if RUBY_VERSION >= "3.2"
-      GC.verify_compaction_references(expand_heap: true, toward: :empty)
-    else
-      GC.verify_compaction_references(double_heap: true, toward: :empty)
-    end
-  end
-
   # The strings allocated by #make_moving still alive, by Ruby's own count.
   def moving_alive
     # Other specs leave strings of any encoding and bytes: compare bytes.
@@ -84,7 +75,7 @@ RSpec.describe "sampled allocations" do
     make_moving
     address = ->(o) { ObjectSpace.dump(o)[/"address":"(0x\h+)"/, 1] }
     before = @moving.map(&address)
-    move_everything
+    Compaction.move_everything
     expect(@moving.map(&address).zip(before).count { |a, b| a != b }).to be > 1000 # they moved
     # Each string of the line and its number's to_s (0-9 are Ruby's own): 2000 kept of 3990.
     expect(site.(RubySpy.allocations)).to eq(allocated: 3990, live: 2000, samples: 3990)
