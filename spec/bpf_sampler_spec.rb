@@ -66,23 +66,27 @@ RSpec.describe "the BPF sampler" do
   end
 
   def loaded?(kind, id)
-    system("bpftool", kind, "show", "id", id.to_s, out: File::NULL, err: File::NULL)
+    shown = system("bpftool", kind, "show", "id", id.to_s, out: File::NULL, err: File::NULL)
+    raise "bpftool is missing (script/setup installs it)" if shown.nil?
+
+    shown
   end
 
-  # Waits until process +pid+ holds a BPF program and its maps, and returns their ids.
-  def held_bpf_objects(pid)
-    wait_for("the recorder's program loaded") do
-      ids = bpf_objects(pid)
+  # Waits until process +pid+ holds a BPF program and its maps besides those of +already+
+  # (what it held before), and returns their ids.
+  def held_bpf_objects(pid, already: { "prog" => [], "map" => [] }, timeout: 30)
+    wait_for("the recorder's program loaded", timeout: timeout) do
+      ids = bpf_objects(pid).to_h { |kind, list| [kind, list - already.fetch(kind)] }
       ids if ids["prog"].any? && ids["map"].any?
     end
   end
 
   # The kernel frees a program and its maps once their last descriptor closes (after an RCU
-  # grace period): the objects of +held+ still loaded after a few seconds.
+  # grace period): the objects of +held+ still loaded after waiting up to 10 s for them to go.
   def still_loaded(held)
     left = -> { held.flat_map { |kind, ids| ids.select { |id| loaded?(kind, id) }.map { |id| "#{kind} #{id}" } } }
     begin
-      wait_for("the programs and maps unloaded", timeout: 10) { left.call.empty? }
+      wait_for("the programs and maps unloaded", timeout: 10, interval: 0.1) { left.call.empty? }
     rescue RuntimeError
       # The expectation names what is left.
     end
@@ -211,12 +215,19 @@ RSpec.describe "the BPF sampler" do
     # 0.5 s of CPU time, however long the machine takes to give it: ~500 samples at 999 Hz.
     target = start_target("exits_soon", "0.5", "cpu")
     profile = nil
-    # This process loads the program: its own ids, whatever other recordings share the machine.
-    held = Thread.new { held_bpf_objects(Process.pid) }
-    Timeout.timeout(60) { profile = record(target.pid, mode: :bpf, duration: 30) }
+    # This process loads the program: its own new ids, whatever other recordings share the
+    # machine (or an earlier example left).
+    already = bpf_objects(Process.pid)
+    held = Thread.new { held_bpf_objects(Process.pid, already: already, timeout: 60) }
+    begin
+      Timeout.timeout(60) { profile = record(target.pid, mode: :bpf, duration: 30) }
+    ensure
+      held.join(1) || held.kill # seen loaded during the recording, or never
+    end
     expect(profile.duration).to be < 15 # ended by the exit, not by its 30 s
     expect(profile.samples).to be >= 0.5 * 999 * 0.5, "#{profile.samples} samples; errors #{profile.errors}"
     expect(profile.notes.join).to include("exited")
+    expect(held.value).not_to be_nil, "the recording's program was never seen loaded"
     expect(still_loaded(held.value)).to eq([])
   end
 

@@ -19,8 +19,9 @@ use std::collections::BTreeMap;
 const MAGIC: &[u8; 8] = b"RBSPYIM2";
 /// Most bytes an image may map when loaded: a fuzzed length is refused above it.
 const MAX_BYTES: usize = 64 << 20;
-/// Most ranges of each list (writable segments, heap ranges) an image may name.
-const MAX_RANGES: u64 = 64;
+/// Most ranges of each list (writable segments, heap ranges) an image keeps: a live Ruby has
+/// some tens of heap ranges; a fuzzed count must not make every scan walk a long list.
+const MAX_RANGES: u64 = 1024;
 
 /// A memory image of a Ruby process and what a spy over it needs.
 pub struct Image {
@@ -93,6 +94,9 @@ pub fn capture(pid: i32, census: bool) -> Result<Vec<u8>> {
         parts.symbols.unwrap_or(0),
         tags as u64,
         owner.unwrap_or(0) as u64,
+        parts.pthread_tid.unwrap_or(0),
+        parts.zjit_entry.unwrap_or(0),
+        parts.shape_tree.unwrap_or(0),
     ];
     for word in words {
         put(&mut out, &word.to_le_bytes());
@@ -150,13 +154,16 @@ pub fn load(data: &[u8]) -> Option<Image> {
         gvl_owner: r.word()?,
         thread_list: r.word()?,
     };
-    let symbols = Some(r.word()?).filter(|&a| a != 0);
+    let symbols = nonzero(r.word()?);
     let (tags, owner) = (r.word()? as i64, r.word()? as i64);
     let tags = (tags != 0).then_some((tags, (owner != 0).then_some(owner)));
+    let [pthread_tid, zjit_entry, shape_tree] = [r.word()?, r.word()?, r.word()?].map(nonzero);
     let writable = r.ranges()?;
     let heap = r.ranges()?;
     let mut memory = MemoryImage::new();
-    let mut mapped: Vec<(u64, u64)> = Vec::new();
+    // Start → end of each region mapped, to leave out one that overlaps (in log time: a
+    // fuzzed image can name a region for every few bytes).
+    let mut mapped: BTreeMap<u64, u64> = BTreeMap::new();
     let mut total = 0usize;
     for _ in 0..r.word()? {
         let addr = r.word()?;
@@ -167,10 +174,15 @@ pub fn load(data: &[u8]) -> Option<Image> {
         }
         let bytes = r.take(len)?;
         let end = addr.checked_add(len as u64)?;
-        if len == 0 || mapped.iter().any(|&(s, e)| addr < e && s < end) {
+        let before = mapped.range(..=addr).next_back();
+        let after = mapped.range(addr..).next();
+        if len == 0
+            || before.is_some_and(|(_, &e)| addr < e)
+            || after.is_some_and(|(&s, _)| s < end)
+        {
             continue;
         }
-        mapped.push((addr, end));
+        mapped.insert(addr, end);
         memory.map(addr, bytes.to_vec());
     }
     let parts = ImageParts {
@@ -181,8 +193,15 @@ pub fn load(data: &[u8]) -> Option<Image> {
         writable,
         heap,
         tags,
+        pthread_tid,
+        zjit_entry,
+        shape_tree,
     };
     Some(Image { parts, memory })
+}
+
+fn nonzero(word: u64) -> Option<u64> {
+    (word != 0).then_some(word)
 }
 
 struct Reader<'a>(&'a [u8]);
@@ -206,14 +225,15 @@ impl<'a> Reader<'a> {
         Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
     }
 
-    /// A count, then that many (start, end) pairs: at most `MAX_RANGES` of them are kept.
+    /// A count, then that many (start, end) pairs: at most `MAX_RANGES` of them are kept,
+    /// and none that ends before it starts.
     fn ranges(&mut self) -> Option<Vec<(u64, u64)>> {
         let count = self.word()?;
         let mut out = Vec::new();
         for i in 0..count {
-            let range = (self.word()?, self.word()?);
-            if i < MAX_RANGES {
-                out.push(range);
+            let (start, end) = (self.word()?, self.word()?);
+            if i < MAX_RANGES && start < end {
+                out.push((start, end));
             }
         }
         Some(out)

@@ -38,7 +38,7 @@ pub fn raw_profile(data: &[u8]) {
 }
 
 /// A census saved as JSON (`Census.load`, `rubyspy heap --diff`), then rendered and diffed
-/// with itself, as `--diff` does with two.
+/// with itself and with nothing, as `--diff` does with two.
 pub fn census_file(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
@@ -49,6 +49,7 @@ pub fn census_file(data: &[u8]) {
     let _ = render::text(&census, 100);
     let _ = render::pprof(&census);
     let _ = render::diff_text(&census.diff(&census), 100);
+    let _ = render::diff_text(&census.diff(&Census::default()), 100);
     let _ = (census.counts(), census.objects());
 }
 

@@ -76,7 +76,7 @@ pub fn find_vm<M: Memory>(
     let in_heap = |p: u64| heap.iter().any(|(s, e)| (*s..*e).contains(&p));
     let mut candidates: Vec<u64> = Vec::new();
     for &(start, end) in segments {
-        let Ok(data) = mem.read_vec(start, (end - start).min(64 << 20) as usize) else {
+        let Ok(data) = mem.read_vec(start, end.saturating_sub(start).min(64 << 20) as usize) else {
             continue;
         };
         candidates.extend(

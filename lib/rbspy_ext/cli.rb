@@ -393,14 +393,22 @@ module RubySpy
         Process::UID.change_privilege(uid)
         env = user ? { "HOME" => user.dir, "USER" => user.name, "LOGNAME" => user.name } : {}
         exec(env, *command)
-      rescue SystemCallError => e
+      # Any failure ends the child here, never in this process's at_exit handlers.
+      rescue Exception => e # rubocop:disable Lint/RescueException
         warn "rubyspy: cannot run #{command.first} as uid #{uid}: #{e.message}"
         exit!(127)
       end
       writer.close
-      reader.read # EOF at the exec, or at the exit of a child that could not
-      reader.close
-      pid
+      # EOF at the exec, or at the exit of a child that could not; bounded, since a stuck
+      # name service (initgroups) must not hang rubyspy.
+      return pid if IO.select([reader], nil, nil, 10)
+
+      Process.kill(:KILL, pid)
+      Process.wait(pid)
+      raise RubySpy::Error, "#{command.first} did not start as uid #{uid} within 10 s (initgroups or exec hung)"
+    ensure
+      reader&.close
+      writer&.close unless writer&.closed?
     end
 
     def check_writable(path)

@@ -24,7 +24,8 @@ pub(super) fn class_path<M: Memory>(
             break;
         }
         match superclass(t, h, class) {
-            Some(s) if s != 0 => class = s,
+            // A class its own superclass (or the start's) is a loop, read while it changed.
+            Some(s) if s != 0 && s != class && s != klass => class = s,
             _ => break,
         }
     }
@@ -47,7 +48,11 @@ pub(super) fn real_superclass<M: Memory>(
         if class == 0 || flags & 0x1f != u64::from(T_ICLASS) {
             return Some(class);
         }
-        class = superclass(t, h, class)?;
+        let next = superclass(t, h, class)?;
+        if next == class {
+            return None; // a loop, read while it changed
+        }
+        class = next;
     }
     None
 }

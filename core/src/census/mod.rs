@@ -251,8 +251,8 @@ impl Census {
                 let delta = ClassDelta {
                     name: k.0,
                     type_name: k.1,
-                    objects: on as i64 - ob as i64,
-                    bytes: bn as i64 - bb as i64,
+                    objects: change(ob, on),
+                    bytes: change(bb, bn),
                     objects_now: on,
                     bytes_now: bn,
                 };
@@ -262,6 +262,12 @@ impl Census {
         deltas.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.objects.cmp(&a.objects)));
         deltas
     }
+}
+
+/// `now - before` as a signed count, clamped: a saved census (or one whose sizes saturated)
+/// can hold any u64.
+fn change(before: u64, now: u64) -> i64 {
+    (i128::from(now) - i128::from(before)).clamp(i64::MIN.into(), i64::MAX.into()) as i64
 }
 
 #[cfg(test)]

@@ -117,7 +117,7 @@ pub(super) fn read_headers<M: Memory>(
         let block = start & !(h.page_align as u64 - 1);
         if slot_size < 16
             || !start.is_multiple_of(8)
-            || start + (slots * slot_size) as u64 > block + h.page_align as u64
+            || (start - block) + (slots * slot_size) as u64 > h.page_align as u64
         {
             census.unreadable_pages += 1;
             continue;

@@ -360,67 +360,12 @@ impl<M: Memory> Spy<M> {
         }
     }
 
-    /// What a spy over a memory image of this target needs besides the memory
-    /// (`Spy::over_image`), as attaching and the walks so far found it.
-    pub fn image_parts(&mut self) -> ImageParts {
-        let tags = self
-            .profiler_state_offset()
-            .map(|o| (o, self.tags.owner_offset));
-        let t = &self.target;
-        ImageParts {
-            layout: t.layout,
-            version: t.version.clone(),
-            roots: VmRoots {
-                vm: t.vm,
-                main_thread: t.main_thread,
-                gvl_owner: t.gvl_owner,
-                thread_list: t.thread_list_head,
-            },
-            symbols: self.cache.symbols.as_ref().map(|s| s.addr),
-            writable: t.writable.clone(),
-            heap: t.heap.clone(),
-            tags,
-        }
-    }
-
-    /// A spy over `mem`, a copy of (some of) the memory of the target `parts` were taken
-    /// from (`image::capture`): what attaching found by reading the process (its maps and
-    /// ELF files) comes from `parts` instead.
-    pub fn over_image(pid: i32, mem: M, parts: &ImageParts) -> Self {
-        let p = parts;
-        let mut spy = Spy::with_memory(pid, mem, p.layout, &p.version, p.roots, p.symbols)
-            .with_writable(p.writable.clone());
-        spy.target.heap = p.heap.clone();
-        if let Some((offset, owner)) = p.tags {
-            spy.tags.preset(offset, owner);
-        }
-        spy
-    }
-
     /// Where libruby's writable data is, for a spy over a memory image (`with_memory`): the
     /// scans for structs no symbol names look there.
     pub fn with_writable(mut self, segments: Vec<(u64, u64)>) -> Self {
         self.target.writable = segments;
         self
     }
-}
-
-/// What a spy over a memory image needs besides the memory: what attaching to the process
-/// found by reading its maps and ELF files, which an image does not hold.
-#[derive(Debug, Clone)]
-pub struct ImageParts {
-    pub layout: &'static Layout,
-    pub version: String,
-    pub roots: VmRoots,
-    /// The address of `rb_symbols_t`, once a walk has found it.
-    pub symbols: Option<u64>,
-    /// libruby's writable segments, where the scans for unnamed structs look.
-    pub writable: Vec<(u64, u64)>,
-    /// The heap's ranges, where the census looks for the shape tree.
-    pub heap: Vec<(u64, u64)>,
-    /// `ruby_profiler_state`'s offset from a thread pointer, and its owner's, where the
-    /// target has loaded the extension.
-    pub tags: Option<(i64, Option<i64>)>,
 }
 
 impl<M: Memory> Target<M> {
@@ -531,6 +476,8 @@ impl<M: Memory> Target<M> {
             return self.scan_for_symbol_table(None);
         }
         self.scan_for_symbol_table(Some(&self.heap)).or_else(|| {
+            // Not for an image (no identity): its pid is nobody's.
+            self.identity.as_ref()?;
             let now = heap_ranges(&read_maps(self.pid).ok()?);
             self.scan_for_symbol_table(Some(&now))
         })
@@ -570,7 +517,7 @@ impl<M: Memory> Target<M> {
         confirms: impl Fn(&C, &[u8]) -> bool,
     ) -> Option<(u64, C)> {
         for &(start, end) in &self.writable {
-            let len = (end - start).min(16 << 20) as usize;
+            let len = end.saturating_sub(start).min(16 << 20) as usize;
             let Ok(data) = self.mem.read_vec(start, len) else {
                 continue;
             };

@@ -22,15 +22,16 @@ mod fits;
 mod frames;
 mod located;
 mod memo;
+mod parts;
 mod tags;
 mod thread_list;
 mod view;
 mod walker;
 mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
-pub use attach::ImageParts;
 pub use captured::{Capture, CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
 use envs::Envs;
+pub use parts::ImageParts;
 pub use view::TargetView;
 use walker::{Prefetched, RawFrame, Walker, Wanted};
 
@@ -76,8 +77,8 @@ pub struct Config {
 /// walks with (`Spy::walker`); its steps are in walker.rs, frames.rs and zjit.rs.
 /// `ThreadSampler` and `TagReader` have methods of their own, given the `Target` (and, to
 /// decode names, the `Cache`) they need. This file orchestrates a snapshot and a sample of
-/// every thread; the BPF sampler's side is `Capture` (captured.rs), and the census reads
-/// through `TargetView` (view.rs).
+/// every thread; the BPF sampler's side is `Capture` (captured.rs), the census reads
+/// through `TargetView` (view.rs), and a spy over a memory image is made in parts.rs.
 pub struct Spy<M: Memory = ProcessMemory> {
     target: attach::Target<M>,
     cache: frames::Cache,

@@ -45,6 +45,8 @@ pub(super) struct TagReader {
     /// the extension publishes it.
     pub(super) owner_offset: Option<i64>,
     checked_at: Option<Instant>,
+    /// The offsets were given (`preset`), not looked for.
+    fixed: bool,
     /// By Ruby thread: the native thread it was last seen on, that one's thread pointer,
     /// and where that pointer was read (see `Pointer`).
     pointers: rustc_hash::FxHashMap<u64, Pointer>,
@@ -141,16 +143,17 @@ pub(super) struct Decoder<'a, M: Memory> {
 }
 
 impl TagReader {
-    /// Where the offsets are already known (a spy over a memory image, whose process's
-    /// maps cannot be read): they are not looked for.
-    pub(super) fn preset(&mut self, offset: i64, owner_offset: Option<i64>) {
-        self.offset = Some(offset);
-        self.owner_offset = owner_offset;
+    /// Where the offsets are already known, or known to be absent (a spy over a memory
+    /// image, whose process's maps cannot be read): they are never looked for.
+    pub(super) fn preset(&mut self, offsets: Option<(i64, Option<i64>)>) {
+        self.offset = offsets.map(|(offset, _)| offset);
+        self.owner_offset = offsets.and_then(|(_, owner)| owner);
+        self.fixed = true;
     }
 
     /// See [`Spy::profiler_state_offset`].
     pub(super) fn offset<M: Memory>(&mut self, t: &Target<M>) -> Option<i64> {
-        if self.offset.is_some() {
+        if self.offset.is_some() || self.fixed {
             return self.offset;
         }
         if self.checked_at.is_some_and(|at| at.elapsed() < RECHECK) {
