@@ -191,10 +191,13 @@ pub(super) struct Arm {
 }
 
 impl Arm {
+    /// The hook starts on (`start` turns it on): until the first job has measured how fast
+    /// the process allocates, nothing can say when to arm it, and a burst right after
+    /// tracking starts would pass unsampled. The first point then turns it off.
     pub fn new(always: bool, total: u64) -> Self {
         Arm {
             always,
-            on: always,
+            on: true,
             off_wanted: false,
             ahead_us: MIN_AHEAD_US * 2.0,
             within: 0,

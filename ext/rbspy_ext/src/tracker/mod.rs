@@ -268,7 +268,8 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     *tracker() = Some(t);
     publish::reset();
     switch(end_mark, marks.is_some().then_some(true));
-    switch(new, always.then_some(true));
+    // On from the start, always or until the first point (see `Arm::new`).
+    switch(new, Some(true));
     // With the hook always on (rate 1), the job still publishes the live set.
     if posts {
         arming::start_poller();
