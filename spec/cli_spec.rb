@@ -144,6 +144,20 @@ RSpec.describe "exe/rubyspy" do
       FileUtils.rm_rf(shared) if shared
     end
 
+    it "-- COMMAND under sudo that cannot be run says why in one line, and writes nothing" do
+      skip "needs root" unless Process.euid.zero?
+      require "etc"
+      nobody = Etc.getpwnam("nobody")
+      env = { "SUDO_UID" => nobody.uid.to_s, "SUDO_GID" => nobody.gid.to_s }
+      output = File.join(@dir, "never.raw")
+      missing = "/nonexistent/rubyspy-no-such-ruby" # not under @dir, which nobody cannot enter
+      _, err, status = Open3.capture3(env, RbConfig.ruby, exe, "record", "-f", "raw", "-o", output, "--", missing)
+
+      expect(status.exitstatus).to eq(1)
+      expect(err.lines).to eq(["rubyspy: cannot run #{missing} as uid #{nobody.uid}: No such file or directory - #{missing}\n"])
+      expect(File.exist?(output)).to be(false)
+    end
+
     it "-- COMMAND records the command until it exits and writes the profile" do
       output = File.join(@dir, "command.txt")
       script = <<~RUBY

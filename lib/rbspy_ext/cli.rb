@@ -393,15 +393,24 @@ module RubySpy
         Process::UID.change_privilege(uid)
         env = user ? { "HOME" => user.dir, "USER" => user.name, "LOGNAME" => user.name } : {}
         exec(env, *command)
-      # Any failure ends the child here, never in this process's at_exit handlers.
+      # Any failure ends the child here, never in this process's at_exit handlers, and
+      # tells the parent why through the pipe.
       rescue Exception => e # rubocop:disable Lint/RescueException
-        warn "rubyspy: cannot run #{command.first} as uid #{uid}: #{e.message}"
+        writer.write("cannot run #{command.first} as uid #{uid}: #{e.message}") rescue nil
         exit!(127)
       end
       writer.close
-      # EOF at the exec, or at the exit of a child that could not; bounded, since a stuck
-      # name service (initgroups) must not hang rubyspy.
-      return pid if IO.select([reader], nil, nil, 10)
+      # EOF at the exec, or after the message of a child that could not exec; bounded, since
+      # a stuck name service (initgroups) must not hang rubyspy.
+      if IO.select([reader], nil, nil, 10)
+        failure = reader.read
+        return pid if failure.empty?
+
+        # The one error to report: the child is gone, and attaching would only add "no
+        # process with pid N".
+        Process.wait(pid)
+        raise RubySpy::Error, failure
+      end
 
       Process.kill(:KILL, pid)
       Process.wait(pid)
