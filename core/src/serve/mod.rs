@@ -24,14 +24,21 @@ pub use tracked::{provide_allocations, AllocsAnswer, AllocsRequest};
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// Connections served at once; one more is closed unanswered. A scraper makes one at a time,
-/// so this only bounds what many slow clients can hold (a thread and a socket each).
+/// Connections served at once. A scraper makes one at a time, so this only bounds what many
+/// clients can hold (a thread and a socket each). One more takes the place of the oldest
+/// still sending its request head after `EVICT_AFTER`, or is closed unanswered.
 pub const MAX_CONNECTIONS: usize = 16;
+/// How long a client may have been sending its request head before a new client can take
+/// its place: a scraper sends its head at once, so one still sending after a second is slow
+/// or hostile, and 16 of those would otherwise hold every slot for the whole read deadline.
+const EVICT_AFTER: Duration = Duration::from_secs(1);
+/// How long a new client waits for an evicted connection's thread to give its slot back.
+const ROOM_WAIT: Duration = Duration::from_millis(200);
 /// How often the accepting thread looks at the stop flag while no client connects.
 const POLL_EVERY: Duration = Duration::from_millis(100);
 
@@ -81,6 +88,9 @@ struct Shared {
     /// A profile is being recorded (one at a time: 429 for another).
     busy: AtomicBool,
     connections: AtomicUsize,
+    /// Connections still reading their request head, oldest first: (id, socket, accepted).
+    reading: Mutex<Vec<(u64, i32, Instant)>>,
+    next_id: AtomicU64,
 }
 
 /// A running listener; stopping it (or dropping it) closes the port. A profile being
@@ -113,6 +123,8 @@ impl Server {
             stop: AtomicBool::new(false),
             busy: AtomicBool::new(false),
             connections: AtomicUsize::new(0),
+            reading: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(0),
         });
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -193,38 +205,100 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         let Ok((stream, peer)) = listener.accept() else {
             continue;
         };
-        if shared.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            shared.connections.fetch_sub(1, Ordering::AcqRel);
-            continue; // closed unanswered: too many clients already hold a connection
+        // Only this thread adds connections, so a slot seen free stays free until taken.
+        if shared.connections.load(Ordering::Acquire) >= MAX_CONNECTIONS && !make_room(shared) {
+            continue; // closed unanswered: every slot is held by a client that sent its head
         }
-        let s = shared.clone();
-        let spawned = std::thread::Builder::new()
+        shared.connections.fetch_add(1, Ordering::AcqRel);
+        let conn = Conn::new(stream, shared.clone());
+        // A thread that cannot start drops its `Conn`, which gives the slot back.
+        let _ = std::thread::Builder::new()
             .name("rbspy_ext pprof conn".into())
-            .spawn(move || {
-                serve_connection(stream, peer, &s);
-                s.connections.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            shared.connections.fetch_sub(1, Ordering::AcqRel);
-        }
+            .spawn(move || serve_connection(conn, peer));
     }
 }
 
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
+/// Frees a slot by closing the oldest connection that has been reading its request head for
+/// at least `EVICT_AFTER` (its thread reads end-of-stream and ends unanswered), then waits
+/// up to `ROOM_WAIT` for that thread to give the slot back.
+fn make_room(shared: &Shared) -> bool {
+    {
+        let mut reading = shared.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = reading.iter().position(|r| r.2.elapsed() >= EVICT_AFTER) else {
+            return false;
+        };
+        let (_, fd, _) = reading.remove(i);
+        // SAFETY: the socket is open: its `Conn` leaves this list, under this lock, before it
+        // closes it. shutdown ends the connection without closing the descriptor.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+    }
+    let until = Instant::now() + ROOM_WAIT;
+    while shared.connections.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+/// An accepted connection: listed in `Shared::reading` until its head is read, and counted
+/// in `Shared::connections` until it ends. It leaves the list before its socket closes (the
+/// fields drop after `drop`), so an eviction never shuts down a descriptor reused since.
+struct Conn {
+    stream: TcpStream,
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, shared: Arc<Shared>) -> Conn {
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        shared
+            .reading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((id, stream.as_raw_fd(), Instant::now()));
+        Conn { stream, shared, id }
+    }
+
+    /// Out of the list of evictable connections: its head is in.
+    fn head_read(&self) {
+        let mut reading = self
+            .shared
+            .reading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        reading.retain(|r| r.0 != self.id);
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.head_read();
+        self.shared.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn serve_connection(mut conn: Conn, peer: SocketAddr) {
+    let stream = &mut conn.stream;
     // Accepted sockets inherit the listener's non-blocking mode on some systems.
     let _ = stream.set_nonblocking(false);
     let _fd = OpenFd::new(stream.as_raw_fd()); // dropped (unregistered) before the stream
-    let request = match http::read_request(&mut stream, http::READ_DEADLINE) {
+    let read = http::read_request(stream, http::READ_DEADLINE);
+    conn.head_read();
+    let stream = &mut conn.stream;
+    let request = match read {
         Ok(r) => r,
         Err(e) => {
             if let Some(response) = e.response() {
-                response.send(&mut stream, false);
+                response.send(stream, false);
             }
             return;
         }
     };
-    let response = routes::respond(shared, &request, peer);
-    response.send(&mut stream, request.method == "HEAD");
+    let response = routes::respond(&conn.shared, &request, peer);
+    response.send(stream, request.method == "HEAD");
 }
 
 /// The sockets the listener holds, closed in a forked child (see the module docs). A fixed
