@@ -3,7 +3,9 @@
 //! (threads.rs) walks the stacks this read and decodes the tags.
 use super::attach::Target;
 use super::tags::{TagRead, TagReader};
-use super::thread_list::{read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS};
+use super::thread_list::{
+    read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS, RELIST_MIN,
+};
 use super::{word, Attempt, Memory};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
@@ -289,6 +291,7 @@ impl ThreadSampler {
         self.last_owners.extend(owners);
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
         let mut chosen = Vec::new();
+        let mut owners_listed = 0;
         for (i, listed) in self.threads.iter().enumerate() {
             let thread = &listed.thread;
             // Each Ractor has its own GVL: a thread runs when it holds its Ractor's.
@@ -303,6 +306,7 @@ impl ThreadSampler {
                 && l.thread_unblock_func
                     .is_none_or(|f| word(batch.field(i, f), 0) == 0);
             let state = if *thread == owner {
+                owners_listed += 1;
                 // Its Ractor's GC flags say whether it is collecting.
                 let flags = batch
                     .gc_flags
@@ -326,6 +330,14 @@ impl ThreadSampler {
                 continue; // a thread not started yet, or already gone
             }
             chosen.push((i, state));
+        }
+        // A GVL held by a thread the list does not have: one started since the list was
+        // read. Read it again at the next sample, not after LIST_TTL, or a thread shorter
+        // than that is sampled only if a reading happens to fall in its life (at most every
+        // RELIST_MIN, should an owner word ever read as something else).
+        let owners = self.last_owners.iter().filter(|&&o| o != 0).count();
+        if owners_listed < owners && self.read_at.is_some_and(|t| t.elapsed() >= RELIST_MIN) {
+            self.read_at = None;
         }
         chosen
     }

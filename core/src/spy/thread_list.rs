@@ -1,6 +1,6 @@
 //! The target's Ruby threads: following every Ractor's thread list and naming each thread
-//! (native tid, `Thread#name`, its Ractor). Re-read every `LIST_TTL`, or at once when a
-//! sample finds it changed.
+//! (native tid, `Thread#name`, its Ractor). Re-read every `LIST_TTL`, or at the next sample
+//! when a sample finds it changed or a GVL held by a thread it does not have.
 //!
 //! Before 3.0 the VM keeps one list. From 3.0 every Ractor keeps its own, with its own GVL
 //! (`threads.sched.running`, or `threads.gvl.owner` before 3.2), and the VM links the
@@ -20,6 +20,8 @@ pub(super) const MAX_THREADS: usize = 4096;
 const MAX_RACTORS: usize = 1024;
 /// How long a thread list is trusted before it is read again (threads come and go).
 pub(super) const LIST_TTL: Duration = Duration::from_millis(100);
+/// The least time between readings caused by a GVL owner the list does not have.
+pub(super) const RELIST_MIN: Duration = Duration::from_millis(2);
 
 /// A Ruby thread as the list last read it.
 #[derive(Debug, Clone)]
