@@ -77,10 +77,9 @@ pub fn join(census: &Census, set: &LiveSet, there: &[bool]) -> Joined {
             objects: 0,
             bytes: 0,
         });
-        for _ in 0..sample.times.max(1) {
-            profile.sites[site].add_live(sample.size as u64, rate);
-            share.samples += 1;
-        }
+        let times = u64::from(sample.times.max(1));
+        profile.sites[site].add_live(sample.size as u64, rate, times);
+        share.samples += times;
     }
     for share in shares.values_mut() {
         let s = &profile.sites[share.site];
@@ -313,5 +312,17 @@ mod tests {
         let text = text(&census, &joined, 10, 5);
         assert!(text.contains("leak (app.rb:3)"), "{text}");
         assert!(text.contains("30.0%"), "{text}");
+
+        // A sample that stands for 2^32 - 1 (a count a blob may claim) is counted at once,
+        // not in 4 billion steps.
+        let mut big = set.clone();
+        big.live.truncate(1);
+        big.live[0].times = u32::MAX;
+        let joined = join(&census, &big, &[true]);
+        let share = &joined.classes[0].sites[0];
+        assert_eq!(share.samples, u64::from(u32::MAX));
+        assert_eq!(share.objects, u64::from(u32::MAX));
+        assert_eq!(share.bytes, 40 * u64::from(u32::MAX));
+        assert_eq!(joined.profile.sites[0].live_samples, u64::from(u32::MAX));
     }
 }

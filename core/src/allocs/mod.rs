@@ -37,8 +37,9 @@ pub fn weight(size: u64, rate_bytes: u64) -> f64 {
 }
 
 /// What the tracker counted at one allocation site: its samples, and of them those still
-/// alive, each with their bytes and their summed [`weight`]s.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// alive, each with their bytes and their summed [`weight`]s. Serialized as the published
+/// blob's site fields (published.rs).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SiteCounts {
     /// Indexes into [`AllocProfile::frames`], innermost first.
     pub frames: Vec<u32>,
@@ -65,17 +66,21 @@ impl SiteCounts {
         self.sampled_bytes += size;
         self.weight += w;
         self.weighted_bytes += w * size as f64;
-        self.add_live(size, rate_bytes);
+        self.add_live_weighted(size, w, 1);
     }
 
-    /// Counts one more sampled object of `size` bytes as alive only (a live set read from
-    /// outside recounts what is alive; what was allocated stays the tracker's count).
-    pub fn add_live(&mut self, size: u64, rate_bytes: u64) {
-        let w = weight(size, rate_bytes);
-        self.live_samples += 1;
-        self.live_bytes += size;
-        self.live_weight += w;
-        self.live_weighted_bytes += w * size as f64;
+    /// Counts `n` more sampled objects of `size` bytes as alive only (a live set read from
+    /// outside recounts what is alive; what was allocated stays the tracker's count). At
+    /// once, not `n` times: `n` is a count a published blob gives, up to 2^32.
+    pub fn add_live(&mut self, size: u64, rate_bytes: u64, n: u64) {
+        self.add_live_weighted(size, weight(size, rate_bytes), n);
+    }
+
+    fn add_live_weighted(&mut self, size: u64, w: f64, n: u64) {
+        self.live_samples = self.live_samples.saturating_add(n);
+        self.live_bytes = self.live_bytes.saturating_add(size.saturating_mul(n));
+        self.live_weight += w * n as f64;
+        self.live_weighted_bytes += w * size as f64 * n as f64;
     }
 
     /// Takes one sampled object of `size` bytes out of the live ones (the GC freed it).

@@ -74,21 +74,14 @@ struct Wire {
     live: Vec<LiveSample>,
 }
 
+/// A site as published: its counts, with its class's address and type beside them, which
+/// the reader checks each live sample's slot against.
 #[derive(Serialize, Deserialize)]
 struct WireSite {
-    frames: Vec<u32>,
-    class: String,
-    type_name: String,
+    #[serde(flatten)]
+    counts: SiteCounts,
     class_address: u64,
     type_id: u8,
-    samples: u64,
-    sampled_bytes: u64,
-    weight: f64,
-    weighted_bytes: f64,
-    live_samples: u64,
-    live_bytes: u64,
-    live_weight: f64,
-    live_weighted_bytes: f64,
 }
 
 impl LiveSet {
@@ -117,19 +110,9 @@ impl LiveSet {
                 .collect(),
             sites: (p.sites.iter().zip(&self.site_classes))
                 .map(|(s, &(class_address, type_id))| WireSite {
-                    frames: s.frames.clone(),
-                    class: s.class.clone(),
-                    type_name: s.type_name.clone(),
+                    counts: s.clone(),
                     class_address,
                     type_id,
-                    samples: s.samples,
-                    sampled_bytes: s.sampled_bytes,
-                    weight: s.weight,
-                    weighted_bytes: s.weighted_bytes,
-                    live_samples: s.live_samples,
-                    live_bytes: s.live_bytes,
-                    live_weight: s.live_weight,
-                    live_weighted_bytes: s.live_weighted_bytes,
                 })
                 .collect(),
             notes: p.notes.clone(),
@@ -156,19 +139,7 @@ impl LiveSet {
         let sites = (wire.sites.into_iter())
             .map(|s| {
                 site_classes.push((s.class_address, s.type_id));
-                SiteCounts {
-                    frames: s.frames,
-                    class: s.class,
-                    type_name: s.type_name,
-                    samples: s.samples,
-                    sampled_bytes: s.sampled_bytes,
-                    weight: s.weight,
-                    weighted_bytes: s.weighted_bytes,
-                    live_samples: s.live_samples,
-                    live_bytes: s.live_bytes,
-                    live_weight: s.live_weight,
-                    live_weighted_bytes: s.live_weighted_bytes,
-                }
+                s.counts
             })
             .collect();
         let set = LiveSet {

@@ -16,6 +16,7 @@ pub(super) fn class_path<M: Memory>(
 ) -> String {
     let l = t.layout();
     let mut class = klass;
+    let mut guard = LoopGuard::new(klass);
     // rb_class_real has no bound; a singleton extended by a thousand modules is absurd.
     for _ in 0..1024 {
         let flags = t.mem().read_u64(field(class, l.rbasic_flags)).unwrap_or(0);
@@ -24,8 +25,7 @@ pub(super) fn class_path<M: Memory>(
             break;
         }
         match superclass(t, h, class) {
-            // A class its own superclass (or the start's) is a loop, read while it changed.
-            Some(s) if s != 0 && s != class && s != klass => class = s,
+            Some(s) if s != 0 && !guard.seen(s) => class = s,
             _ => break,
         }
     }
@@ -42,6 +42,7 @@ pub(super) fn real_superclass<M: Memory>(
 ) -> Option<u64> {
     let (l, mem) = (t.layout(), t.mem());
     let mut class = superclass(t, h, class)?;
+    let mut guard = LoopGuard::new(class);
     // A chain of iclasses is as long as the modules included; a thousand is absurd.
     for _ in 0..1024 {
         let flags = mem.read_u64(field(class, l.rbasic_flags)).ok()?;
@@ -49,12 +50,44 @@ pub(super) fn real_superclass<M: Memory>(
             return Some(class);
         }
         let next = superclass(t, h, class)?;
-        if next == class {
-            return None; // a loop, read while it changed
+        if guard.seen(next) {
+            return None;
         }
         class = next;
     }
     None
+}
+
+/// A class chain read while it changed can loop (a class its own superclass, or a longer
+/// round). Brent's cycle finding sees a loop within about twice the steps to it and round
+/// it, so a loop costs a few reads, not the 1,024 steps each chain is bounded by.
+struct LoopGuard {
+    /// A class passed, moved forward each time `steps` reaches `power`.
+    mark: u64,
+    power: u32,
+    steps: u32,
+}
+
+impl LoopGuard {
+    fn new(start: u64) -> LoopGuard {
+        LoopGuard {
+            mark: start,
+            power: 1,
+            steps: 0,
+        }
+    }
+
+    /// Whether `next`, the chain's next class, came round again.
+    fn seen(&mut self, next: u64) -> bool {
+        if next == self.mark {
+            return true;
+        }
+        self.steps += 1;
+        if self.steps == self.power {
+            (self.mark, self.power, self.steps) = (next, self.power.saturating_mul(2), 0);
+        }
+        false
+    }
 }
 
 /// `RCLASS_SUPER(class)`.
@@ -73,4 +106,32 @@ fn superclass<M: Memory>(t: &TargetView<'_, M>, h: &HeapLayout, class: u64) -> O
         _ => return None,
     };
     mem.read_u64(addr).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LoopGuard;
+
+    /// Every loop is seen, whatever its length and wherever it starts, within a few times
+    /// the steps to it and round it; a chain without one never is.
+    #[test]
+    fn a_loop_is_seen_within_a_few_rounds_and_a_straight_chain_never() {
+        for lead in 0..20u64 {
+            for round in 1..50u64 {
+                // Classes 0..lead lead into the loop lead..lead+round.
+                let next = |c: u64| if c + 1 < lead + round { c + 1 } else { lead };
+                let mut guard = LoopGuard::new(0);
+                let mut class = 0;
+                let steps = (1..)
+                    .find(|_| {
+                        class = next(class);
+                        guard.seen(class)
+                    })
+                    .unwrap();
+                assert!(steps <= 3 * (lead + round) + 2, "{lead} {round}: {steps}");
+            }
+        }
+        let mut guard = LoopGuard::new(0);
+        assert!((1..5000u64).all(|c| !guard.seen(c)));
+    }
 }
