@@ -206,6 +206,7 @@ fn a_client_finds_room_when_every_slot_is_held_by_a_slow_head() {
     // Closed unanswered only if the listener is too loaded to see the slots free up in time.
     let try_get = || -> std::io::Result<String> {
         let mut s = TcpStream::connect(server.addr())?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
         s.write_all(b"GET /debug/pprof/ HTTP/1.1\r\n\r\n")?;
         let mut out = String::new();
         s.read_to_string(&mut out)?;

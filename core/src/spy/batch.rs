@@ -30,6 +30,9 @@ pub(super) struct ThreadSampler {
     stacks: FxHashMap<u64, StackGuess>,
     /// The threads that held a GVL (one per Ractor) at the last sample.
     pub(super) last_owners: Vec<u64>,
+    /// The GVL owner missing from the list that had it read early last, until every owner
+    /// is on the list again (see `relist_for_unlisted_owner`).
+    relisted_for: u64,
     /// The main Ractor's `rb_objspace` (read once: it lives as long as the VM), for the BPF
     /// sampler, which reads one objspace's flags.
     pub(super) objspace: Option<u64>,
@@ -331,15 +334,31 @@ impl ThreadSampler {
             }
             chosen.push((i, state));
         }
-        // A GVL held by a thread the list does not have: one started since the list was
-        // read. Read it again at the next sample, not after LIST_TTL, or a thread shorter
-        // than that is sampled only if a reading happens to fall in its life (at most every
-        // RELIST_MIN, should an owner word ever read as something else).
         let owners = self.last_owners.iter().filter(|&&o| o != 0).count();
-        if owners_listed < owners && self.read_at.is_some_and(|t| t.elapsed() >= RELIST_MIN) {
-            self.read_at = None;
+        if owners_listed < owners {
+            self.relist_for_unlisted_owner();
+        } else {
+            self.relisted_for = 0;
         }
         chosen
+    }
+
+    /// A GVL held by a thread the list does not have: one started since the list was read.
+    /// Read it again at the next sample, not after LIST_TTL, or a thread shorter than that
+    /// is sampled only if a reading happens to fall in its life. Not again for the same
+    /// owner, nor within RELIST_MIN: an owner word that reads as something else (a forced
+    /// layout that does not quite fit) would otherwise have the list read at every sample.
+    fn relist_for_unlisted_owner(&mut self) {
+        let unlisted = (self.last_owners.iter().enumerate())
+            .find(|&(r, &o)| {
+                o != 0 && !(self.threads.iter()).any(|t| t.ractor == r && t.thread == o)
+            })
+            .map_or(0, |(_, &o)| o);
+        if unlisted != self.relisted_for && self.read_at.is_some_and(|t| t.elapsed() >= RELIST_MIN)
+        {
+            self.relisted_for = unlisted;
+            self.read_at = None;
+        }
     }
 
     /// Contexts that changed since last time (a fiber switch): one more call for their

@@ -253,7 +253,16 @@ impl<M: Memory> Spy<M> {
 }
 
 /// How often one thread's walk is retried when its stack moves while read.
-const THREAD_ATTEMPTS: u32 = 2;
+const THREAD_ATTEMPTS: u32 = 3;
+
+/// How a thread's walks ended (`Spy::retry_walk`).
+enum Retried {
+    Walked((Stack, Tags)),
+    /// It finished meanwhile: its context has no VM stack.
+    Ended,
+    /// Its stack kept moving while read: a dropped sample.
+    Moved,
+}
 
 impl<M: Memory> Spy<M> {
     /// One sample of the selected threads: each thread's state and stack. Threads whose
@@ -375,8 +384,12 @@ impl<M: Memory> Spy<M> {
         for ((((i, state), tags), ec), first) in chosen.zip(contexts).zip(results) {
             let thread = self.sampler.threads[i].thread;
             let (stack, tags) = match self.retry_walk(thread, first, tags) {
-                Ok(Some(walked)) => walked,
-                Ok(None) => {
+                Ok(Retried::Walked(walked)) => walked,
+                Ok(Retried::Ended) => {
+                    self.sampler.forget_stack(thread);
+                    continue;
+                }
+                Ok(Retried::Moved) => {
                     self.sampler.forget_stack(thread);
                     failed.push(thread);
                     continue;
@@ -471,7 +484,9 @@ impl<M: Memory> Spy<M> {
     }
 
     /// The stack from a thread's first walk, with `tags` (decoded from the batch), else from
-    /// up to `THREAD_ATTEMPTS - 1` more walks of its own; None when it kept moving. A walk of
+    /// up to `THREAD_ATTEMPTS - 1` more walks of its own; `Moved` when it kept moving, and
+    /// `Ended` when its context has no VM stack any more (a thread that finished since the
+    /// batch: nothing to sample, as for one seen so in the batch). A walk of
     /// its own happens later than the batch, so its tags are read afresh around it and the
     /// walk counts only if they read the same before and after: a thread that moved on to
     /// another request meanwhile would otherwise show the new request's stack under the old
@@ -484,7 +499,7 @@ impl<M: Memory> Spy<M> {
         thread: u64,
         first: std::result::Result<Stack, Attempt>,
         tags: Tags,
-    ) -> Result<Option<(Stack, Tags)>> {
+    ) -> Result<Retried> {
         let mut result = first.map(|stack| (stack, tags));
         for _ in 1..THREAD_ATTEMPTS {
             if !matches!(result, Err(Attempt::Changed(_))) {
@@ -492,23 +507,23 @@ impl<M: Memory> Spy<M> {
             }
             self.walker().forget_envs();
             let before = self.thread_tags(thread);
-            result = self
-                .walker()
-                .read_ec_of(thread)
-                .and_then(|ec| self.walker().walk(ec))
-                .and_then(|stack| {
-                    let after = self.thread_tags(thread);
-                    if after == before {
-                        Ok((stack, after))
-                    } else {
-                        Err(Attempt::Changed("tags changed while read".into()))
-                    }
-                });
+            let ec = self.walker().read_ec_of(thread);
+            if matches!(ec, Ok([0, _, _])) {
+                return Ok(Retried::Ended);
+            }
+            result = ec.and_then(|ec| self.walker().walk(ec)).and_then(|stack| {
+                let after = self.thread_tags(thread);
+                if after == before {
+                    Ok((stack, after))
+                } else {
+                    Err(Attempt::Changed("tags changed while read".into()))
+                }
+            });
         }
         match result {
-            Ok(walked) => Ok(Some(walked)),
+            Ok(walked) => Ok(Retried::Walked(walked)),
             Err(Attempt::Fatal(e)) => Err(e),
-            Err(Attempt::Changed(_)) => Ok(None),
+            Err(Attempt::Changed(_)) => Ok(Retried::Moved),
         }
     }
 
