@@ -24,7 +24,7 @@ pub use tracked::{provide_allocations, AllocsAnswer, AllocsRequest};
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -88,9 +88,9 @@ struct Shared {
     /// A profile is being recorded (one at a time: 429 for another).
     busy: AtomicBool,
     connections: AtomicUsize,
-    /// Connections still reading their request head, oldest first: (id, socket, accepted).
-    reading: Mutex<Vec<(u64, i32, Instant)>>,
-    next_id: AtomicU64,
+    /// Connections still reading their request head, oldest first: (socket, accepted). A
+    /// socket is open while listed (see `Conn`), so no two entries share one.
+    reading: Mutex<Vec<(i32, Instant)>>,
 }
 
 /// A running listener; stopping it (or dropping it) closes the port. A profile being
@@ -124,7 +124,6 @@ impl Server {
             busy: AtomicBool::new(false),
             connections: AtomicUsize::new(0),
             reading: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(0),
         });
         let s = shared.clone();
         let accept = std::thread::Builder::new()
@@ -224,10 +223,10 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
 fn make_room(shared: &Shared) -> bool {
     {
         let mut reading = shared.reading.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(i) = reading.iter().position(|r| r.2.elapsed() >= EVICT_AFTER) else {
+        let Some(i) = reading.iter().position(|r| r.1.elapsed() >= EVICT_AFTER) else {
             return false;
         };
-        let (_, fd, _) = reading.remove(i);
+        let (fd, _) = reading.remove(i);
         // SAFETY: the socket is open: its `Conn` leaves this list, under this lock, before it
         // closes it. shutdown ends the connection without closing the descriptor.
         unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
@@ -248,18 +247,16 @@ fn make_room(shared: &Shared) -> bool {
 struct Conn {
     stream: TcpStream,
     shared: Arc<Shared>,
-    id: u64,
 }
 
 impl Conn {
     fn new(stream: TcpStream, shared: Arc<Shared>) -> Conn {
-        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         shared
             .reading
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((id, stream.as_raw_fd(), Instant::now()));
-        Conn { stream, shared, id }
+            .push((stream.as_raw_fd(), Instant::now()));
+        Conn { stream, shared }
     }
 
     /// Out of the list of evictable connections: its head is in.
@@ -269,7 +266,8 @@ impl Conn {
             .reading
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        reading.retain(|r| r.0 != self.id);
+        let fd = self.stream.as_raw_fd();
+        reading.retain(|r| r.0 != fd);
     }
 }
 

@@ -385,13 +385,11 @@ impl<M: Memory> Spy<M> {
             let thread = self.sampler.threads[i].thread;
             let (stack, tags) = match self.retry_walk(thread, first, tags) {
                 Ok(Retried::Walked(walked)) => walked,
-                Ok(Retried::Ended) => {
+                Ok(not_walked) => {
                     self.sampler.forget_stack(thread);
-                    continue;
-                }
-                Ok(Retried::Moved) => {
-                    self.sampler.forget_stack(thread);
-                    failed.push(thread);
+                    if matches!(not_walked, Retried::Moved) {
+                        failed.push(thread);
+                    }
                     continue;
                 }
                 Err(e) => return (sampled, Err(e)),
