@@ -134,9 +134,13 @@ RSpec.describe "the heap census" do
     # (about 1 in 800 passes) one on 2.7 saw 19,613, neither reproduced since the census
     # checks its page list and rereads pages swept while read. One still moving after 4
     # passes may see an object twice or not at all (before passes were taken again, drift
-    # reached 76 % on 2.7), so it is only reported.
-    stable = censuses.zip(counts).reject { |c, _| c.moving? }
-    expect(stable.size).to be >= 10
+    # reached 76 % on 2.7), so it is only reported. So is one whose last pass still found
+    # listed pages freed: its list may have been read halfway through the loop that frees
+    # pages, without the pages at its top (before such passes were taken again, 1 census
+    # in about 150 on trixie's 3.3 missed 137 to 2,426 Keepers).
+    stable = censuses.zip(counts).reject { |c, _| c.moving? || c.slots[:unreadable_pages].positive? }
+    # Most settle: with two CPU hogs beside it, 3.2 and head left up to 11 of 20 unsettled.
+    expect(stable.size).to be >= 5
     expect(stable.count { |_, n| n == keepers }).to be >= stable.size * 0.9
     stable.each { |_, n| expect(n).to be_within(keepers / 20).of(keepers) }
     expect(censuses.map(&:duration).max).to be < 5

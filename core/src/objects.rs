@@ -6,6 +6,7 @@ use crate::memory::{field, word, word32, Memory};
 use rbspy_ext_bindings::Layout;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Longest string the spy will copy (paths and labels are far shorter).
 const MAX_STRING: usize = 64 * 1024;
@@ -106,77 +107,6 @@ pub fn array_len(l: &Layout, head: &[u8]) -> Option<u64> {
     } else {
         word(head, l.rarray_heap_len)
     })
-}
-
-/// A VALUE as text, the way a tag is shown: Strings, Symbols, Integers, Floats,
-/// true/false/nil as themselves, anything else as its class name. None when the object
-/// cannot be read now (a live value can sit on a page that Ruby 3.0/3.1's `GC.compact` has
-/// made unreadable, PROT_NONE, while it compacts: a placeholder would be an invented tag),
-/// when `v` is no VALUE at all, or when an object's class needs the symbol table and there
-/// is none.
-pub fn value_text<M: Memory>(
-    mem: &M,
-    l: &Layout,
-    symbols: Option<&mut SymbolTable>,
-    classes: &mut ClassNames,
-    v: u64,
-) -> Option<Arc<str>> {
-    if v == l.qfalse {
-        return Some("false".into());
-    }
-    if v == l.qnil {
-        return Some("nil".into());
-    }
-    if v == l.qtrue {
-        return Some("true".into());
-    }
-    if v & l.fixnum_flag != 0 {
-        return Some(((v as i64) >> 1).to_string().into());
-    }
-    if v & l.flonum_mask == l.flonum_flag {
-        return Some(flonum(v).to_string().into());
-    }
-    if v & ((1 << l.special_shift) - 1) == l.symbol_flag {
-        let name = symbols.and_then(|s| s.name(mem, l, v >> l.special_shift).ok());
-        return Some(name.unwrap_or_else(|| Arc::from("Symbol")));
-    }
-    if !is_heap_object(v) {
-        return None;
-    }
-    let flags = mem.read_u64(field(v, l.rbasic_flags)).ok()?;
-    let t = flags & l.t_mask;
-    Some(if t == l.t_string {
-        string_or(read_string(mem, l, v), "String")?
-    } else if t == l.t_symbol {
-        // A dynamic Symbol (made at run time): its name is a String of its own.
-        let fstr = mem.read_u64(field(v, l.rsymbol_fstr)).ok()?;
-        string_or(read_string(mem, l, fstr), "Symbol")?
-    } else {
-        let class = mem.read_u64(field(v, l.rbasic_klass)).ok()?;
-        classes
-            .class_name(mem, l, symbols?, class)
-            .unwrap_or_else(|| Arc::from("Object"))
-    })
-}
-
-/// A String's text; `shape` when it is too long or not a String after all; None when its
-/// memory cannot be read now.
-fn string_or(read: ObjResult<String>, shape: &str) -> Option<Arc<str>> {
-    match read {
-        Ok(text) => Some(text.into()),
-        Err(ObjectError::Shape(..)) => Some(shape.into()),
-        Err(ObjectError::Memory(_)) => None,
-    }
-}
-
-/// The Float a flonum VALUE stands for (Ruby's `rb_float_flonum_value`).
-fn flonum(v: u64) -> f64 {
-    if v == 0x8000_0000_0000_0002 {
-        return 0.0;
-    }
-    let b63 = v >> 63;
-    let t = (2u64.wrapping_sub(b63)) | (v & !3);
-    f64::from_bits(t.rotate_right(3))
 }
 
 /// `RUBY_T_DATA`: the same in every Ruby (ruby/internal/value_type.h).
@@ -310,15 +240,58 @@ fn last_serial(l: &Layout, counter: u32) -> u64 {
 
 /// Computes method labels the way Ruby 3.4 does (`Foo#bar`, `Foo.bar`, or the bare name when
 /// the owner has no permanent name), caching the class part per owner.
+///
+/// A class's permanent name never changes, but "no name" may: a class may be named later
+/// (`Foo = Class.new`), and a read may fail or read nonsense while a compaction moves the
+/// class or its path (once in a few runs of a compacting 3.3, a census named a class of
+/// 20,000 objects `#<Class:0x...>` for the rest of the handle's life). So no name is
+/// remembered for `UNNAMED_TTL` only, or until `forget_unnamed`. A compaction may also move
+/// a class away and another into its address; the census forgets every name then
+/// (`forget_unnamed`), the frames' labels do not (they are cached per method entry above).
 #[derive(Debug, Default)]
 pub struct ClassNames {
     /// owner VALUE → prefix ("Foo#" / "Foo.") or None for "no qualification".
-    prefixes: FxHashMap<u64, Option<Arc<str>>>,
+    prefixes: FxHashMap<u64, Named>,
     /// class VALUE → its permanent name (`class_name`).
-    names: FxHashMap<u64, Option<Arc<str>>>,
+    names: FxHashMap<u64, Named>,
     /// The target's `rb_vm_t`, which holds Ruby 3.2's shape tree (0 when unknown: class
     /// names then resolve on the other Rubies only).
     vm: u64,
+    /// The target's compactions when a census last looked (`forget_unnamed`).
+    compactions: Option<u64>,
+}
+
+/// How long "no name" is remembered (see `ClassNames`): a sampler that meets an anonymous
+/// class's methods at every tick reads its name once a second, not a thousand times.
+const UNNAMED_TTL: Duration = Duration::from_secs(1);
+
+/// A cached name, or the time a lookup found none.
+#[derive(Debug, Clone)]
+enum Named {
+    Found(Arc<str>),
+    Unnamed(Instant),
+}
+
+impl Named {
+    /// The cached answer under `key`, or `read`'s (kept as `ClassNames` says).
+    fn lookup(
+        map: &mut FxHashMap<u64, Named>,
+        key: u64,
+        read: impl FnOnce() -> Option<Arc<str>>,
+    ) -> Option<Arc<str>> {
+        match map.get(&key) {
+            Some(Named::Found(name)) => return Some(name.clone()),
+            Some(Named::Unnamed(at)) if at.elapsed() < UNNAMED_TTL => return None,
+            _ => {}
+        }
+        let found = read();
+        let entry = match &found {
+            Some(name) => Named::Found(name.clone()),
+            None => Named::Unnamed(Instant::now()),
+        };
+        map.insert(key, entry);
+        found
+    }
 }
 
 impl ClassNames {
@@ -328,6 +301,21 @@ impl ClassNames {
             vm,
             ..Default::default()
         }
+    }
+
+    /// Reads again, at their next lookup, the classes that had no name, and every class
+    /// once `compactions` (the target's count of them) says objects have moved since the
+    /// last call: a class moved elsewhere by `GC.compact` may have left its address to
+    /// another. A census pass calls this, since the names it gives must be read during the
+    /// pass that counts them.
+    pub fn forget_unnamed(&mut self, compactions: u64) {
+        if self.compactions.replace(compactions) != Some(compactions) {
+            self.prefixes.clear();
+            self.names.clear();
+        }
+        let found = |_: &u64, n: &mut Named| matches!(n, Named::Found(_));
+        self.prefixes.retain(found);
+        self.names.retain(found);
     }
 
     pub fn qualify<M: Memory>(
@@ -341,7 +329,7 @@ impl ClassNames {
         // A class we cannot name (anonymous, or memory that does not read) gets the bare
         // method name, which is also what Ruby prints for anonymous owners.
         let vm = self.vm;
-        let prefix = self.prefixes.entry(owner).or_insert_with(|| {
+        let prefix = Named::lookup(&mut self.prefixes, owner, || {
             method_prefix(mem, l, symbols, vm, owner)
                 .ok()
                 .flatten()
@@ -352,9 +340,7 @@ impl ClassNames {
             None => name.to_string(),
         }
     }
-}
 
-impl ClassNames {
     /// The permanent name of a class (`Foo::Bar`), if it has one.
     pub fn class_name<M: Memory>(
         &mut self,
@@ -364,15 +350,12 @@ impl ClassNames {
         class: u64,
     ) -> Option<Arc<str>> {
         let vm = self.vm;
-        self.names
-            .entry(class)
-            .or_insert_with(|| {
-                permanent_name(mem, l, symbols, vm, class)
-                    .ok()
-                    .flatten()
-                    .map(Arc::from)
-            })
-            .clone()
+        Named::lookup(&mut self.names, class, || {
+            permanent_name(mem, l, symbols, vm, class)
+                .ok()
+                .flatten()
+                .map(Arc::from)
+        })
     }
 }
 
@@ -583,17 +566,5 @@ fn shape_ivar<M: Memory>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::flonum;
-
-    #[test]
-    fn flonums_decode_like_ruby() {
-        // Ruby encodes a flonum as the double's bits rotated left by 3, low bits 0b10.
-        for x in [1.5f64, -2.25, 1e10, 0.1] {
-            let bits = x.to_bits();
-            let v = (bits.rotate_left(3) & !1) | 2;
-            assert_eq!(flonum(v), x, "{x}");
-        }
-        assert_eq!(flonum(0x8000_0000_0000_0002), 0.0);
-    }
-}
+#[path = "objects_tests.rs"]
+mod tests;

@@ -30,6 +30,28 @@ pub(super) fn addresses(spaces: &[Objspace]) -> Vec<u64> {
     spaces.iter().map(|s| s.address).collect()
 }
 
+/// The heaps' compactions so far (a global compaction counts in each), and whether one
+/// runs now.
+pub(super) fn gc_state<M: Memory>(
+    t: &TargetView<'_, M>,
+    h: &HeapLayout,
+    spaces: &[Objspace],
+) -> Result<(u64, bool)> {
+    let mem = t.mem();
+    let memory = |e| t.memory_error("reading the GC's state", e);
+    let (mut count, mut running) = (0u64, false);
+    for space in spaces {
+        let compacted = mem.read_u64(field(space.address, h.compact_count));
+        count = count.wrapping_add(compacted.map_err(memory)?);
+        let (at, mask) = h.during_compacting;
+        let mut flag = [0u8];
+        mem.read(field(space.address, at), &mut flag)
+            .map_err(memory)?;
+        running |= flag[0] & mask != 0;
+    }
+    Ok((count, running))
+}
+
 /// Every heap of the target, each once, in `rb_gc_vm_each_objspace`'s order.
 pub(super) fn objspaces<M: Memory>(t: &TargetView<'_, M>, h: &HeapLayout) -> Result<Vec<Objspace>> {
     let (l, mem, vm) = (t.layout(), t.mem(), t.vm());

@@ -25,6 +25,7 @@ mod memo;
 mod parts;
 mod tags;
 mod thread_list;
+mod values;
 mod view;
 mod walker;
 mod zjit;

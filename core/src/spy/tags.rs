@@ -561,10 +561,10 @@ impl<M: Memory> Decoder<'_, M> {
         symbols.name(&t.mem, t.layout, id).ok()
     }
 
-    /// A VALUE as text (`objects::value_text`); None when it cannot be read now.
+    /// A VALUE as text (`values::value_text`); None when it cannot be read now.
     fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
         let t = self.target;
         let symbols = self.cache.symbols.as_mut();
-        crate::objects::value_text(&t.mem, t.layout, symbols, &mut self.cache.classes, v)
+        super::values::value_text(&t.mem, t.layout, symbols, &mut self.cache.classes, v)
     }
 }

@@ -76,6 +76,11 @@ impl<M: Memory> TargetView<'_, M> {
         self.classes.class_name(mem, layout, symbols, class)
     }
 
+    /// See `ClassNames::forget_unnamed`.
+    pub fn forget_unnamed_classes(&mut self, compactions: u64) {
+        self.classes.forget_unnamed(compactions);
+    }
+
     /// The address of the shape tree's global (`rb_shape_tree` from 4.0, 3.3's and 3.4's
     /// `rb_shape_tree_ptr`) as the binary names it, or as `shape_tree_or_scan` found it.
     pub fn shape_tree(&self) -> Option<u64> {
