@@ -119,10 +119,10 @@ RSpec.describe "the heap census" do
     target = start_target("heap_churn")
     keepers = target.info.fetch("keepers")
     handle = RubySpy.attach(target.pid)
-    censuses = Array.new(20) { handle.heap }
+    censuses = Array.new(40) { handle.heap }
     counts = censuses.map { |c| c["Keeper"]&.fetch(:objects) || 0 }
     drift = counts.map { |n| (n - keepers).abs.fdiv(keepers) }
-    warn "#{RubySpyTest::TargetRuby.current}: Keepers seen in 20 censuses of a heap under churn" \
+    warn "#{RubySpyTest::TargetRuby.current}: Keepers seen in #{censuses.size} censuses of a heap under churn" \
          "#{" and GC.compact" if target.info["compacts"]}: #{counts.minmax.join("..")} of #{keepers} " \
          "(drift up to #{(drift.max * 100).round(2)} %), moved slots up to " \
          "#{censuses.map { |c| c.slots[:moved_slots] }.max}, garbage up to #{censuses.map { |c| c.slots[:garbage_slots] }.max}, " \
@@ -139,7 +139,8 @@ RSpec.describe "the heap census" do
     # pages, without the pages at its top (before such passes were taken again, 1 census
     # in about 150 on trixie's 3.3 missed 137 to 2,426 Keepers).
     stable = censuses.zip(counts).reject { |c, _| c.moving? || c.slots[:unreadable_pages].positive? }
-    # Most settle: with two CPU hogs beside it, 3.2 and head left up to 11 of 20 unsettled.
+    # Many do not settle in 4 passes, since the fixture compacts without pause: 13 of 20 on
+    # 4.0 in one CI run, 11 of 20 on 3.2 and head with two CPU hogs beside them.
     expect(stable.size).to be >= 5
     expect(stable.count { |_, n| n == keepers }).to be >= stable.size * 0.9
     stable.each { |_, n| expect(n).to be_within(keepers / 20).of(keepers) }
