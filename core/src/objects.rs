@@ -245,9 +245,9 @@ fn last_serial(l: &Layout, counter: u32) -> u64 {
 /// (`Foo = Class.new`), and a read may fail or read nonsense while a compaction moves the
 /// class or its path (once in a few runs of a compacting 3.3, a census named a class of
 /// 20,000 objects `#<Class:0x...>` for the rest of the handle's life). So no name is
-/// remembered for `UNNAMED_TTL` only, or until `forget_unnamed`. A compaction may also move
+/// remembered for `UNNAMED_TTL` only, or until `forget_stale`. A compaction may also move
 /// a class away and another into its address; the census forgets every name then
-/// (`forget_unnamed`), the frames' labels do not (they are cached per method entry above).
+/// (`forget_stale`), the frames' labels do not (they are cached per method entry above).
 #[derive(Debug, Default)]
 pub struct ClassNames {
     /// owner VALUE → prefix ("Foo#" / "Foo.") or None for "no qualification".
@@ -257,7 +257,7 @@ pub struct ClassNames {
     /// The target's `rb_vm_t`, which holds Ruby 3.2's shape tree (0 when unknown: class
     /// names then resolve on the other Rubies only).
     vm: u64,
-    /// The target's compactions when a census last looked (`forget_unnamed`).
+    /// The target's compactions when a census last looked (`forget_stale`).
     compactions: Option<u64>,
 }
 
@@ -308,7 +308,7 @@ impl ClassNames {
     /// last call: a class moved elsewhere by `GC.compact` may have left its address to
     /// another. A census pass calls this, since the names it gives must be read during the
     /// pass that counts them.
-    pub fn forget_unnamed(&mut self, compactions: u64) {
+    pub fn forget_stale(&mut self, compactions: u64) {
         if self.compactions.replace(compactions) != Some(compactions) {
             self.prefixes.clear();
             self.names.clear();

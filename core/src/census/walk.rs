@@ -125,7 +125,7 @@ pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Res
         let before = gc_state(&heap.t, h, &spaces)?;
         // Names are read again where they may have changed: a class unnamed in a pass that
         // overlapped a compaction, and every class once one moved objects.
-        heap.t.forget_unnamed_classes(before.0);
+        heap.t.forget_stale_class_names(before.0);
         let mut census = heap.pass(&spaces, options)?;
         // A Ractor that started or ended meanwhile (its heap absorbed by another, whose
         // pages then moved from one list to the other) may have been missed or counted

@@ -76,9 +76,9 @@ impl<M: Memory> TargetView<'_, M> {
         self.classes.class_name(mem, layout, symbols, class)
     }
 
-    /// See `ClassNames::forget_unnamed`.
-    pub fn forget_unnamed_classes(&mut self, compactions: u64) {
-        self.classes.forget_unnamed(compactions);
+    /// See `ClassNames::forget_stale`.
+    pub fn forget_stale_class_names(&mut self, compactions: u64) {
+        self.classes.forget_stale(compactions);
     }
 
     /// The address of the shape tree's global (`rb_shape_tree` from 4.0, 3.3's and 3.4's
