@@ -242,7 +242,7 @@ RSpec.describe "the BPF sampler" do
         expect(held["prog"].size).to eq(1)
         sleep 0.5
         Process.kill(:INT, wait.pid)
-        expect(wait.value.exitstatus).to eq(0), err.read
+        expect(exit_status(wait, "rubyspy record --bpf after SIGINT").exitstatus).to eq(0), err.read
         expect(still_loaded(held)).to eq([])
       end
       expect(pprof_functions(out)).to include("Object#level6", "Park.spin")

@@ -257,7 +257,7 @@ RSpec.describe "rubyspy heap" do
       expect(lines.grep(/\A--- \d\d:\d\d:\d\d: \d+ live objects/)).not_to be_empty
       expect(lines.last).to match(/Leaky/)
       Process.kill(:INT, wait.pid)
-      expect(wait.value.exitstatus).to eq(0)
+      expect(exit_status(wait, "rubyspy heap --watch after SIGINT").exitstatus).to eq(0)
     end
   end
 

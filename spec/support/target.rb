@@ -413,6 +413,16 @@ module RubySpyTest
       end
     end
 
+    # The exit status of the child +wait+ (Open3's waiter thread) once it exits; after
+    # +timeout+ seconds, what it is waiting on, then it is killed and the example fails.
+    def exit_status(wait, what, timeout: 60)
+      return wait.value if wait.join(timeout)
+
+      state = RubySpyTest::HangGuard.describe_process(wait.pid)
+      Process.kill(:KILL, wait.pid)
+      raise "#{what}: did not exit within #{timeout} s\n#{state.join("\n")}"
+    end
+
     # Whether process +pid+ is recording: a recorder's sampler thread ("rbspy_ext sampler",
     # which comm cuts to 15 bytes) runs in it.
     def sampler_thread?(pid)
