@@ -76,6 +76,10 @@ RSpec.describe "the BPF sampler" do
   # (what it held before), and returns their ids.
   def held_bpf_objects(pid, already: { "prog" => [], "map" => [] }, timeout: 30)
     wait_for("the recorder's program loaded", timeout: timeout) do
+      # Once its sampler thread runs, the recorder has loaded and attached its program: before,
+      # the ids could be libbpf's probes of what the kernel supports, loaded and closed at once.
+      next unless sampler_thread?(pid)
+
       ids = bpf_objects(pid).to_h { |kind, list| [kind, list - already.fetch(kind)] }
       ids if ids["prog"].any? && ids["map"].any?
     end
@@ -237,7 +241,7 @@ RSpec.describe "the BPF sampler" do
       out = File.join(dir, "p.pb.gz")
       cmd = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "--rate", "999",
              "--format", "pprof", "-o", out]
-      Open3.popen3(*cmd, chdir: RubySpyTest::ROOT) do |_in, _out, err, wait|
+      popen_killed_after(*cmd, chdir: RubySpyTest::ROOT) do |_in, _out, err, wait|
         held = held_bpf_objects(wait.pid)
         expect(held["prog"].size).to eq(1)
         sleep 0.5

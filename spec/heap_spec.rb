@@ -162,7 +162,7 @@ RSpec.describe "the heap census" do
     skip "checked once, on the host's Ruby" unless RubySpyTest::TargetRuby.current.host?
     # 20 million Objects: a census of some 300 ms, killed 50 ms in.
     script = 'KEEP = Array.new(20_000_000) { Object.new }; GC.start; $stdout.puts "ready"; $stdout.flush; sleep'
-    Open3.popen2(RbConfig.ruby, "-e", script) do |_stdin, out, wait|
+    popen_killed_after(RbConfig.ruby, "-e", script, kind: :popen2) do |_stdin, out, wait|
       expect(out.gets).to eq("ready\n")
       handle = RubySpy.attach(wait.pid)
       killer = Thread.new do
@@ -248,7 +248,7 @@ RSpec.describe "rubyspy heap" do
   it "prints the top growers every --watch seconds until interrupted" do
     target = start_target("heap_leak")
     cmd = [RbConfig.ruby, File.expand_path("../exe/rubyspy", __dir__), "heap", "--pid", target.pid.to_s, "--watch", "0.5"]
-    Open3.popen2e(*cmd) do |stdin, out, wait|
+    popen_killed_after(*cmd, kind: :popen2e) do |stdin, out, wait|
       stdin.close
       expect(out.gets).to match(/\Awatching the heap of pid #{target.pid} \(\d+ live objects\)/)
       Process.kill(:USR1, target.pid)

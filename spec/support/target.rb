@@ -2,6 +2,7 @@
 
 require "fileutils"
 require "json"
+require "open3"
 require "rbconfig"
 require "tmpdir"
 
@@ -410,6 +411,22 @@ module RubySpyTest
         raise "#{what}: not within #{timeout} s" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
 
         sleep interval
+      end
+    end
+
+    # Open3.popen3 (+kind+ :popen2 or :popen2e for those), except that a child still running
+    # when the block ends is killed first. Open3 closes the pipes and then waits for the
+    # child: after an expectation failed in the block, before the child was told to stop, a
+    # `rubyspy record` that runs until SIGINT would be waited for forever.
+    def popen_killed_after(*cmd, kind: :popen3, **opts)
+      Open3.public_send(kind, *cmd, **opts) do |*ios|
+        yield(*ios)
+      ensure
+        begin
+          Process.kill(:KILL, ios.last.pid) if ios.last.alive?
+        rescue Errno::ESRCH
+          nil # exited meanwhile
+        end
       end
     end
 
