@@ -87,11 +87,10 @@ module RubySpyTest
     # Every process whose chain of parents leads to +root+, parents first.
     def descendants(root)
       children = Hash.new { |h, k| h[k] = [] }
-      Dir.glob("/proc/[0-9]*/stat").each do |path|
-        fields = stat_fields(File.read(path))
-        children[fields[1].to_i] << path.split("/")[2].to_i if fields
-      rescue SystemCallError
-        next # exited meanwhile
+      Dir.glob("/proc/[0-9]*").each do |dir|
+        pid = File.basename(dir).to_i
+        ppid = RubySpyTest.stat_fields(pid)&.fetch(1) or next # exited meanwhile
+        children[ppid.to_i] << pid
       end
       found = []
       queue = children[root].dup
@@ -103,16 +102,9 @@ module RubySpyTest
       found
     end
 
-    # The fields of a /proc stat line after the command name (state, ppid, ...): the name is
-    # in parentheses and may itself hold spaces and parentheses.
-    def stat_fields(stat)
-      close = stat.rindex(")") or return nil
-      stat[(close + 2)..].split
-    end
-
     def describe_process(pid)
       cmdline = File.read("/proc/#{pid}/cmdline").split("\0").join(" ")
-      state = stat_fields(File.read("/proc/#{pid}/stat"))&.first
+      state = RubySpyTest.process_state(pid)
       lines = ["  process #{pid} (#{state}): #{cmdline[0, 300]}"]
       Dir.glob("/proc/#{pid}/task/*").each do |task|
         kernel = read_or("#{task}/stack", "").lines.first(6).map { |l| l.split(" ", 2).last.strip }

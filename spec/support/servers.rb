@@ -92,11 +92,9 @@ module RubySpyTest
 
     # Puma's worker processes (cluster mode), from /proc.
     def workers
-      Dir["/proc/[0-9]*/stat"].filter_map do |stat|
-        fields = File.read(stat)[/\) (.*)/, 1].to_s.split
-        File.basename(File.dirname(stat)).to_i if fields[1].to_i == @pid
-      rescue SystemCallError
-        nil
+      Dir["/proc/[0-9]*"].filter_map do |dir|
+        pid = File.basename(dir).to_i
+        pid if RubySpyTest.stat_fields(pid)&.fetch(1).to_i == @pid
       end
     end
 

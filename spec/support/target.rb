@@ -10,12 +10,19 @@ module RubySpyTest
   ROOT = File.expand_path("../..", __dir__)
   FIXTURES = File.join(ROOT, "spec", "fixtures")
 
-  # Kernel state letter of a process (R, S, D, T, t, Z, ...), nil when there is none.
-  def self.process_state(pid)
-    stat = File.read("/proc/#{pid}/stat")
-    stat[(stat.rindex(")") + 2)..].split(" ", 2).first
+  # The fields of /proc/PATH/stat after the command name ([state, ppid, ...]; PATH "PID" or
+  # "PID/task/TID"), nil when it is gone. The name is in parentheses and may itself hold
+  # spaces and parentheses.
+  def self.stat_fields(path)
+    stat = File.read("/proc/#{path}/stat")
+    stat[(stat.rindex(")") + 2)..].split
   rescue SystemCallError
     nil
+  end
+
+  # Kernel state letter of a process (R, S, D, T, t, Z, ...), nil when there is none.
+  def self.process_state(pid)
+    stat_fields(pid)&.first
   end
 
   # What looks wrong with a live process that a read must leave alone: gone, a zombie,
@@ -373,10 +380,7 @@ module RubySpyTest
     end
 
     def thread_state(tid)
-      stat = File.read("/proc/#{pid}/task/#{tid}/stat")
-      stat[(stat.rindex(")") + 2)..].split(" ", 2).first
-    rescue SystemCallError
-      nil
+      RubySpyTest.stat_fields("#{pid}/task/#{tid}")&.first
     end
 
     def reap_nonblocking
@@ -436,7 +440,11 @@ module RubySpyTest
       return wait.value if wait.join(timeout)
 
       state = RubySpyTest::HangGuard.describe_process(wait.pid)
-      Process.kill(:KILL, wait.pid)
+      begin
+        Process.kill(:KILL, wait.pid)
+      rescue Errno::ESRCH
+        nil # it exited just now
+      end
       raise "#{what}: did not exit within #{timeout} s\n#{state.join("\n")}"
     end
 
