@@ -11,8 +11,9 @@
 //! is far. The poller sleeps most of the time the job expects the next point to take (from
 //! [`MIN_DELAY_US`] to [`MAX_DELAY_US`]), so a point costs a few jobs, each a few µs.
 //!
-//! A point that passes while the hook is off (a burst faster than the poller) is owed to the
-//! next allocation the hook sees, so the totals stay unbiased; the notes count them.
+//! A point that passes while the hook is off (a burst faster than the poller) is owed, and
+//! paid by the points after it (sites.rs), so the totals stay unbiased and no one line is
+//! billed for the burst; the notes count them.
 //!
 //! Which Rubies: the job is posted from a thread Ruby does not know, which
 //! `rb_postponed_job_trigger` (3.3+) and `rb_postponed_job_register_one` (3.0 to 3.2) allow;

@@ -18,7 +18,7 @@ use rustc_hash::FxHashMap as HashMap;
 const FILTER_BITS: usize = 1 << 20;
 
 /// A sampled object: its site, slot bytes, built-in type, and how many samples it is
-/// (more than one when points that passed unseen were owed to it).
+/// (more than one when it paid for points that passed unseen).
 #[derive(Clone, Copy)]
 pub(super) struct Entry {
     pub site: u32,

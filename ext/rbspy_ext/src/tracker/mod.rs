@@ -357,8 +357,12 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
         );
     }
     if t.arm.missed > 0 {
+        let unpaid = match t.owed {
+            0 => String::new(),
+            n => format!(" ({n} not yet)"),
+        };
         notes.push(format!(
-            "{} sample points passed between two looks at the allocation count (a burst): each was taken at the next allocation",
+            "{} sample points passed between two looks at the allocation count (a burst): each was counted at one of the points after it{unpaid}",
             t.arm.missed
         ));
     }
