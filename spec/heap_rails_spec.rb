@@ -18,17 +18,7 @@ RSpec.describe "the heap census of a Rails app" do
 
   it "names every class as the app's own Kernel#class does, and counts each as its each_object does" do
     target = start_target("heap_rails")
-    handle = RubySpy.attach(target.pid)
-    line = target.info.fetch("sleep_line")
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 60
-    until (stack = handle.snapshot).first&.label == "Kernel#sleep" && stack[1]&.lineno == line
-      raise "the target never slept on line #{line}: #{stack.first(2).map(&:to_s)}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-      sleep 0.05
-    end
-    census = handle.heap
-    Process.kill(:USR1, target.pid)
-    answers = target.result(".answers")
+    census, answers = target.census_and_answers(timeout: 60)
 
     # A class whose name is a temporary path (a constant of an anonymous class, which
     # Module#name gives as "#<Class:0x...>::Config") is named anonymous in the census, by

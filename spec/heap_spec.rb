@@ -17,17 +17,7 @@ RSpec.describe "the heap census" do
   # its census and its answers.
   def census_and_answers
     target = start_target("heap_populations")
-    handle = RubySpy.attach(target.pid)
-    line = target.info.fetch("sleep_line")
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
-    until (stack = handle.snapshot).first&.label == "Kernel#sleep" && stack[1]&.lineno == line
-      raise "the target never slept on line #{line}: #{stack.first(2).map(&:to_s)}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-      sleep 0.05
-    end
-    census = handle.heap
-    Process.kill(:USR1, target.pid)
-    [target, census, target.result(".answers")]
+    [target, *target.census_and_answers]
   end
 
   it "counts every class and type exactly as the target's own ObjectSpace does, and its bytes as memsize_of" do
@@ -80,17 +70,7 @@ RSpec.describe "the heap census" do
     skip "no Ractors before 3.0" if RubySpyTest::TargetRuby.current.version < Gem::Version.new("3.0")
     target = start_target("heap_ractors")
     info = target.info
-    handle = RubySpy.attach(target.pid)
-    line = info.fetch("sleep_line")
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
-    until (stack = handle.snapshot).first&.label == "Kernel#sleep" && stack[1]&.lineno == line
-      raise "the target never slept on line #{line}: #{stack.first(2).map(&:to_s)}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-      sleep 0.05
-    end
-    census = handle.heap
-    Process.kill(:USR1, target.pid)
-    answers = target.result(".answers")
+    census, answers = target.census_and_answers
     keepers = info.fetch("keepers")
     foos = info.fetch("main_foos") + (keepers.size * info.fetch("per_keeper"))
     warn "#{RubySpyTest::TargetRuby.current}: #{census["Foo"][:objects]} Foos in the census, #{answers["main_foos"]} " \

@@ -311,6 +311,27 @@ module RubySpyTest
       JSON.parse(File.read(path))
     end
 
+    # For the heap fixtures (Park.rest_for_census): waits until a snapshot shows the main
+    # thread in its last sleep (Kernel#sleep on sleep_line, called from rest_line: the sleep
+    # before it, on the same line, is followed by the capture Ruby's answers come from), takes
+    # the census, and sends SIGUSR1 for those answers. Returns the census and the answers.
+    def census_and_answers(timeout: 30)
+      handle = RubySpy.attach(pid)
+      sleep_line, rest_line = info.fetch_values("sleep_line", "rest_line")
+      deadline = monotonic + timeout
+      until (stack = handle.snapshot).first&.label == "Kernel#sleep" &&
+            stack[1]&.lineno == sleep_line && stack[2]&.lineno == rest_line
+        if monotonic > deadline
+          raise "#{name} never slept on line #{sleep_line} from line #{rest_line}: #{stack.first(3).map(&:to_s)}"
+        end
+
+        sleep 0.05
+      end
+      census = handle.heap
+      Process.kill(:USR1, pid)
+      [census, result(".answers")]
+    end
+
     # SIGKILL without reaping: the process becomes a zombie until #reap or #stop.
     def kill!
       Process.kill(:KILL, pid)
