@@ -163,7 +163,7 @@ impl<M: Memory> Walker<'_, M> {
     /// where every running frame's environment (`ep[-2..=0]`) lives; the extent is guessed
     /// from the previous sample of that stack (a deeper stack costs one more read). A
     /// context whose frames were already read along with its thread (`prefetched`, see
-    /// spy/threads.rs) costs no call at all.
+    /// spy/batch.rs) costs no call at all.
     pub(super) fn walk_many(
         &mut self,
         ecs: &[[u64; 3]],
@@ -502,7 +502,7 @@ pub(super) struct Plan {
 }
 
 /// A thread's control frames and value stack, read along with the thread on the guess that
-/// its stack is where it was last time (see spy/threads.rs).
+/// its stack is where it was last time (see spy/batch.rs).
 #[derive(Debug)]
 pub(super) struct Prefetched<'a> {
     pub(super) vm_stack: u64,
