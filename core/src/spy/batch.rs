@@ -1,6 +1,6 @@
 //! A sample's one call: what to read for every thread (`ThreadSampler::plan_sample`), the
 //! read itself, and each thread's state from it (`classify`). `Spy::sample_threads`
-//! (threads.rs) walks the stacks this read and decodes the tags.
+//! (mod.rs) walks the stacks this read and decodes the tags.
 use super::attach::Target;
 use super::tags::{TagRead, TagReader};
 use super::thread_list::{
