@@ -5,7 +5,7 @@ require "rbspy_ext"
 
 # A recording of a process that keeps starting threads stays bounded: past
 # RubySpy's 256 threads, threads that ended are merged into one "ended threads" thread
-# (core/src/profile_retire.rs), their samples kept.
+# (core/src/profile/retire.rs), their samples kept.
 RSpec.describe "recording a process that keeps starting threads" do
   include RubySpyTest::Recording
 

@@ -566,5 +566,4 @@ fn shape_ivar<M: Memory>(
 }
 
 #[cfg(test)]
-#[path = "objects_tests.rs"]
 mod tests;

@@ -235,7 +235,7 @@ pub struct Aggregator {
     timeline: Timeline,
     tick_us: u64,
     timeline_full: bool,
-    /// By thread index: the tick it was last sampled at (profile_retire.rs).
+    /// By thread index: the tick it was last sampled at (profile/retire.rs).
     last_seen: Vec<u64>,
     /// By process: the index of its "ended threads", once it has one.
     merged: FxHashMap<i32, u32>,
@@ -506,10 +506,8 @@ pub fn frame(label: &str, path: &str, lineno: i32, c_function: bool) -> Frame {
     }
 }
 
-#[path = "profile_retire.rs"]
 mod retire;
 pub use retire::{ENDED_THREADS, MAX_THREADS};
 
 #[cfg(test)]
-#[path = "profile_tests.rs"]
 mod tests;

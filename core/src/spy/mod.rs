@@ -79,7 +79,7 @@ pub struct Config {
 /// `ThreadSampler` and `TagReader` have methods of their own, given the `Target` (and, to
 /// decode names, the `Cache`) they need. This file orchestrates a snapshot and a sample of
 /// every thread; the BPF sampler's side is `Capture` (captured.rs), the census reads
-/// through `TargetView` (view.rs), and a spy over a memory image is made in parts.rs.
+/// through `TargetView` (view.rs), and a spy over a memory image is made in attach.rs (`over_image`).
 pub struct Spy<M: Memory = ProcessMemory> {
     target: attach::Target<M>,
     cache: frames::Cache,
