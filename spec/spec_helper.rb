@@ -6,10 +6,16 @@
 lib = File.expand_path("../lib", __dir__)
 $LOAD_PATH.unshift(lib) unless $LOAD_PATH.include?(lib)
 
+# spec/support/: paths.rb, proc_stat.rb (/proc/PID/stat), target_ruby.rb (which Ruby the
+# fixtures run on), target.rb (a started fixture), helpers/ (what examples call: targets,
+# waiting, the CLI, child processes), and one file per area (frames, recording, servers...).
 Dir[File.join(__dir__, "support", "**", "*.rb")].sort.each { |f| require f }
 
 RSpec.configure do |config|
   config.include RubySpyTest::TargetHelpers
+  config.include RubySpyTest::Waiting
+  config.include RubySpyTest::CLIHelpers
+  config.include RubySpyTest::ProcessHelpers
   config.include RubySpyTest::ServerHelpers
   config.after { stop_all_targets }
   config.after { stop_servers }

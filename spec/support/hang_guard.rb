@@ -1,5 +1,7 @@
 # frozen_string_literal: true
 
+require_relative "proc_stat"
+
 module RubySpyTest
   # Ends an example that runs far longer than any example should, and says where it stood.
   #

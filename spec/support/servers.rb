@@ -5,6 +5,10 @@ require "socket"
 require "timeout"
 require "tmpdir"
 require "fileutils"
+require_relative "paths"
+require_relative "proc_stat"
+require_relative "target_ruby"
+require_relative "helpers/waiting"
 
 module RubySpyTest
   # A real web server (Debian's Puma) running a fixture app from spec/fixtures, on a free
@@ -13,6 +17,8 @@ module RubySpyTest
   # Ruby, Rails and Puma (script/rubies build installs them), as a container would serve it:
   # #pid is still the host's pid of Puma, which the specs record from outside.
   class Server
+    include Waiting
+
     # What a TLS-terminating proxy in front of the app adds to every request it passes on.
     # Rails 7.2's production config forces SSL, answering plain HTTP with a 301 to https; the
     # pprof endpoint is fetched from the app's port directly, in plain HTTP, through the
@@ -80,12 +86,10 @@ module RubySpyTest
 
     def start
       @pid = Process.spawn(@env, *command, chdir: @ruby.host? ? @dir : ROOT, out: @log, err: @log, pgroup: true)
-      deadline = Time.now + 60
-      until ready?
-        raise "puma exited before serving:\n#{File.read(@log)}" if Process.waitpid(@pid, Process::WNOHANG)
-        raise "puma not serving after 60 s:\n#{File.read(@log)}" if Time.now > deadline
+      wait_for("puma serving", timeout: 60, interval: 0.1, detail: -> { File.read(@log) }) do
+        next true if ready?
 
-        sleep 0.1
+        raise "puma exited before serving:\n#{File.read(@log)}" if Process.waitpid(@pid, Process::WNOHANG)
       end
       self
     end

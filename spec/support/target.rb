@@ -2,163 +2,12 @@
 
 require "fileutils"
 require "json"
-require "open3"
-require "rbconfig"
-require "tmpdir"
+require_relative "paths"
+require_relative "proc_stat"
+require_relative "target_ruby"
+require_relative "helpers/waiting"
 
 module RubySpyTest
-  ROOT = File.expand_path("../..", __dir__)
-  FIXTURES = File.join(ROOT, "spec", "fixtures")
-
-  # The fields of /proc/PATH/stat after the command name ([state, ppid, ...]; PATH "PID" or
-  # "PID/task/TID"), nil when it is gone. The name is in parentheses and may itself hold
-  # spaces and parentheses.
-  def self.stat_fields(path)
-    stat = File.read("/proc/#{path}/stat")
-    stat[(stat.rindex(")") + 2)..].split
-  rescue SystemCallError
-    nil
-  end
-
-  # Kernel state letter of a process (R, S, D, T, t, Z, ...), nil when there is none.
-  def self.process_state(pid)
-    stat_fields(pid)&.first
-  end
-
-  # What looks wrong with a live process that a read must leave alone: gone, a zombie,
-  # stopped, or traced. Empty when it is running normally.
-  def self.process_problems(pid)
-    fields = File.readlines("/proc/#{pid}/status").to_h { |l| l.chomp.split(":\t", 2) }
-    problems = []
-    state = fields["State"].to_s
-    problems << "process #{pid} is #{state}" if state.start_with?("T", "t", "Z", "X")
-    tracer = fields["TracerPid"].to_i
-    problems << "process #{pid} is being traced by #{tracer}" unless tracer.zero?
-    problems
-  rescue SystemCallError
-    ["process #{pid} is gone"]
-  end
-
-  # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside[:JIT] picks a
-  # Ruby from script/rubies (NAME as in `script/rubies list`): `inside` runs a Debian Ruby in
-  # its chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
-  # reader), `outside` runs the same binary on the host through the chroot's loader, or an
-  # upstream Ruby as itself. JIT (yjit or zjit) turns that JIT on in every target (--yjit,
-  # --zjit); mn=N starts every target with RUBY_MN_THREADS=N (M:N threads, 3.3+), unless a
-  # spec sets its own. Unset: the Ruby running the specs.
-  class TargetRuby
-    JITS = %w[yjit zjit].freeze
-
-    attr_reader :name, :mode, :root, :jit, :mn
-
-    def self.current
-      @current ||= new(ENV["RUBYSPY_TARGET_RUBY"])
-    end
-
-    def initialize(spec)
-      @name, @mode, *extras = spec.to_s.split(":") if spec && !spec.empty?
-      return unless @name
-
-      extras.each do |extra|
-        if JITS.include?(extra) && @jit.nil?
-          @jit = extra
-        elsif extra.match?(/\Amn=-?\d+\z/) && @mn.nil?
-          @mn = extra.delete_prefix("mn=")
-        else
-          @mode = nil # reported below
-        end
-      end
-      unless %w[inside outside].include?(@mode)
-        raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside, " \
-                             "optionally followed by :#{JITS.join(' or :')} and :mn=N"
-      end
-
-      line = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines
-               .map(&:split).find { |fields| fields[0] == @name }
-      raise ArgumentError, "#{@name} is not built (script/rubies build #{@name})" unless line
-
-      @root = line[2]
-      @version = line[1]
-      upstream = line[4] == "upstream"
-      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if upstream && inside?
-
-      sync_fixtures if inside?
-    end
-
-    # The target Ruby's version, as a Gem::Version.
-    def version
-      Gem::Version.new(host? ? RUBY_VERSION : @version)
-    end
-
-    # Whether fixtures can load rbspy_ext into this Ruby: the host's (rake compile), or a
-    # chroot's with its own build in lib/rbspy_ext/X.Y/ (script/rubies ext NAME).
-    def extension?
-      host? || File.exist?(File.join(ROOT, "lib", "rbspy_ext", version.segments.first(2).join("."), "rbspy_ext.so"))
-    end
-
-    def host?
-      @name.nil?
-    end
-
-    def inside?
-      @mode == "inside"
-    end
-
-    def to_s
-      return "host Ruby #{RUBY_VERSION}" if host?
-
-      "#{@name} (#{[@mode, @jit, @mn && "RUBY_MN_THREADS=#{@mn}"].compact.join(', ')})"
-    end
-
-    # What every target of this Ruby is started with (RUBY_MN_THREADS for :mn=N).
-    def env
-      @mn ? { "RUBY_MN_THREADS" => @mn } : {}
-    end
-
-    # The command that runs `args` from the repository root.
-    def command(*args)
-      return [RbConfig.ruby, *args] if host?
-
-      flags = @jit ? ["--#{@jit}"] : []
-      proc = @proc && inside? ? ["--proc"] : []
-      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, *proc, "--", *flags, *args]
-    end
-
-    # The same Ruby, with /proc mounted in its chroot when it runs inside one (script/rubies
-    # run --proc), for a fixture that reads its own memory through /proc, as one serving its
-    # own profiles does. A container always has /proc; a bare chroot does not.
-    def with_proc
-      dup.tap { |ruby| ruby.instance_variable_set(:@proc, true) }
-    end
-
-    # Where a path the target uses lives for the specs (inside a chroot: under its root).
-    def host_path(path)
-      inside? ? File.join(@root, path) : path
-    end
-
-    # A fresh directory both sides can use; returns [path for the target, path for specs].
-    def mktmpdir(prefix)
-      return [Dir.mktmpdir(prefix)] * 2 unless inside?
-
-      host = Dir.mktmpdir(prefix, File.join(@root, "tmp"))
-      [host.delete_prefix(@root), host]
-    end
-
-    private
-
-    # The chroot sees the fixtures (and lib/, for the fixtures that load rbspy_ext) at the
-    # same absolute path as the host, so relative and absolute paths in its backtraces look
-    # as they would on a host.
-    def sync_fixtures
-      %w[spec lib].each do |dir|
-        target = File.join(@root, ROOT, dir)
-        FileUtils.rm_rf(target)
-        FileUtils.mkdir_p(File.dirname(target))
-        FileUtils.cp_r(File.join(ROOT, dir), target)
-      end
-    end
-  end
-
   # One frame of the ground truth a fixture recorded from Ruby's own backtrace_locations.
   ExpectedFrame = Struct.new(:label, :base_label, :path, :absolute_path, :lineno,
                              keyword_init: true) do
@@ -176,6 +25,8 @@ module RubySpyTest
   # written its ready file (see spec/fixtures/lib/park.rb) and is settled in the state the
   # file describes.
   class Target
+    include Waiting
+
     READY_TIMEOUT = 15 # seconds
     POLL_INTERVAL = 0.01 # seconds
 
@@ -237,11 +88,12 @@ module RubySpyTest
 
     def wait_until_ready
       deadline = monotonic + READY_TIMEOUT
-      until File.exist?(@ready_path)
+      wait_for("fixture #{script} (pid #{pid}) to write its ready file",
+               timeout: READY_TIMEOUT, interval: POLL_INTERVAL, detail: -> { its_output }) do
+        next true if File.exist?(@ready_path)
+
         reap_nonblocking
         fail_startup("exited (#{@status.inspect}) before writing its ready file") if @status
-        fail_startup("wrote no ready file within #{READY_TIMEOUT} s") if monotonic > deadline
-        sleep POLL_INTERVAL
       end
       load_ready_file
       settle(deadline)
@@ -278,11 +130,8 @@ module RubySpyTest
     # After #kill!: waits (without reaping) until the process is a zombie, i.e. dead with its
     # memory gone but its pid still taken.
     def wait_until_zombie(timeout: READY_TIMEOUT)
-      deadline = monotonic + timeout
-      until RubySpyTest.process_state(pid) == "Z"
-        raise "process #{pid} did not become a zombie within #{timeout} s" if monotonic > deadline
-
-        sleep POLL_INTERVAL
+      wait_for("process #{pid} to become a zombie", timeout: timeout, interval: POLL_INTERVAL) do
+        RubySpyTest.process_state(pid) == "Z"
       end
     end
 
@@ -302,12 +151,7 @@ module RubySpyTest
     # appears.
     def result(suffix, timeout: READY_TIMEOUT)
       path = "#{@ready_path}#{suffix}"
-      deadline = monotonic + timeout
-      until File.exist?(path)
-        raise "#{name} wrote no #{suffix} file within #{timeout} s" if monotonic > deadline
-
-        sleep POLL_INTERVAL
-      end
+      wait_for("#{name} to write its #{suffix} file", timeout: timeout, interval: POLL_INTERVAL) { File.exist?(path) }
       JSON.parse(File.read(path))
     end
 
@@ -318,14 +162,11 @@ module RubySpyTest
     def census_and_answers(timeout: 30)
       handle = RubySpy.attach(pid)
       sleep_line, rest_line = info.fetch_values("sleep_line", "rest_line")
-      deadline = monotonic + timeout
-      until (stack = handle.snapshot).first&.label == "Kernel#sleep" &&
-            stack[1]&.lineno == sleep_line && stack[2]&.lineno == rest_line
-        if monotonic > deadline
-          raise "#{name} never slept on line #{sleep_line} from line #{rest_line}: #{stack.first(3).map(&:to_s)}"
-        end
-
-        sleep 0.05
+      stack = []
+      wait_for("#{name} to sleep on line #{sleep_line} from line #{rest_line}",
+               timeout: timeout, interval: 0.05, detail: -> { "its stack: #{stack.first(3).map(&:to_s)}" }) do
+        (stack = handle.snapshot).first&.label == "Kernel#sleep" &&
+          stack[1]&.lineno == sleep_line && stack[2]&.lineno == rest_line
       end
       census = handle.heap
       Process.kill(:USR1, pid)
@@ -393,9 +234,10 @@ module RubySpyTest
       waits << tid if tid
       waits << pid if @frames && !@document["spinning"] # a spinning fixture never sleeps
       waits.each do |t|
-        until (state = thread_state(t)).nil? || state == "S"
-          fail_startup("thread #{t} did not settle (state #{state})") if monotonic > deadline
-          sleep POLL_INTERVAL
+        state = nil
+        wait_for("fixture #{script} (pid #{pid}): thread #{t} to settle", timeout: deadline - monotonic,
+                 interval: POLL_INTERVAL, detail: -> { "state #{state}\n#{its_output}" }) do
+          (state = thread_state(t)).nil? || state == "S"
         end
       end
     end
@@ -414,126 +256,15 @@ module RubySpyTest
     end
 
     def fail_startup(what)
-      raise "fixture #{script} (pid #{pid}) #{what}\n--- its output ---\n#{output}"
+      raise "fixture #{script} (pid #{pid}) #{what}\n#{its_output}"
+    end
+
+    def its_output
+      "--- its output ---\n#{output}"
     end
 
     def monotonic
       Process.clock_gettime(Process::CLOCK_MONOTONIC)
-    end
-  end
-
-  # Included into every example group (see spec_helper.rb). Targets started through these
-  # helpers are killed and reaped after each example, pass or fail.
-  module TargetHelpers
-    # Calls the block until it returns something truthy, and returns that; raises naming
-    # +what+ after +timeout+ seconds. For waiting until a process is in a state, rather than
-    # sleeping for a time that a busy machine may not be able to keep to.
-    def wait_for(what, timeout: 10, interval: 0.01)
-      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + timeout
-      loop do
-        value = yield
-        return value if value
-        raise "#{what}: not within #{timeout} s" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-        sleep interval
-      end
-    end
-
-    # Open3.popen3 (+kind+ :popen2 or :popen2e for those), except that a child still running
-    # when the block ends is killed first. Open3 closes the pipes and then waits for the
-    # child: after an expectation failed in the block, before the child was told to stop, a
-    # `rubyspy record` that runs until SIGINT would be waited for forever.
-    def popen_killed_after(*cmd, kind: :popen3, **opts)
-      Open3.public_send(kind, *cmd, **opts) do |*ios|
-        yield(*ios)
-      ensure
-        begin
-          Process.kill(:KILL, ios.last.pid) if ios.last.alive?
-        rescue Errno::ESRCH
-          nil # exited meanwhile
-        end
-      end
-    end
-
-    # The exit status of the child +wait+ (Open3's waiter thread) once it exits; after
-    # +timeout+ seconds, what it is waiting on, then it is killed and the example fails.
-    def exit_status(wait, what, timeout: 60)
-      return wait.value if wait.join(timeout)
-
-      state = RubySpyTest::HangGuard.describe_process(wait.pid)
-      begin
-        Process.kill(:KILL, wait.pid)
-      rescue Errno::ESRCH
-        nil # it exited just now
-      end
-      raise "#{what}: did not exit within #{timeout} s\n#{state.join("\n")}"
-    end
-
-    # Whether process +pid+ is recording: a recorder's sampler thread ("rbspy_ext sampler",
-    # which comm cuts to 15 bytes) runs in it.
-    def sampler_thread?(pid)
-      Dir.glob("/proc/#{pid}/task/*/comm").any? do |path|
-        File.read(path).chomp == "rbspy_ext sampl"
-      rescue SystemCallError
-        false
-      end
-    end
-
-    def start_target(name, *args, stdio: false, env: {}, ruby: TargetRuby.current)
-      target = Target.start(name, *args, stdio: stdio, env: env, ruby: ruby)
-      running_targets << target
-      target
-    end
-
-    # Several copies of the same fixture at once, each with its own ready file; spawned
-    # together, then waited for.
-    def start_targets(name, count, *args)
-      targets = Array.new(count) { Target.new(name, *args) }
-      targets.each do |t|
-        running_targets << t
-        t.spawn
-      end
-      targets.each(&:wait_until_ready)
-      targets
-    end
-
-    # Runs the same fixture +times+ times one after another, yielding each running copy and
-    # stopping it before the next starts.
-    def each_run(name, *args, times:)
-      times.times do |i|
-        target = start_target(name, *args)
-        begin
-          yield target, i
-        ensure
-          target.stop
-          running_targets.delete(target)
-        end
-      end
-    end
-
-    def with_target(name, *args, stdio: false)
-      target = Target.start(name, *args, stdio: stdio)
-      yield target
-    ensure
-      target&.stop
-    end
-
-    def stop_all_targets
-      running_targets.each(&:stop)
-      running_targets.clear
-    end
-
-    def running_targets
-      @running_targets ||= []
-    end
-
-    # The line of the fixture carrying "# MARKER" (fixtures mark line ranges this way).
-    def fixture_line(name, marker)
-      path = File.join(FIXTURES, "#{name}.rb")
-      index = File.readlines(path).index { |line| line.include?("# #{marker}") }
-      raise "no '# #{marker}' in #{path}" unless index
-
-      index + 1
     end
   end
 end

@@ -1,0 +1,52 @@
+# frozen_string_literal: true
+
+require "open3"
+require "rbconfig"
+require "shellwords"
+require_relative "../paths"
+
+module RubySpyTest
+  # Running exe/rubyspy as its users do: a child process of the host Ruby, from the
+  # repository root. Included into every example group (see spec_helper.rb).
+  module CLIHelpers
+    EXE = File.join(ROOT, "exe", "rubyspy")
+
+    # A finished run of the CLI: what it printed and how it exited.
+    CLIRun = Struct.new(:args, :env, :stdout, :stderr, :status) do
+      def exitstatus = status.exitstatus
+
+      def success? = status.success?
+
+      # The run as a failure message shows it: the command, its exit, stderr, then stdout
+      # (cut short: a pprof written to stdout is binary and large).
+      def to_s
+        shown = stdout.bytesize > 2000 ? "#{stdout.byteslice(0, 2000)}... (#{stdout.bytesize} bytes)" : stdout
+        command = env.map { |k, v| "#{k}=#{v.to_s.shellescape} " }.join + ["rubyspy", *args].shelljoin
+        "#{command}\nexit: #{status.inspect}\nstderr: #{stderr}\n" \
+          "stdout: #{shown.dup.force_encoding(Encoding::UTF_8).scrub}"
+      end
+    end
+
+    # The command line of `rubyspy ARGS`, for a spec that starts it itself (in the
+    # background, in a terminal).
+    def rubyspy_command(*args)
+      [RbConfig.ruby, EXE, *args.map(&:to_s)]
+    end
+
+    # Runs `rubyspy ARGS` until it exits; a CLIRun. +options+ go to Open3.capture3
+    # (stdin_data:, binmode:).
+    def rubyspy(*args, env: {}, chdir: ROOT, **options)
+      args = args.map(&:to_s)
+      out, err, status = Open3.capture3(env, *rubyspy_command(*args), chdir: chdir, **options)
+      CLIRun.new(args, env, out, err, status)
+    end
+
+    # #rubyspy, expecting it to exit with +exitstatus+: an example that goes on with the
+    # output of a run that failed would fail further on, where the reason no longer shows.
+    def rubyspy!(*args, exitstatus: 0, **options)
+      run = rubyspy(*args, **options)
+      expect(run.exitstatus).to eq(exitstatus), run.to_s
+      run
+    end
+  end
+end

@@ -1,0 +1,128 @@
+# frozen_string_literal: true
+
+require "fileutils"
+require "rbconfig"
+require "tmpdir"
+require_relative "paths"
+
+module RubySpyTest
+  # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside[:JIT] picks a
+  # Ruby from script/rubies (NAME as in `script/rubies list`): `inside` runs a Debian Ruby in
+  # its chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
+  # reader), `outside` runs the same binary on the host through the chroot's loader, or an
+  # upstream Ruby as itself. JIT (yjit or zjit) turns that JIT on in every target (--yjit,
+  # --zjit); mn=N starts every target with RUBY_MN_THREADS=N (M:N threads, 3.3+), unless a
+  # spec sets its own. Unset: the Ruby running the specs.
+  class TargetRuby
+    JITS = %w[yjit zjit].freeze
+
+    attr_reader :name, :mode, :root, :jit, :mn
+
+    def self.current
+      @current ||= new(ENV["RUBYSPY_TARGET_RUBY"])
+    end
+
+    def initialize(spec)
+      @name, @mode, *extras = spec.to_s.split(":") if spec && !spec.empty?
+      return unless @name
+
+      extras.each do |extra|
+        if JITS.include?(extra) && @jit.nil?
+          @jit = extra
+        elsif extra.match?(/\Amn=-?\d+\z/) && @mn.nil?
+          @mn = extra.delete_prefix("mn=")
+        else
+          @mode = nil # reported below
+        end
+      end
+      unless %w[inside outside].include?(@mode)
+        raise ArgumentError, "RUBYSPY_TARGET_RUBY=#{spec}: expected NAME:inside or NAME:outside, " \
+                             "optionally followed by :#{JITS.join(' or :')} and :mn=N"
+      end
+
+      line = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines
+               .map(&:split).find { |fields| fields[0] == @name }
+      raise ArgumentError, "#{@name} is not built (script/rubies build #{@name})" unless line
+
+      @root = line[2]
+      @version = line[1]
+      upstream = line[4] == "upstream"
+      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if upstream && inside?
+
+      sync_fixtures if inside?
+    end
+
+    # The target Ruby's version, as a Gem::Version.
+    def version
+      Gem::Version.new(host? ? RUBY_VERSION : @version)
+    end
+
+    # Whether fixtures can load rbspy_ext into this Ruby: the host's (rake compile), or a
+    # chroot's with its own build in lib/rbspy_ext/X.Y/ (script/rubies ext NAME).
+    def extension?
+      host? || File.exist?(File.join(ROOT, "lib", "rbspy_ext", version.segments.first(2).join("."), "rbspy_ext.so"))
+    end
+
+    def host?
+      @name.nil?
+    end
+
+    def inside?
+      @mode == "inside"
+    end
+
+    def to_s
+      return "host Ruby #{RUBY_VERSION}" if host?
+
+      "#{@name} (#{[@mode, @jit, @mn && "RUBY_MN_THREADS=#{@mn}"].compact.join(', ')})"
+    end
+
+    # What every target of this Ruby is started with (RUBY_MN_THREADS for :mn=N).
+    def env
+      @mn ? { "RUBY_MN_THREADS" => @mn } : {}
+    end
+
+    # The command that runs `args` from the repository root.
+    def command(*args)
+      return [RbConfig.ruby, *args] if host?
+
+      flags = @jit ? ["--#{@jit}"] : []
+      proc = @proc && inside? ? ["--proc"] : []
+      [File.join(ROOT, "script", "rubies"), "run", @name, @mode, "--chdir", ROOT, *proc, "--", *flags, *args]
+    end
+
+    # The same Ruby, with /proc mounted in its chroot when it runs inside one (script/rubies
+    # run --proc), for a fixture that reads its own memory through /proc, as one serving its
+    # own profiles does. A container always has /proc; a bare chroot does not.
+    def with_proc
+      dup.tap { |ruby| ruby.instance_variable_set(:@proc, true) }
+    end
+
+    # Where a path the target uses lives for the specs (inside a chroot: under its root).
+    def host_path(path)
+      inside? ? File.join(@root, path) : path
+    end
+
+    # A fresh directory both sides can use; returns [path for the target, path for specs].
+    def mktmpdir(prefix)
+      return [Dir.mktmpdir(prefix)] * 2 unless inside?
+
+      host = Dir.mktmpdir(prefix, File.join(@root, "tmp"))
+      [host.delete_prefix(@root), host]
+    end
+
+    private
+
+    # The chroot sees the fixtures (and lib/, for the fixtures that load rbspy_ext) at the
+    # same absolute path as the host, so relative and absolute paths in its backtraces look
+    # as they would on a host.
+    def sync_fixtures
+      %w[spec lib].each do |dir|
+        target = File.join(@root, ROOT, dir)
+        FileUtils.rm_rf(target)
+        FileUtils.mkdir_p(File.dirname(target))
+        FileUtils.cp_r(File.join(ROOT, dir), target)
+      end
+    end
+  end
+end
