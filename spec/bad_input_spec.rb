@@ -2,7 +2,6 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
-require "open3"
 require "tmpdir"
 require "zlib"
 
@@ -12,22 +11,14 @@ require "zlib"
 # backtrace. (Recorder options, pids and formats have their own rows in recorder_spec.rb and
 # cli_spec.rb.)
 RSpec.describe "bad input" do
-  EXE = File.join(RubySpyTest::ROOT, "exe", "rubyspy")
-  LIB = File.join(RubySpyTest::ROOT, "lib")
   # What must never reach a user: Rust's panic message, a crash, a Ruby backtrace.
   NEVER = /panicked|RUST_BACKTRACE|Segmentation fault|\[BUG\]|\.rb:\d+:in /
 
-  def rubyspy(*args)
-    Open3.capture3(RbConfig.ruby, "-I", LIB, EXE, *args.map(&:to_s))
-  end
-
   def expect_cli_failure(args, exit_status, message)
-    out, err, status = rubyspy(*args)
-    report = "rubyspy #{args.join(' ')}\nexit: #{status.inspect}\nstdout: #{out}\nstderr: #{err}"
-    expect(status.exitstatus).to eq(exit_status), report
-    expect(err.lines.size).to eq(1), report
-    expect(err).to start_with("rubyspy: ").and match(message)
-    expect(err + out).not_to match(NEVER), report
+    run = rubyspy!(*args, exitstatus: exit_status)
+    expect(run.stderr.lines.size).to eq(1), run.to_s
+    expect(run.stderr).to start_with("rubyspy: ").and match(message)
+    expect(run.stderr + run.stdout).not_to match(NEVER), run.to_s
   end
 
   describe "the Ruby API" do

@@ -30,8 +30,6 @@ RSpec.describe "the BPF sampler" do
     skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
   end
 
-  def exe = File.join(RubySpyTest::ROOT, "exe", "rubyspy")
-
   def spinning(name, *args, env: {})
     start_target(name, *args, env: { "PARK_SPIN" => "1" }.merge(env))
   end
@@ -239,8 +237,7 @@ RSpec.describe "the BPF sampler" do
     target = spinning("nested_methods")
     Dir.mktmpdir("rubyspy-bpf") do |dir|
       out = File.join(dir, "p.pb.gz")
-      cmd = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "--rate", "999",
-             "--format", "pprof", "-o", out]
+      cmd = rubyspy_command("record", "--pid", target.pid, "--bpf", "--rate", 999, "--format", "pprof", "-o", out)
       popen_killed_after(*cmd, chdir: RubySpyTest::ROOT) do |_in, _out, err, wait|
         held = held_bpf_objects(wait.pid)
         expect(held["prog"].size).to eq(1)
@@ -255,8 +252,8 @@ RSpec.describe "the BPF sampler" do
 
   it "leaves no program or map behind when the recording process is killed outright" do
     target = spinning("nested_methods")
-    pid = Process.spawn(RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-f", "collapsed",
-                        "-o", File::NULL, chdir: RubySpyTest::ROOT, out: File::NULL, err: File::NULL)
+    pid = Process.spawn(*rubyspy_command("record", "--pid", target.pid, "--bpf", "-f", "collapsed", "-o", File::NULL),
+                        chdir: RubySpyTest::ROOT, out: File::NULL, err: File::NULL)
     held = held_bpf_objects(pid)
     expect(held.flat_map { |kind, ids| ids.map { |id| loaded?(kind, id) } }).to all(be(true))
     Process.kill(:KILL, pid)
@@ -280,12 +277,10 @@ RSpec.describe "the BPF sampler" do
         spin_in_namespace(1.5)
       RUBY
       # Inside, the command's pid is 2; the kernel knows it by another.
-      cmd = ["unshare", "--pid", "--fork", "--mount-proc", RbConfig.ruby, exe, "record", "--bpf", "--rate", "499",
-             "--format", "collapsed", "--output", out, "--", RbConfig.ruby, "-e", script]
-      _, err, status = Open3.capture3(*cmd, chdir: RubySpyTest::ROOT)
-      expect(status.exitstatus).to eq(0), err
+      run = rubyspy!("record", "--bpf", "--rate", 499, "--format", "collapsed", "--output", out,
+                     "--", RbConfig.ruby, "-e", script, under: %w[unshare --pid --fork --mount-proc])
       lines = File.readlines(out)
-      expect(lines.sum { |l| l.split.last.to_i }).to be > 0.8 * 1.5 * 499 * 0.8, err
+      expect(lines.sum { |l| l.split.last.to_i }).to be > 0.8 * 1.5 * 499 * 0.8, run.stderr
       expect(lines.join).to include("spin_in_namespace")
     end
   end
@@ -296,15 +291,14 @@ RSpec.describe "the BPF sampler" do
       nobody = Etc.getpwnam("nobody")
       dir = Dir.mktmpdir("rubyspy-nobody").tap { |d| File.chmod(0o777, d) }
       out = File.join(dir, "p.svg")
-      cmd = ["setpriv", "--reuid=#{nobody.uid}", "--regid=#{nobody.gid}", "--clear-groups",
-             RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "--bpf", "-d", "1", "-o", out]
-      _, err, status = Open3.capture3(*cmd, chdir: RubySpyTest::ROOT)
+      setpriv = ["setpriv", "--reuid=#{nobody.uid}", "--regid=#{nobody.gid}", "--clear-groups"]
+      run = rubyspy("record", "--pid", target.pid, "--bpf", "-d", 1, "-o", out, under: setpriv)
       written = File.exist?(out)
       FileUtils.rm_rf(dir)
       expect(written).to be(false)
-      expect(status.exitstatus).to eq(1), err
-      expect(err).to include("BPF sampler cannot run").and include("CAP_BPF").and include("uid #{nobody.uid}")
-      expect(err.lines.size).to eq(1), err
+      expect(run.exitstatus).to eq(1), run.to_s
+      expect(run.stderr).to include("BPF sampler cannot run").and include("CAP_BPF").and include("uid #{nobody.uid}")
+      expect(run.stderr.lines.size).to eq(1), run.stderr
     end
 
     it "raises RubySpy::BpfUnavailable from Ruby for the same reason" do

@@ -3,18 +3,10 @@
 require_relative "spec_helper"
 require "rbspy_ext"
 require "json"
-require "open3"
 require "tmpdir"
 
 RSpec.describe "exe/rubyspy" do
   include RubySpyTest::Recording
-
-  let(:exe) { File.join(RubySpyTest::ROOT, "exe", "rubyspy") }
-
-  # Runs the CLI with the host Ruby; returns [stdout, stderr, Process::Status].
-  def rubyspy(*args, chdir: RubySpyTest::ROOT)
-    Open3.capture3(RbConfig.ruby, exe, *args.map(&:to_s), chdir: chdir)
-  end
 
   # A pid no process has: a child that has exited and been reaped.
   def gone_pid
@@ -44,25 +36,21 @@ RSpec.describe "exe/rubyspy" do
   describe "snapshot" do
     it "--pid prints the frames RubySpy.snapshot returns, one per line" do
       target = start_target("nested_methods")
-      out, err, status = rubyspy("snapshot", "--pid", target.pid)
-
-      expect(status.exitstatus).to eq(0), err
-      expect(err).to eq("")
-      expect(out.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
-      expect(out.lines.size).to eq(target.frames.size)
+      run = rubyspy!("snapshot", "--pid", target.pid)
+      expect(run.stderr).to eq("")
+      expect(run.stdout.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
+      expect(run.stdout.lines.size).to eq(target.frames.size)
     end
 
     it "--threads all prints a Thread header per thread, each followed by its frames" do
       target = start_target("named_worker")
-      out, err, status = rubyspy("snapshot", "--pid", target.pid, "--threads", "all")
-
-      expect(status.exitstatus).to eq(0), err
-      headers = out.lines.map(&:chomp).grep(/\AThread /)
-      expect(headers.size).to eq(2), out
+      run = rubyspy!("snapshot", "--pid", target.pid, "--threads", "all")
+      headers = run.stdout.lines.map(&:chomp).grep(/\AThread /)
+      expect(headers.size).to eq(2), run.stdout
       expect(headers).to all(match(/\AThread \d+( \([^)]*\))?( main)?: (running|waiting_for_gvl|blocked)\z/))
       expect(headers).to include("Thread #{target.pid} main: blocked")
       expect(headers).to include(a_string_matching(/\AThread \d+ \(worker\): running\z/))
-      frames = out.lines.map(&:chomp).reject { |l| l.start_with?("Thread ") }
+      frames = run.stdout.lines.map(&:chomp).reject { |l| l.start_with?("Thread ") }
       expect(frames).to all(start_with("  "))
       expect(frames).to include(a_string_matching(method_label_pattern("Crunch", "digest", target.ruby_version)))
       expect(frames).to include(a_string_including("in 'Kernel#sleep'"))
@@ -70,17 +58,15 @@ RSpec.describe "exe/rubyspy" do
 
     it "--pid of a process that does not exist: exit 1, one line naming the pid" do
       pid = gone_pid
-      out, err, status = rubyspy("snapshot", "--pid", pid)
-      expect(status.exitstatus).to eq(1)
-      expect(out).to eq("")
-      expect_one_line_error(err)
-      expect(err).to include(pid.to_s)
+      run = rubyspy!("snapshot", "--pid", pid, exitstatus: 1)
+      expect(run.stdout).to eq("")
+      expect_one_line_error(run.stderr)
+      expect(run.stderr).to include(pid.to_s)
     end
 
     it "without --pid is a usage error" do
-      _, err, status = rubyspy("snapshot")
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("snapshot", exitstatus: 2)
+      expect_one_line_error(run.stderr)
     end
   end
 
@@ -89,19 +75,18 @@ RSpec.describe "exe/rubyspy" do
       target = start_target("named_worker")
       output = File.join(@dir, "out.txt")
       started = monotonic
-      _, err, status = rubyspy("record", "--pid", target.pid, "--rate", 200, "--duration", 1,
-                               "--format", "collapsed", "--output", output)
+      run = rubyspy!("record", "--pid", target.pid, "--rate", 200, "--duration", 1,
+                     "--format", "collapsed", "--output", output)
       elapsed = monotonic - started
 
-      expect(status.exitstatus).to eq(0), err
       expect(elapsed).to be_between(1.0, 5.0)
       expect(File.exist?(output)).to be(true)
       lines = parse_collapsed(File.read(output))
-      written = err[/wrote (\d+) samples to #{Regexp.escape(output)}/, 1]
-      expect(written).not_to be_nil, err
+      written = run.stderr[/wrote (\d+) samples to #{Regexp.escape(output)}/, 1]
+      expect(written).not_to be_nil, run.stderr
       # The sleeping main thread's samples are left out, and counted on stderr.
-      idle = err[/(\d+) idle samples \(blocked threads\) left out of collapsed/, 1]
-      expect(idle).not_to be_nil, err
+      idle = run.stderr[/(\d+) idle samples \(blocked threads\) left out of collapsed/, 1]
+      expect(idle).not_to be_nil, run.stderr
       expect(lines.map(&:last).sum + Integer(idle)).to eq(Integer(written))
       expect(Integer(written)).to be > 100 # two threads, ~200 ticks
       expect(lines.map(&:first)).to include(a_string_matching(method_label_pattern("Crunch", "digest", target.ruby_version)))
@@ -111,9 +96,8 @@ RSpec.describe "exe/rubyspy" do
     it "--threads gvl --on-cpu --format raw writes a raw profile of the GVL holder only" do
       target = start_target("named_worker")
       output = File.join(@dir, "out.raw")
-      _, err, status = rubyspy("record", "--pid", target.pid, "--rate", 300, "--duration", 0.5,
-                               "--threads", "gvl", "--on-cpu", "--format", "raw", "--output", output)
-      expect(status.exitstatus).to eq(0), err
+      rubyspy!("record", "--pid", target.pid, "--rate", 300, "--duration", 0.5,
+               "--threads", "gvl", "--on-cpu", "--format", "raw", "--output", output)
       profile = RubySpy::Profile.load(output)
       expect(profile.pid).to eq(target.pid)
       expect(profile.rate).to eq(300.0)
@@ -135,9 +119,8 @@ RSpec.describe "exe/rubyspy" do
                 ["--no-drop-root"] => [0, 0, 0, 0, ENV.fetch("HOME")] }
       cases.each_with_index do |(flags, ids), i|
         ids_file = File.join(shared, "ids#{i}")
-        _, err, status = Open3.capture3(env, RbConfig.ruby, exe, "record", "-f", "raw", "-o", File.join(@dir, "p#{i}.raw"),
-                                        *flags, "--", RbConfig.ruby, "-e", script, ids_file)
-        expect(status.exitstatus).to eq(0), err
+        rubyspy!("record", "-f", "raw", "-o", File.join(@dir, "p#{i}.raw"), *flags, "--", RbConfig.ruby, "-e", script,
+                 ids_file, env: env)
         expect(File.read(ids_file)).to eq(ids.join(":")), flags.inspect
       end
     ensure
@@ -151,10 +134,8 @@ RSpec.describe "exe/rubyspy" do
       env = { "SUDO_UID" => nobody.uid.to_s, "SUDO_GID" => nobody.gid.to_s }
       output = File.join(@dir, "never.raw")
       missing = "/nonexistent/rubyspy-no-such-ruby" # not under @dir, which nobody cannot enter
-      _, err, status = Open3.capture3(env, RbConfig.ruby, exe, "record", "-f", "raw", "-o", output, "--", missing)
-
-      expect(status.exitstatus).to eq(1)
-      expect(err.lines).to eq(["rubyspy: cannot run #{missing} as uid #{nobody.uid}: No such file or directory - #{missing}\n"])
+      run = rubyspy!("record", "-f", "raw", "-o", output, "--", missing, env: env, exitstatus: 1)
+      expect(run.stderr.lines).to eq(["rubyspy: cannot run #{missing} as uid #{nobody.uid}: No such file or directory - #{missing}\n"])
       expect(File.exist?(output)).to be(false)
     end
 
@@ -169,15 +150,14 @@ RSpec.describe "exe/rubyspy" do
         end
         rubyspy_cli_hot(1.0)
       RUBY
-      _, err, status = rubyspy("record", "--rate", 200, "--format", "collapsed", "--output", output,
-                               "--", RbConfig.ruby, "-e", script)
+      run = rubyspy!("record", "--rate", 200, "--format", "collapsed", "--output", output,
+                     "--", RbConfig.ruby, "-e", script)
 
-      expect(status.exitstatus).to eq(0), err
-      expect(File.exist?(output)).to be(true), err
+      expect(File.exist?(output)).to be(true), run.stderr
       lines = parse_collapsed(File.read(output))
       expect(lines.map(&:first)).to include(a_string_including("rubyspy_cli_hot"))
       expect(lines.map(&:last).sum).to be > 100
-      expect(err).to match(/exited/) # the note about the command's exit
+      expect(run.stderr).to match(/exited/) # the note about the command's exit
     end
 
     # Attaching to a Ruby that is still initialising its VM fails with NotRubyProcess (the
@@ -207,68 +187,60 @@ RSpec.describe "exe/rubyspy" do
     it "--subprocesses records the target's Ruby children too" do
       target = start_target("preforking", "0.2")
       output = File.join(@dir, "tree.txt")
-      _, err, status = rubyspy("record", "--pid", target.pid, "--subprocesses", "--rate", 200,
-                               "--duration", 1.2, "--format", "collapsed", "--output", output)
-      expect(status.exitstatus).to eq(0), err
+      rubyspy!("record", "--pid", target.pid, "--subprocesses", "--rate", 200,
+               "--duration", 1.2, "--format", "collapsed", "--output", output)
       expect(File.read(output)).to include("first_child_work").and include("second_child_work")
     end
 
     it "an unknown --format: exit 2 with one line" do
       target = start_target("named_worker")
-      _, err, status = rubyspy("record", "--pid", target.pid, "--format", "nope", "--output", File.join(@dir, "x"))
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
-      expect(err).to include("nope")
+      run = rubyspy!("record", "--pid", target.pid, "--format", "nope", "--output", File.join(@dir, "x"), exitstatus: 2)
+      expect_one_line_error(run.stderr)
+      expect(run.stderr).to include("nope")
     end
 
     it "--pid of a process that does not exist: exit 1, one line naming the pid, no backtrace" do
       pid = gone_pid
       output = File.join(@dir, "x.txt")
-      out, err, status = rubyspy("record", "--pid", pid, "--duration", 0.2, "--output", output)
-      expect(status.exitstatus).to eq(1)
-      expect(out).to eq("")
-      expect_one_line_error(err)
-      expect(err).to include(pid.to_s)
+      run = rubyspy!("record", "--pid", pid, "--duration", 0.2, "--output", output, exitstatus: 1)
+      expect(run.stdout).to eq("")
+      expect_one_line_error(run.stderr)
+      expect(run.stderr).to include(pid.to_s)
       expect(File.exist?(output)).to be(false)
     end
 
     it "--verbose adds the backtrace to an error" do
-      _, err, status = rubyspy("record", "--verbose", "--pid", gone_pid, "--duration", 0.2,
-                               "--output", File.join(@dir, "x.txt"))
-      expect(status.exitstatus).to eq(1)
-      expect(err.lines.size).to be > 1
-      expect(err).to match(/\.rb:\d+:in /)
+      run = rubyspy!("record", "--verbose", "--pid", gone_pid, "--duration", 0.2,
+                     "--output", File.join(@dir, "x.txt"), exitstatus: 1)
+      expect(run.stderr.lines.size).to be > 1
+      expect(run.stderr).to match(/\.rb:\d+:in /)
     end
 
     it "an unwritable --output: exit 2 before recording" do
       target = start_target("named_worker")
       started = monotonic
-      _, err, status = rubyspy("record", "--pid", target.pid, "--duration", 5, "--output", "/proc/nope/out.txt")
-      expect(status.exitstatus).to eq(2)
+      run = rubyspy!("record", "--pid", target.pid, "--duration", 5, "--output", "/proc/nope/out.txt", exitstatus: 2)
       expect(monotonic - started).to be < 4 # did not record for 5 s first
-      expect_one_line_error(err)
-      expect(err).to include("/proc/nope/out.txt")
+      expect_one_line_error(run.stderr)
+      expect(run.stderr).to include("/proc/nope/out.txt")
     end
 
     it "an unwritable --output with -- COMMAND: exit 2 without running the command" do
       marker = File.join(@dir, "command-ran")
       started = monotonic
-      _, err, status = rubyspy("record", "--output", "/proc/nope/out.txt", "--",
-                               RbConfig.ruby, "-e", "File.write(ARGV[0], 'ran'); sleep 1", marker)
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("record", "--output", "/proc/nope/out.txt", "--",
+                     RbConfig.ruby, "-e", "File.write(ARGV[0], 'ran'); sleep 1", marker, exitstatus: 2)
+      expect_one_line_error(run.stderr)
       expect(File.exist?(marker)).to be(false)
       expect(monotonic - started).to be < 1.5
     end
 
     it "neither --pid nor a command, or both: usage errors" do
-      _, err, status = rubyspy("record", "--output", File.join(@dir, "x"))
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("record", "--output", File.join(@dir, "x"), exitstatus: 2)
+      expect_one_line_error(run.stderr)
 
-      _, err, status = rubyspy("record", "--pid", 1, "--output", File.join(@dir, "x"), "--", "true")
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("record", "--pid", 1, "--output", File.join(@dir, "x"), "--", "true", exitstatus: 2)
+      expect_one_line_error(run.stderr)
     end
   end
 
@@ -286,71 +258,62 @@ RSpec.describe "exe/rubyspy" do
     end
 
     it "--input RAW --format speedscope prints valid speedscope JSON" do
-      out, err, status = rubyspy("report", "--input", raw_file, "--format", "speedscope")
-      expect(status.exitstatus).to eq(0), err
-      doc = JSON.parse(out)
+      run = rubyspy!("report", "--input", raw_file, "--format", "speedscope")
+      doc = JSON.parse(run.stdout)
       expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")
       expect(doc["profiles"].map { |p| p["name"] }).to eq(["All threads"])
-      expect(out).to eq(@profile.render(:speedscope))
+      expect(run.stdout).to eq(@profile.render(:speedscope))
     end
 
     it "--output writes the file; the default format is summary" do
       output = File.join(@dir, "flame.svg")
-      out, err, status = rubyspy("report", "--input", raw_file, "--format", "flamegraph", "--output", output)
-      expect(status.exitstatus).to eq(0), err
-      expect(out).to eq("")
+      run = rubyspy!("report", "--input", raw_file, "--format", "flamegraph", "--output", output)
+      expect(run.stdout).to eq("")
       expect(File.read(output)).to include("<svg")
 
-      out, err, status = rubyspy("report", "--input", raw_file)
-      expect(status.exitstatus).to eq(0), err
-      expect(out).to eq(@profile.to_s)
+      run = rubyspy!("report", "--input", raw_file)
+      expect(run.stdout).to eq(@profile.to_s)
     end
 
     it "pprof to stdout is written byte for byte" do
-      out, err, status = Open3.capture3(RbConfig.ruby, exe, "report", "--input", raw_file, "--format", "pprof",
-                                        binmode: true)
-      expect(status.exitstatus).to eq(0), err
-      expect(out.b).to eq(@profile.render(:pprof).b)
+      run = rubyspy!("report", "--input", raw_file, "--format", "pprof", binmode: true)
+      expect(run.stdout.b).to eq(@profile.render(:pprof).b)
     end
 
     it "an unknown --format: exit 2 with one line" do
-      _, err, status = rubyspy("report", "--input", raw_file, "--format", "nope")
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("report", "--input", raw_file, "--format", "nope", exitstatus: 2)
+      expect_one_line_error(run.stderr)
     end
 
     it "an input that is not a raw profile, or is missing: exit 1 with one line" do
       collapsed = File.join(@dir, "profile.txt")
       @profile.write(collapsed, format: :collapsed)
       [collapsed, File.join(@dir, "missing.raw")].each do |input|
-        out, err, status = rubyspy("report", "--input", input, "--format", "summary")
-        expect(status.exitstatus).to eq(1), "#{input}: #{err}"
-        expect(out).to eq("")
-        expect_one_line_error(err)
-        expect(err).to include(input)
+        run = rubyspy!("report", "--input", input, "--format", "summary", exitstatus: 1)
+        expect(run.stdout).to eq("")
+        expect_one_line_error(run.stderr)
+        expect(run.stderr).to include(input)
       end
     end
 
     it "an unwritable --output: exit 2" do
-      _, err, status = rubyspy("report", "--input", raw_file, "--output", "/proc/nope/x.txt")
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("report", "--input", raw_file, "--output", "/proc/nope/x.txt", exitstatus: 2)
+      expect_one_line_error(run.stderr)
     end
   end
 
   describe "flags shared with rbspy and py-spy" do
     it "--version and -V print the version and exit 0" do
       %w[--version -V].each do |flag|
-        out, err, status = rubyspy(flag)
-        expect([out, err, status.exitstatus]).to eq(["rubyspy #{RubySpy::VERSION}\n", "", 0])
+        run = rubyspy(flag)
+        expect([run.stdout, run.stderr, run.exitstatus]).to eq(["rubyspy #{RubySpy::VERSION}\n", "", 0])
       end
     end
 
     it "record takes -p, -r, -d, -f and -o" do
       target = start_target("nested_methods")
       path = File.join(@dir, "short.txt")
-      _, err, status = rubyspy("record", "-p", target.pid, "-r", 200, "-d", 1, "-f", "collapsed", "-o", path)
-      expect(status.exitstatus).to eq(0), err
+      rubyspy!("record", "-p", target.pid, "-r", 200, "-d", 1, "-f", "collapsed", "-o", path)
       counts = File.readlines(path).map { |line| Integer(line[/ (\d+)\n\z/, 1]) }
       expect(counts.sum).to be_between(100, 260) # 200 Hz for 1 s
       expect(File.read(path)).to include(target.frames.first.label)
@@ -358,16 +321,14 @@ RSpec.describe "exe/rubyspy" do
 
     it "snapshot --json prints the stack and tags; with --threads all every thread, as RubySpy.snapshot(pid, threads: :all)" do
       target = start_target("nested_methods")
-      out, err, status = rubyspy("snapshot", "-p", target.pid, "--json")
-      expect(status.exitstatus).to eq(0), err
-      doc = JSON.parse(out)
+      run = rubyspy!("snapshot", "-p", target.pid, "--json")
+      doc = JSON.parse(run.stdout)
       expect(doc.values_at("pid", "ruby_version", "tags")).to eq([target.pid, target.ruby_version, {}])
       expect(doc["frames"]).to eq(RubySpy.snapshot(target.pid).map { |f| JSON.parse(JSON.generate(f.to_h)) })
 
       worker = start_target("named_worker")
-      out, err, status = rubyspy("snapshot", "-p", worker.pid, "--json", "--threads", "all")
-      expect(status.exitstatus).to eq(0), err
-      threads = JSON.parse(out).fetch("threads")
+      run = rubyspy!("snapshot", "-p", worker.pid, "--json", "--threads", "all")
+      threads = JSON.parse(run.stdout).fetch("threads")
       api = RubySpy.snapshot(worker.pid, threads: :all)
       expect(threads.map { |t| t.values_at("tid", "name", "main") }).to eq(api.map { |t| t.values_at(:tid, :name, :main) })
       expect(threads.size).to be >= 2
@@ -377,14 +338,12 @@ RSpec.describe "exe/rubyspy" do
 
     it "--force-version reads the process with that release's layout, and names a release it lacks" do
       target = start_target("nested_methods")
-      out, err, status = rubyspy("snapshot", "-p", target.pid, "--force-version", target.ruby_version)
-      expect(status.exitstatus).to eq(0), err
-      expect(out.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
+      run = rubyspy!("snapshot", "-p", target.pid, "--force-version", target.ruby_version)
+      expect(run.stdout.lines.map(&:chomp)).to eq(RubySpy.snapshot(target.pid).map(&:to_s))
 
-      _, err, status = rubyspy("snapshot", "-p", target.pid, "--force-version", "9.9.9")
-      expect(status.exitstatus).to eq(1)
-      expect_one_line_error(err)
-      expect(err).to include("9.9.9")
+      run = rubyspy!("snapshot", "-p", target.pid, "--force-version", "9.9.9", exitstatus: 1)
+      expect_one_line_error(run.stderr)
+      expect(run.stderr).to include("9.9.9")
     end
   end
 
@@ -393,29 +352,26 @@ RSpec.describe "exe/rubyspy" do
       { "snapshot" => "Usage: rubyspy snapshot", "record" => "Usage: rubyspy record",
         "report" => "Usage: rubyspy report" }.each do |command, usage|
         %w[--help -h].each do |flag|
-          out, err, status = rubyspy(command, flag)
-          expect(status.exitstatus).to eq(0), "#{command} #{flag}: #{err}"
-          expect(err).to eq("")
-          expect(out).to start_with(usage)
+          run = rubyspy!(command, flag)
+          expect(run.stderr).to eq("")
+          expect(run.stdout).to start_with(usage)
         end
       end
-      out, err, status = rubyspy("record", "--help")
-      expect(out).to include("--rate", "--duration", "--format", "--output", "--threads", "--on-cpu", "--subprocesses")
-      expect([err, status.exitstatus]).to eq(["", 0])
+      run = rubyspy("record", "--help")
+      expect(run.stdout).to include("--rate", "--duration", "--format", "--output", "--threads", "--on-cpu", "--subprocesses")
+      expect([run.stderr, run.exitstatus]).to eq(["", 0])
     end
 
     it "with no command or --help prints the command list" do
       [[], ["--help"], ["help"]].each do |args|
-        out, err, status = rubyspy(*args)
-        expect(status.exitstatus).to eq(0), err
-        expect(out).to include("snapshot", "record", "report")
+        run = rubyspy!(*args)
+        expect(run.stdout).to include("snapshot", "record", "report")
       end
     end
 
     it "an unknown command: exit 2 with one line" do
-      _, err, status = rubyspy("frobnicate")
-      expect(status.exitstatus).to eq(2)
-      expect_one_line_error(err)
+      run = rubyspy!("frobnicate", exitstatus: 2)
+      expect_one_line_error(run.stderr)
     end
   end
 end

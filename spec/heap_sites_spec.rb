@@ -2,7 +2,6 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
-require "open3"
 require "tmpdir"
 
 # Live objects by allocation site, read from outside (RubySpy.heap(pid, sites: true),
@@ -18,11 +17,6 @@ RSpec.describe "the heap census by allocation site" do
   ruby = RubySpyTest::TargetRuby.current
 
   before { skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension? }
-
-  def rubyspy(*args)
-    out, err, status = Open3.capture3(RbConfig.ruby, File.expand_path("../exe/rubyspy", __dir__), *args)
-    [out, err, status.exitstatus]
-  end
 
   it "puts the leaked class under the line that allocated it, as Ruby names it (#{ruby})" do
     target = start_target("heap_sites", "1")
@@ -66,8 +60,7 @@ RSpec.describe "the heap census by allocation site" do
     skip "checked once, on the host's Ruby" unless ruby.host?
     target = start_target("heap_sites", "1")
     line = target.info["leak_line"]
-    out, err, status = rubyspy("heap", "--pid", target.pid.to_s, "--by", "site", "--limit", "5")
-    expect(status).to eq(0), err
+    out = rubyspy!("heap", "--pid", target.pid, "--by", "site", "--limit", 5).stdout
     sites = out.lines.drop_while { |l| !l.start_with?("allocation sites of live objects") }
     expect(sites).not_to be_empty, out
     leaky = sites.index { |l| l =~ /\A\s+10000\s.*\bLeaky \(T_OBJECT\)/ }
@@ -75,18 +68,17 @@ RSpec.describe "the heap census by allocation site" do
     expect(sites[leaky + 1]).to match(/\A\s+10000\s.*100\.0%\s+Class#new < Sites\.leak \(spec\/fixtures\/heap_sites\.rb:#{line}\)/)
     Dir.mktmpdir do |dir|
       pb = File.join(dir, "heap.pb.gz")
-      _, err, status = rubyspy("heap", "--pid", target.pid.to_s, "--by", "site", "--output", pb)
-      expect([status, err]).to match([0, /wrote the tracked allocations/])
+      run = rubyspy!("heap", "--pid", target.pid, "--by", "site", "--output", pb)
+      expect(run.stderr).to match(/wrote the tracked allocations/)
       top = go_pprof("-top", "-cum", "-sample_index=inuse_objects", "-tagfocus=class=Leaky", pb)
       expect(top).to match(/^\s*0\s+0%\s+[\d.]+%\s+10000\s+[\d.]+%\s+Sites\.leak$/)
       expect(top).to match(/^\s*10000\s.*\sClass#new$/)
     end
     untracked = start_target("heap_leak")
-    out, err, status = rubyspy("heap", "--pid", untracked.pid.to_s, "--by", "site")
-    expect(status).to eq(0)
-    expect(err).to match(/has not loaded rbspy_ext/)
-    expect(out).to match(/\(T_OBJECT\)/)
-    _, err, status = rubyspy("heap", "--pid", untracked.pid.to_s, "--by", "line")
-    expect([status, err]).to match([2, /invalid argument: --by line/])
+    run = rubyspy!("heap", "--pid", untracked.pid, "--by", "site")
+    expect(run.stderr).to match(/has not loaded rbspy_ext/)
+    expect(run.stdout).to match(/\(T_OBJECT\)/)
+    run = rubyspy!("heap", "--pid", untracked.pid, "--by", "line", exitstatus: 2)
+    expect(run.stderr).to match(/invalid argument: --by line/)
   end
 end

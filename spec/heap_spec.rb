@@ -3,7 +3,6 @@
 require_relative "spec_helper"
 require "rbspy_ext"
 require "json"
-require "open3"
 require "tmpdir"
 
 # The heap census (RubySpy.heap, rubyspy heap) against the target's own answers: a target of
@@ -180,30 +179,23 @@ RSpec.describe "rubyspy heap" do
 
   before { skip "checked once, on the host's Ruby" unless RubySpyTest::TargetRuby.current.host? }
 
-  def rubyspy(*args)
-    out, err, status = Open3.capture3(RbConfig.ruby, File.expand_path("../exe/rubyspy", __dir__), *args)
-    [out, err, status.exitstatus]
-  end
-
   it "names the leaking class first in the diff of two censuses, and writes a pprof go tool pprof reads" do
     target = start_target("heap_leak")
     Dir.mktmpdir do |dir|
       a, b, pb = %w[a.json b.json heap.pb.gz].map { |f| File.join(dir, f) }
-      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", a).last).to eq(0)
+      rubyspy!("heap", "--pid", target.pid, "--output", a)
       Process.kill(:USR1, target.pid)
       target.result(".leaked.1")
-      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", b).last).to eq(0)
-      out, err, status = rubyspy("heap", "--diff", a, b)
-      expect(status).to eq(0), err
-      grew = out.lines.drop_while { |l| !l.include?("classes grew") }
+      rubyspy!("heap", "--pid", target.pid, "--output", b)
+      grew = rubyspy!("heap", "--diff", a, b).stdout.lines.drop_while { |l| !l.include?("classes grew") }
       expect(grew[2]).to match(/\+10000\s.*\bLeaky \(T_OBJECT\)/)
       deltas = RubySpy::Census.load(b) - RubySpy::Census.load(a)
       expect(deltas.find { |d| d[:name] == "Leaky" }).to include(objects: 10_000)
 
-      expect(rubyspy("heap", "--pid", target.pid.to_s, "--output", pb).last).to eq(0)
+      rubyspy!("heap", "--pid", target.pid, "--output", pb)
       top = go_pprof("-top", "-sample_index=inuse_objects", pb)
       expect(top).to match(/^\s*10000\s.*\sLeaky$/)
-      text, = rubyspy("heap", "--pid", target.pid.to_s, "--limit", "5")
+      text = rubyspy("heap", "--pid", target.pid, "--limit", 5).stdout
       expect(text).to match(/live objects in \d+ slots/)
       expect(text.lines.grep(/\(T_/).size).to eq(5)
     end
@@ -230,8 +222,7 @@ RSpec.describe "rubyspy heap" do
 
   it "prints the top growers every --watch seconds until interrupted" do
     target = start_target("heap_leak")
-    cmd = [RbConfig.ruby, File.expand_path("../exe/rubyspy", __dir__), "heap", "--pid", target.pid.to_s, "--watch", "0.5"]
-    popen_killed_after(*cmd, kind: :popen2e) do |stdin, out, wait|
+    popen_killed_after(*rubyspy_command("heap", "--pid", target.pid, "--watch", 0.5), kind: :popen2e) do |stdin, out, wait|
       stdin.close
       expect(out.gets).to match(/\Awatching the heap of pid #{target.pid} \(\d+ live objects\)/)
       Process.kill(:USR1, target.pid)
@@ -248,15 +239,10 @@ RSpec.describe "rubyspy heap" do
     Dir.mktmpdir do |dir|
       bad = File.join(dir, "bad.json")
       File.write(bad, "not json")
-      _, err, status = rubyspy("heap", "--diff", bad, bad)
-      expect([status, err]).to match([1, /not a heap census/])
-      _, err, status = rubyspy("heap", "--diff", bad)
-      expect([status, err]).to match([2, /two census files/])
-      _, err, status = rubyspy("heap")
-      expect([status, err]).to match([2, /needs --pid/])
-      _, err, status = rubyspy("heap", "--pid", "999999999")
-      expect(status).to eq(1)
-      expect(err).to match(/no process/)
+      expect(rubyspy!("heap", "--diff", bad, bad, exitstatus: 1).stderr).to match(/not a heap census/)
+      expect(rubyspy!("heap", "--diff", bad, exitstatus: 2).stderr).to match(/two census files/)
+      expect(rubyspy!("heap", exitstatus: 2).stderr).to match(/needs --pid/)
+      expect(rubyspy!("heap", "--pid", 999_999_999, exitstatus: 1).stderr).to match(/no process/)
     end
   end
 end

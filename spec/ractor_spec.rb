@@ -120,8 +120,7 @@ RSpec.describe "Ractors" do
         # The one stack stays the main Ractor's: its GVL is free, so the main thread's.
         expect(RubySpy.snapshot(target.pid)).to match_backtrace(target.frames, ruby_version: target.ruby_version)
         # The CLI names each thread's Ractor.
-        out = IO.popen([RbConfig.ruby, File.join(RubySpyTest::ROOT, "exe", "rubyspy"), "snapshot", "--pid",
-                        target.pid.to_s, "--threads", "all"], &:read)
+        out = rubyspy("snapshot", "--pid", target.pid, "--threads", "all").stdout
         spinners.each do |t|
           expect(out).to match(/^Thread #{t[:tid]} \(#{t[:name]}\) in ractor #{t[:ractor]} \(#{t[:ractor_name]}\): running$/)
         end

@@ -27,11 +27,9 @@ RSpec.describe "soak: recording a racing target" do
     Dir.mktmpdir("rbspy-soak-") do |dir|
       raw = File.join(dir, "soak.raw")
       log = File.join(dir, "rubyspy.log")
-      lib = File.join(RubySpyTest::ROOT, "lib")
-      exe = File.join(RubySpyTest::ROOT, "exe", "rubyspy")
       started = Process.clock_gettime(Process::CLOCK_MONOTONIC)
-      recorder = Process.spawn(RbConfig.ruby, "-I", lib, exe, "record", "--pid", target.pid.to_s, "--rate", "1000",
-                               "--duration", seconds.to_s, "--format", "raw", "--output", raw,
+      recorder = Process.spawn(*rubyspy_command("record", "--pid", target.pid, "--rate", 1000, "--duration", seconds,
+                                                "--format", "raw", "--output", raw),
                                in: File::NULL, out: log, err: log)
       elapsed = -> { Process.clock_gettime(Process::CLOCK_MONOTONIC) - started }
       sleep 2

@@ -1,7 +1,6 @@
 # frozen_string_literal: true
 
 require "json"
-require "open3"
 require "tmpdir"
 require_relative "spec_helper"
 require "rbspy_ext"
@@ -113,14 +112,6 @@ RSpec.describe "state leaves in every view" do
     end
   end
 
-  def rubyspy(*args)
-    out, err, status = Open3.capture3(RbConfig.ruby, File.join(RubySpyTest::ROOT, "exe", "rubyspy"), *args,
-                                      binmode: true)
-    raise "rubyspy #{args.join(" ")} failed: #{err}" unless status.success?
-
-    out
-  end
-
   before(:all) do
     @dir = Dir.mktmpdir("rubyspy-leaves")
   end
@@ -155,8 +146,8 @@ RSpec.describe "state leaves in every view" do
     timeline_consistent(profile)
     raw = profile.write(File.join(@dir, "p.raw"), format: :raw)
     %w[summary pprof callgrind collapsed].each do |format|
-      leaves = rubyspy("report", "--input", raw, "--format", format)
-      bare = rubyspy("report", "--input", raw, "--format", format, "--no-state-leaves")
+      leaves = rubyspy!("report", "--input", raw, "--format", format, binmode: true).stdout
+      bare = rubyspy!("report", "--input", raw, "--format", format, "--no-state-leaves", binmode: true).stdout
       expect(leaves.b).to eq(profile.render(format).b)
       expect(bare.b).to eq(profile.render(format, state_leaves: false).b)
       expect(bare.b).not_to eq(leaves.b)

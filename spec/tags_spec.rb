@@ -2,7 +2,6 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
-require "open3"
 require "tmpdir"
 require "zlib"
 require "json"
@@ -43,9 +42,7 @@ RSpec.describe "tags read from outside" do
 
   it "rubyspy tags prints each thread's tags and the published offset" do
     target = start_target("tagged")
-    out, status = Open3.capture2e(RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
-                                  File.join(RubySpyTest::ROOT, "exe", "rubyspy"), "tags", "--pid", target.pid.to_s)
-    expect(status.exitstatus).to eq(0), out
+    out = rubyspy!("tags", "--pid", target.pid).stdout
     expect(out).to match(/^ruby_profiler_state_tp_offset: -?\d+/)
     expect(out).to match(/main: request_id=req-#{target.pid} user=7 /)
     expect(out).to match(/\(tagged-worker\): job=nightly-report attempt=3$/)
@@ -87,11 +84,8 @@ RSpec.describe "tags read from outside" do
     target = start_target("tagged")
     Dir.mktmpdir do |dir|
       out_path = File.join(dir, "by-job.txt")
-      out, status = Open3.capture2e(RbConfig.ruby, "-I", File.join(RubySpyTest::ROOT, "lib"),
-                                    File.join(RubySpyTest::ROOT, "exe", "rubyspy"), "record", "--pid", target.pid.to_s,
-                                    "--duration", "0.5", "--rate", "200", "--format", "collapsed",
-                                    "--by-tag", "job", "--output", out_path)
-      expect(status.exitstatus).to eq(0), out
+      rubyspy!("record", "--pid", target.pid, "--duration", 0.5, "--rate", 200, "--format", "collapsed",
+               "--by-tag", "job", "--output", out_path)
       lines = File.readlines(out_path)
       expect(lines).to all(match(/\Ajob=(nightly-report|-);/))
       expect(lines.map { |l| l[/\Ajob=[^;]*/] }.uniq).to contain_exactly("job=nightly-report", "job=-")

@@ -22,13 +22,12 @@ RSpec.describe "rubyspy top" do
     FileUtils.rm_rf(@dir) if @dir
   end
 
-  let(:exe) { File.join(RubySpyTest::ROOT, "exe", "rubyspy") }
   let(:status_file) { File.join(@dir, "status") }
 
   # Starts `rubyspy top ARGS` in a +width+ x +height+ terminal; its exit status and
   # standard error land in files once it ends.
   def start_top(*args, width: 120, height: 30)
-    command = [RbConfig.ruby, exe, "top", *args.map(&:to_s)].shelljoin
+    command = rubyspy_command("top", *args).shelljoin
     script = "#{command} 2>#{File.join(@dir, "err").shellescape}; echo $? > #{status_file.shellescape}; sleep 60"
     ok = system("tmux", "new-session", "-d", "-s", @session, "-x", width.to_s, "-y", height.to_s, script)
     raise "tmux new-session failed" unless ok
@@ -159,7 +158,7 @@ RSpec.describe "rubyspy top" do
   it "record's live view fits the terminal too" do
     target = start_target("named_worker")
     output = File.join(@dir, "out.svg")
-    command = [RbConfig.ruby, exe, "record", "--pid", target.pid.to_s, "-d", "3", "-o", output].shelljoin
+    command = rubyspy_command("record", "--pid", target.pid, "-d", 3, "-o", output).shelljoin
     system("tmux", "new-session", "-d", "-s", @session, "-x", "40", "-y", "15",
            "#{command}; echo $? > #{status_file.shellescape}; sleep 60") or raise "tmux failed"
     text = await(/Crunch#digest/)
@@ -172,8 +171,7 @@ RSpec.describe "rubyspy top" do
 
   it "without a terminal is a usage error (exit 2)" do
     target = start_target("named_worker")
-    _, err, status = Open3.capture3(RbConfig.ruby, exe, "top", "--pid", target.pid.to_s, stdin_data: "")
-    expect(status.exitstatus).to eq(2)
-    expect(err).to eq("rubyspy: top needs a terminal (it redraws in place); use rubyspy record for a file\n")
+    run = rubyspy!("top", "--pid", target.pid, stdin_data: "", exitstatus: 2)
+    expect(run.stderr).to eq("rubyspy: top needs a terminal (it redraws in place); use rubyspy record for a file\n")
   end
 end

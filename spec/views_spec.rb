@@ -1,7 +1,6 @@
 # frozen_string_literal: true
 
 require "json"
-require "open3"
 require "tmpdir"
 require_relative "spec_helper"
 require "rbspy_ext"
@@ -15,19 +14,12 @@ require "rbspy_ext"
 RSpec.describe "profile views" do
   include RubySpyTest::Recording
 
-  def rubyspy(*args, env: {})
-    Open3.capture3(env, RbConfig.ruby, File.join(RubySpyTest::ROOT, "exe", "rubyspy"), *args.map(&:to_s))
-  end
-
   def report(*args)
-    out, err, status = rubyspy("report", "--input", @raw, *args)
-    expect(status.exitstatus).to eq(0), err
-    [out, err]
+    rubyspy!("report", "--input", @raw, *args)
   end
 
   def collapsed(*flags)
-    out, = report("--format", "collapsed", *flags)
-    parse_collapsed(out)
+    parse_collapsed(report("--format", "collapsed", *flags).stdout)
   end
 
   before(:all) do
@@ -35,10 +27,9 @@ RSpec.describe "profile views" do
     @target = RubySpyTest::Target.start("named_worker")
     @base = File.join(@dir, "worker")
     @raw = File.join(@dir, "worker.raw")
-    _, @record_err, status = rubyspy("record", "-p", @target.pid, "-r", 200, "-d", 1.5,
-                                     "-f", "collapsed", "-f", "flamegraph", "-f", "speedscope",
-                                     "-o", @base, "--raw", @raw)
-    raise "record failed: #{@record_err}" unless status.success?
+    @record_err = rubyspy!("record", "-p", @target.pid, "-r", 200, "-d", 1.5,
+                           "-f", "collapsed", "-f", "flamegraph", "-f", "speedscope",
+                           "-o", @base, "--raw", @raw).stderr
 
     @profile = RubySpy::Profile.load(@raw)
     @main_tid = @target.pid
@@ -68,7 +59,7 @@ RSpec.describe "profile views" do
     expect(frames).not_to include(a_string_matching(/Kernel#sleep/))
     expect(frames).to include(a_string_matching(/\A#{method_label_pattern("Crunch", "digest", @target.ruby_version)} \S+named_worker\.rb\z/))
     expect(frames.grep(/named_worker\.rb/)).to all(match(/named_worker\.rb\z/)) # no :line
-    _, err = report("--format", "collapsed")
+    err = report("--format", "collapsed").stderr
     expect(err).to eq("rubyspy: #{@profile.samples_in(:blocked)} idle samples (blocked threads) left out of collapsed; " \
                       "--idle shows them\n")
     svg = File.read("#{@base}.svg")
@@ -105,7 +96,7 @@ RSpec.describe "profile views" do
   end
 
   it "Profile#render takes the same options as keywords, and the flags' output is the keywords'" do
-    out, = report("--format", "collapsed", "--per-thread", "--lines", "--state")
+    out = report("--format", "collapsed", "--per-thread", "--lines", "--state").stdout
     expect(out).to eq(@profile.render(:collapsed, per_thread: true, lines: true, state: true))
     expect(@profile.render(:collapsed, idle: true)).to include("Kernel#sleep")
     expect { @profile.render(:callgrind, per_thread: true) }
@@ -114,17 +105,15 @@ RSpec.describe "profile views" do
   end
 
   it "a view flag with formats that do not take it is a usage error naming those that do" do
-    _, err, status = rubyspy("report", "--input", @raw, "--format", "callgrind", "--per-thread")
-    expect(status.exitstatus).to eq(2)
-    expect(err).to eq("rubyspy: --per-thread applies to flamegraph, speedscope, collapsed only, not to callgrind\n")
-    _, err, status = rubyspy("record", "-p", @target.pid, "-d", 0.2, "-f", "pprof", "--idle", "-o", File.join(@dir, "x"))
-    expect(status.exitstatus).to eq(2), err
-    expect(err).to include("--idle applies to flamegraph, speedscope, collapsed only, not to pprof")
+    run = rubyspy!("report", "--input", @raw, "--format", "callgrind", "--per-thread", exitstatus: 2)
+    expect(run.stderr).to eq("rubyspy: --per-thread applies to flamegraph, speedscope, collapsed only, not to callgrind\n")
+    run = rubyspy!("record", "-p", @target.pid, "-d", 0.2, "-f", "pprof", "--idle", "-o", File.join(@dir, "x"), exitstatus: 2)
+    expect(run.stderr).to include("--idle applies to flamegraph, speedscope, collapsed only, not to pprof")
     expect(File.exist?(File.join(@dir, "x"))).to be(false)
   end
 
   it "timeline: each thread's samples in time order, states and stacks as spans, rendered again from raw" do
-    out, = report("--format", "timeline")
+    out = report("--format", "timeline").stdout
     expect(out).to eq(@profile.render(:timeline)) # raw keeps the order
     doc = JSON.parse(out)
     expect(doc["$schema"]).to eq("https://www.speedscope.app/file-format-schema.json")

@@ -12,7 +12,7 @@ module RubySpyTest
     EXE = File.join(ROOT, "exe", "rubyspy")
 
     # A finished run of the CLI: what it printed and how it exited.
-    CLIRun = Struct.new(:args, :env, :stdout, :stderr, :status) do
+    CLIRun = Struct.new(:args, :env, :under, :stdout, :stderr, :status) do
       def exitstatus = status.exitstatus
 
       def success? = status.success?
@@ -21,7 +21,7 @@ module RubySpyTest
       # (cut short: a pprof written to stdout is binary and large).
       def to_s
         shown = stdout.bytesize > 2000 ? "#{stdout.byteslice(0, 2000)}... (#{stdout.bytesize} bytes)" : stdout
-        command = env.map { |k, v| "#{k}=#{v.to_s.shellescape} " }.join + ["rubyspy", *args].shelljoin
+        command = env.map { |k, v| "#{k}=#{v.to_s.shellescape} " }.join + [*under, "rubyspy", *args].shelljoin
         "#{command}\nexit: #{status.inspect}\nstderr: #{stderr}\n" \
           "stdout: #{shown.dup.force_encoding(Encoding::UTF_8).scrub}"
       end
@@ -33,12 +33,13 @@ module RubySpyTest
       [RbConfig.ruby, EXE, *args.map(&:to_s)]
     end
 
-    # Runs `rubyspy ARGS` until it exits; a CLIRun. +options+ go to Open3.capture3
-    # (stdin_data:, binmode:).
-    def rubyspy(*args, env: {}, chdir: ROOT, **options)
+    # Runs `rubyspy ARGS` until it exits; a CLIRun. +under+ is a command that runs it
+    # (["setpriv", ...], ["unshare", ...]); +options+ go to Open3.capture3 (stdin_data:,
+    # binmode:).
+    def rubyspy(*args, env: {}, under: [], chdir: ROOT, **options)
       args = args.map(&:to_s)
-      out, err, status = Open3.capture3(env, *rubyspy_command(*args), chdir: chdir, **options)
-      CLIRun.new(args, env, out, err, status)
+      out, err, status = Open3.capture3(env, *under, *rubyspy_command(*args), chdir: chdir, **options)
+      CLIRun.new(args, env, under, out, err, status)
     end
 
     # #rubyspy, expecting it to exit with +exitstatus+: an example that goes on with the
