@@ -69,11 +69,8 @@ RSpec.describe "RubySpy errors" do
       pid = Process.spawn(sleep_binary, "100", out: File::NULL, err: File::NULL)
       begin
         # Until exec completes the child is still a copy of this Ruby process.
-        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 15
-        until (File.readlink("/proc/#{pid}/exe") rescue nil) == sleep_binary
-          raise "#{pid} did not exec #{sleep_binary}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-          sleep 0.01
+        wait_for("#{pid} to exec #{sleep_binary}", timeout: 15) do
+          (File.readlink("/proc/#{pid}/exe") rescue nil) == sleep_binary
         end
 
         expect { RubySpy.snapshot(pid) }.to raise_error(an_error_naming(pid, RubySpy::NotRubyProcess))

@@ -45,12 +45,10 @@ RSpec.describe "installing rbspy_ext", :slow do
     truth = File.join(host_dir, "truth.json")
     target = site.spawn_target(File.join(site_dir, "target.rb"), File.join(site_dir, "truth.json"))
     begin
-      deadline = gi.monotonic + 15
-      until File.exist?(truth)
-        raise "the target exited before it was ready" if Process.waitpid(target, Process::WNOHANG)
-        raise "the target was not ready within 15 s" if gi.monotonic > deadline
+      RubySpyTest::Waiting.wait_for("the target to be ready", timeout: 15, interval: 0.02) do
+        next true if File.exist?(truth)
 
-        sleep 0.02 # polling interval
+        raise "the target exited before it was ready" if Process.waitpid(target, Process::WNOHANG)
       end
       env = { "GEM_HOME" => gem_home, "GEM_PATH" => gem_home }
       status, out = gi.run(site.ruby(File.join(site_dir, "checker.rb"), target.to_s, env: env),

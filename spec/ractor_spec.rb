@@ -37,13 +37,12 @@ RSpec.describe "Ractors" do
   # The target's threads once +count+ of them are listed (a Ractor's watcher thread ends just
   # after it writes the ground truth).
   def settled_threads(handle, count)
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
-    loop do
-      threads = handle.thread_snapshots
-      return threads if threads.size == count || Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-      sleep 0.05
+    threads = nil
+    # After 10 s, the threads listed then: the examples' own expectations judge them.
+    wait_for("#{count} threads", timeout: 10, interval: 0.05, raise_on_timeout: false) do
+      (threads = handle.thread_snapshots).size == count
     end
+    threads
   end
 
   def record(pid, **options)

@@ -261,9 +261,7 @@ RSpec.describe RubySpy::Recorder do
       recorder = RubySpy::Recorder.new(target.pid, rate: 400).start # no duration
       expect(recorder.running?).to be(true)
 
-      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
-      sleep 0.01 while recorder.running? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
-      expect(recorder.running?).to be(false)
+      wait_for("the recording to end", timeout: 5) { !recorder.running? }
       progress = recorder.progress
 
       profile = recorder.stop
@@ -275,9 +273,7 @@ RSpec.describe RubySpy::Recorder do
       expect(profile.threads.map { |t| t[:main] }).to eq([true])
       # The recording ends when the target's memory is gone, which can be a moment before the
       # kernel has finished the exit and made it a zombie.
-      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 2
-      sleep 0.01 while target.alive? && Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
-      expect(target.alive?).to be(false)
+      wait_for("process #{target.pid} to be gone", timeout: 2) { !target.alive? }
     end
   end
 
@@ -462,12 +458,7 @@ RSpec.describe RubySpy::Recorder do
       pid = Process.spawn("sleep", "100")
       begin
         # Until exec, the child is a copy of this (Ruby) process.
-        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 5
-        until (File.readlink("/proc/#{pid}/exe") rescue "").end_with?("/sleep")
-          raise "sleep did not start" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-          sleep 0.01
-        end
+        wait_for("sleep to start", timeout: 5) { (File.readlink("/proc/#{pid}/exe") rescue "").end_with?("/sleep") }
         recorder = RubySpy::Recorder.new(pid, rate: 200) # nothing is read yet
         expect { recorder.start }.to raise_error(RubySpy::NotRubyProcess, /#{pid}/)
         expect(recorder.running?).to be(false)

@@ -38,14 +38,12 @@ RSpec.describe "soak: recording a racing target" do
       rss_half = rss_kb(recorder)
       sleep 0.1 until elapsed.call > seconds - 1
       rss_end = rss_kb(recorder)
-      status = nil
-      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 30
-      until (status = Process.wait2(recorder, Process::WNOHANG)&.last)
-        if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-          Process.kill(:KILL, recorder)
-          raise "rubyspy record did not end within 30 s of its duration"
-        end
-        sleep 0.1
+      status = wait_for("rubyspy record to end", timeout: 30, interval: 0.1, raise_on_timeout: false) do
+        Process.wait2(recorder, Process::WNOHANG)&.last
+      end
+      unless status
+        Process.kill(:KILL, recorder)
+        raise "rubyspy record did not end within 30 s of its duration"
       end
       expect(status.success?).to be(true), "rubyspy record: #{status.inspect}\n#{File.read(log)}"
       expect(target.health_problems).to eq([])

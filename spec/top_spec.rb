@@ -40,13 +40,9 @@ RSpec.describe "rubyspy top" do
 
   # Waits (up to 15 s) until the screen matches +pattern+; the screen.
   def await(pattern)
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 15
-    loop do
-      text = screen
-      return text if text.match?(pattern)
-      raise "the screen never showed #{pattern.inspect}:\n#{text}" if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
-
-      sleep 0.2
+    text = nil
+    wait_for("the screen to show #{pattern.inspect}", timeout: 15, interval: 0.2, detail: -> { text }) do
+      (text = screen).match?(pattern) && text
     end
   end
 
@@ -54,10 +50,12 @@ RSpec.describe "rubyspy top" do
     system("tmux", "send-keys", "-t", @session, *keys)
   end
 
-  def exit_status
-    deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 10
-    sleep 0.1 until File.exist?(status_file) && !File.read(status_file).empty? ||
-                    Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+  # The exit status of the command in the terminal (ProcessHelpers#exit_status waits for a
+  # child of this process; this one is tmux's).
+  def terminal_exit_status
+    wait_for("the exit status in #{status_file}", timeout: 10, interval: 0.1) do
+      File.exist?(status_file) && !File.read(status_file).empty?
+    end
     Integer(File.read(status_file))
   end
 
@@ -86,7 +84,7 @@ RSpec.describe "rubyspy top" do
                  .map { |l| l.split(/\s{2,}/)[2] }.compact
     expect(labels).to eq(labels.sort)
     keys("q")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "shows waits for the GVL as a row of their own, not as the spinning method's, unless --no-state-leaves" do
@@ -98,7 +96,7 @@ RSpec.describe "rubyspy top" do
     expect(own.(text, "[waiting for GVL]")).to be_between(25, 75), text
     expect(own.(text, "Contender#spin")).to be_between(25, 75), text
     keys("q")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
     system("tmux", "kill-session", "-t", @session, err: File::NULL)
     File.delete(status_file)
 
@@ -107,7 +105,7 @@ RSpec.describe "rubyspy top" do
     expect(text).not_to include("[waiting for GVL]")
     expect(own.(text, "Contender#spin")).to be > 90
     keys("q")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "adds a line per Ractor once threads of other Ractors run, with each one's share running" do
@@ -123,7 +121,7 @@ RSpec.describe "rubyspy top" do
     expect(text).to match(/^  main ractor: 1 thread, running 0\.0%/)
     expect(text).to include("Spinners.spin_a")
     keys("q")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "shows each thread's current tags, and the blocked threads with --idle" do
@@ -133,7 +131,7 @@ RSpec.describe "rubyspy top" do
     expect(text).to include("Tags of main: request_id=req-#{target.pid} user=7")
     expect(text).to include("Tags of tagged-worker: job=nightly-report attempt=3")
     keys("C-c")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "fits a narrow terminal: no line wider than it, long labels cut" do
@@ -143,7 +141,7 @@ RSpec.describe "rubyspy top" do
     expect(text.lines.map { |l| l.chomp.size }.max).to be <= 50
     expect(text).to match(/…/)
     keys("q")
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "says so and exits 0 when the process exits" do
@@ -151,7 +149,7 @@ RSpec.describe "rubyspy top" do
     start_top("--pid", target.pid)
     await(/Crunch#digest/)
     target.stop
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
     expect(File.read(File.join(@dir, "err"))).to match(/\Arubyspy: process #{target.pid} exited after [\d.]+ s/)
   end
 
@@ -166,7 +164,7 @@ RSpec.describe "rubyspy top" do
     expect(lines.first).to start_with("recording pid #{target.pid}:").and end_with("…")
     expect(lines.map(&:size).max).to be <= 40
     expect(lines.count { |l| l.start_with?("recording pid") }).to eq(1) # redrawn in place
-    expect(exit_status).to eq(0)
+    expect(terminal_exit_status).to eq(0)
   end
 
   it "without a terminal is a usage error (exit 2)" do

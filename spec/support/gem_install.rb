@@ -3,6 +3,7 @@
 require "fileutils"
 require "json"
 require "rbconfig"
+require_relative "helpers/waiting"
 
 module RubySpyTest
   # Installing the packed gems as users do, in fresh GEM_HOMEs, on the host Ruby or inside a
@@ -20,15 +21,13 @@ module RubySpyTest
       env = { "PATH" => "/usr/sbin:/usr/bin:/sbin:/bin" }.merge(env)
       pid = Process.spawn(env, *cmd, chdir: chdir, in: File::NULL, out: log, err: %i[child out],
                                      pgroup: true, unsetenv_others: true)
-      deadline = monotonic + timeout
-      status = nil
-      until (status = Process.waitpid2(pid, Process::WNOHANG)&.last)
-        if monotonic > deadline
-          Process.kill("KILL", -pid)
-          Process.wait(pid)
-          raise "#{cmd.join(' ')} timed out after #{timeout}s:\n#{File.read(log)}"
-        end
-        sleep 0.05 # polling interval
+      status = Waiting.wait_for(cmd.join(" "), timeout: timeout, interval: 0.05, raise_on_timeout: false) do
+        Process.waitpid2(pid, Process::WNOHANG)&.last
+      end
+      unless status
+        Process.kill("KILL", -pid)
+        Process.wait(pid)
+        raise "#{cmd.join(' ')} timed out after #{timeout}s:\n#{File.read(log)}"
       end
       [status, File.read(log)]
     end

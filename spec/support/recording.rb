@@ -1,6 +1,7 @@
 # frozen_string_literal: true
 
 require "zlib"
+require_relative "helpers/waiting"
 
 module RubySpyTest
   # Helpers for the recorder and CLI specs.
@@ -26,10 +27,9 @@ module RubySpyTest
     # samples for its proportions waits for them rather than for a fixed time.
     def record_until_samples(pid, samples:, timeout: 60, **options)
       recorder = RubySpy::Recorder.new(pid, **options).start
-      deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + timeout
-      while recorder.running? && recorder.progress[:samples] < samples &&
-            Process.clock_gettime(Process::CLOCK_MONOTONIC) < deadline
-        sleep 0.02
+      # On timeout, stopped all the same: the profile's errors and notes say why it fell short.
+      Waiting.wait_for("#{samples} samples", timeout: timeout, interval: 0.02, raise_on_timeout: false) do
+        !recorder.running? || recorder.progress[:samples] >= samples
       end
       profile = recorder.stop
       unless profile.samples >= samples
