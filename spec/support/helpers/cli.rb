@@ -18,13 +18,17 @@ module RubySpyTest
       def success? = status.success?
 
       # The run as a failure message shows it: the command, its exit, stderr, then stdout
-      # (cut short: a pprof written to stdout is binary and large).
+      # (cut short: a pprof written to stdout is binary and large). Read as UTF-8 whatever
+      # binmode: gave, so that the parts join.
       def to_s
         shown = stdout.bytesize > 2000 ? "#{stdout.byteslice(0, 2000)}... (#{stdout.bytesize} bytes)" : stdout
         command = env.map { |k, v| "#{k}=#{v.to_s.shellescape} " }.join + [*under, "rubyspy", *args].shelljoin
-        "#{command}\nexit: #{status.inspect}\nstderr: #{stderr}\n" \
-          "stdout: #{shown.dup.force_encoding(Encoding::UTF_8).scrub}"
+        "#{command}\nexit: #{status.inspect}\nstderr: #{utf8(stderr)}\nstdout: #{utf8(shown)}"
       end
+
+      private
+
+      def utf8(bytes) = bytes.dup.force_encoding(Encoding::UTF_8).scrub
     end
 
     # The command line of `rubyspy ARGS`, for a spec that starts it itself (in the
