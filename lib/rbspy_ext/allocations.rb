@@ -121,7 +121,7 @@ module RubySpy
     # returns what it allocated and what of it is still alive at its end (after a full GC,
     # which the block form runs); without one, from now until {stop_tracking_allocations}.
     # Starting again starts afresh. The allocation hook is on only near a sample point, and
-    # each sample costs a stack walk; see the README's "Memory" section for the figures.
+    # each sample costs a stack walk; see docs/memory.md for the figures.
     #
     # Before Ruby 4.0 only the Ractor that starts tracking is tracked (Ruby keeps such hooks
     # per Ractor); from 4.0 every Ractor's allocations are.

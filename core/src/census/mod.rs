@@ -73,7 +73,7 @@ pub const TYPE_NAMES: [&str; 32] = [
 ];
 
 /// What the census counts out of each object's slot, and what it does not: named in every
-/// census (`Census::not_counted`), in the README and in `rubyspy heap`'s output.
+/// census (`Census::not_counted`), in docs/memory.md and in `rubyspy heap`'s output.
 pub const NOT_COUNTED: &str = "bytes outside the slot are counted for strings, arrays, \
      hashes and objects' ivars; T_DATA, generic ivars (those of strings, arrays and other \
      non-T_OBJECT objects), regexps, bignums, classes and every C extension's own memory \
