@@ -68,6 +68,7 @@ RSpec.describe "soak: recording a racing target" do
       # Every frame is one the target can have: its own file at a line that exists, rbspy_ext's
       # lib (RubySpy.tag), Ruby's <internal:...> files, or a C function (no path).
       fixture = File.join(RubySpyTest::FIXTURES, "soak_churn.rb")
+      lib = File.join(RubySpyTest::ROOT, "lib")
       lines = File.readlines(fixture).size
       frames = profile.stacks.flat_map { |s| s[:frames] }.uniq
       bad = frames.reject do |f|
