@@ -50,8 +50,19 @@ phase_join() {
   return "$rc"
 }
 
+kill_tree() {
+  local child
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+
 phases_report() {
-  local rc=$?
+  local rc=$? name
+  # A background phase still running when the script ends (it failed early) is stopped,
+  # with every process it started.
+  for name in "${!phase_bg_pid[@]}"; do
+    [[ -f ${phase_bg_log[$name]}.done ]] || kill_tree "${phase_bg_pid[$name]}"
+  done
   ((${#phase_rows[@]})) || return "$rc"
   {
     echo
