@@ -8,7 +8,7 @@
 #
 # Run from the repository root as root (inside-mode targets are chrooted; reading another
 # process's memory needs ptrace rights), after `rake compile` and `script/rubies build`.
-# A Ruby is named as RUBYSPY_TARGET_RUBY names it (spec/support/target.rb): NAME:inside|outside
+# A Ruby is named as RUBYSPY_TARGET_RUBY names it (spec/support/target_ruby.rb): NAME:inside|outside
 # with an optional :yjit or :zjit, or `host`.
 #
 # Per Ruby:
