@@ -22,7 +22,7 @@ RSpec.describe "the heap census of a Rails app" do
 
     # A class whose name is a temporary path (a constant of an anonymous class, which
     # Module#name gives as "#<Class:0x...>::Config") is named anonymous in the census, by
-    # its own address (README: the census's rows).
+    # its own address (docs/memory.md: the census's rows).
     temporary = answers["classes"].select { |c| c["address"] }
     ruby = answers["classes"].to_h { |c| [c["address"] ? format("#<Class:0x%016x>", c["address"]) : c["name"], c["objects"]] }
     named, hidden = census.classes.partition { |row| row[:name] != "" }

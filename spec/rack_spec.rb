@@ -23,7 +23,7 @@ RSpec.describe RubySpy::Rack do
       profile = under_load(server, paths, threads: 4, statuses: { "/nowhere" => 404 }) { RubySpy.record(server.pid, rate: 999, duration: 3) }
       # The route's tag is set a few µs before greet_slowly starts. A sample reads the tag
       # pointer before and after the stack in its one call, and keeps the pair only when the
-      # pointer held (spy/threads.rs, confirm_tags): no sample of greet_slowly may carry the
+      # pointer held (spy/mod.rs, confirm_tags): no sample of greet_slowly may carry the
       # middleware's path tag.
       greet = samples_in(profile, "Greeter#greet_slowly")
       expect(greet.keys).to eq(["GET /hello/:name"])

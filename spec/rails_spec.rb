@@ -32,7 +32,7 @@ RSpec.describe "Rails and Puma" do
   # Every sample inside one action's method carries that action's tag: none another
   # action's, none without an endpoint. (A sample whose stack and tag pointer were not read
   # at one moment, a thread entering the action between the two, is walked again between two
-  # readings of the tags: spy/threads.rs, confirm_tags.)
+  # readings of the tags: spy/mod.rs, confirm_tags.)
   def expect_every_sample_tagged_with_its_action(profile)
     counts = attribution(profile)
     right = OWN_METHOD.sum { |endpoint, method| counts[[method, endpoint]] }
@@ -193,7 +193,7 @@ RSpec.describe "Rails and Puma" do
 
     # Rails 7.1 and later generate production configs with config.force_ssl = true, which
     # sends plain HTTP to https, a mounted Rack app included; the app excludes the endpoint
-    # with config.ssl_options, as the README tells users to. The other examples talk to the
+    # with config.ssl_options, as docs/fleets.md tells users to. The other examples talk to the
     # app's routes as a TLS-terminating proxy would (RubySpyTest::Server::PROXY_HEADERS).
     it "answers plain HTTP under production's force_ssl, which redirects the app's own routes (Rails 7.2)" do
       server = start_server("rails_app")
