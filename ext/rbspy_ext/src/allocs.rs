@@ -215,6 +215,16 @@ fn serve(request: AllocsRequest) -> AllocsAnswer {
     }
 }
 
+/// `NativeAllocations.stats`: what the tracker's machinery did since tracking started, as
+/// a Hash of Symbol to Float (tracker/stats.rs).
+fn stats(ruby: &Ruby) -> Result<magnus::RHash, Error> {
+    let hash = ruby.hash_new();
+    for (name, value) in tracker::stats() {
+        hash.aset(ruby.to_symbol(name), value)?;
+    }
+    Ok(hash)
+}
+
 /// How long the listener waits for a Ruby thread to make an allocation profile.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -232,6 +242,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     native.define_singleton_method("collect", function!(tracker::collect, 0))?;
     native.define_singleton_method("after_fork", function!(tracker::after_fork, 0))?;
     native.define_singleton_method("snapshot", function!(snapshot, 0))?;
+    native.define_singleton_method("stats", function!(stats, 0))?;
     native.define_singleton_method("published_at_ms", function!(tracker::published_at_ms, 0))?;
     native.const_set("MAX_SITES", MAX_SITES)?;
     native.const_set("MAX_LIVE", MAX_LIVE)?;

@@ -134,6 +134,7 @@ pub(super) fn start_poller() {
                 return;
             }
             if !RESCHEDULED.swap(false, Ordering::SeqCst) {
+                super::stats::STATS.wakes.fetch_add(1, Ordering::Relaxed);
                 post();
             }
         });

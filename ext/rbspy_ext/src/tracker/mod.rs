@@ -28,6 +28,7 @@ mod arming;
 mod live;
 mod publish;
 mod sites;
+mod stats;
 
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
@@ -35,9 +36,11 @@ use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use sites::Tracker;
 pub use sites::{MAX_LIVE, MAX_SITES};
+use stats::{HOOK_TIMED_EVERY, STATS};
 use std::ffi::c_void;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Ruby's debug API (ruby/debug.h), declared here: rb-sys's bindings for 2.7 leave it out.
 /// The same functions and signatures on every Ruby from 2.7 (rb_profile_frames: 2.3).
@@ -76,9 +79,11 @@ fn tracker() -> MutexGuard<'static, Option<Tracker>> {
 
 /// The NEWOBJ hook: inside the allocator (see the module docs).
 unsafe extern "C" fn on_newobj(tracepoint: VALUE, _data: *mut c_void) {
-    if publish::QUIET.load(std::sync::atomic::Ordering::Relaxed) {
+    if publish::QUIET.load(Relaxed) {
         return;
     }
+    let call = STATS.hook_calls.fetch_add(1, Relaxed);
+    let timed = (call % HOOK_TIMED_EVERY == 0).then(Instant::now);
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: called by Ruby with our NEWOBJ tracepoint, inside its hook.
         let object =
@@ -95,10 +100,15 @@ unsafe extern "C" fn on_newobj(tracepoint: VALUE, _data: *mut c_void) {
             arming::post();
         }
     });
+    if let Some(at) = timed {
+        let ns = at.elapsed().as_nanos() as u64 * HOOK_TIMED_EVERY;
+        STATS.hook_ns.fetch_add(ns, Relaxed);
+    }
 }
 
 /// The GC_END_MARK hook: inside the GC, between marking and sweeping.
 unsafe extern "C" fn on_end_mark(_tracepoint: VALUE, _data: *mut c_void) {
+    let at = Instant::now();
     let _ = std::panic::catch_unwind(|| {
         let Ok(mut guard) = TRACKER.try_lock() else {
             return;
@@ -107,6 +117,8 @@ unsafe extern "C" fn on_end_mark(_tracepoint: VALUE, _data: *mut c_void) {
             t.marked();
         }
     });
+    STATS.marks.fetch_add(1, Relaxed);
+    STATS.mark_ns.fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
 }
 
 /// Work a native thread (the listener's) hands the postponed job.
@@ -148,6 +160,7 @@ pub(crate) fn with_gvl<T: Send + 'static>(
 /// The postponed job (arming.rs): with the GVL, on a Ruby thread, outside any hook. It runs
 /// a waiting task first.
 unsafe extern "C" fn poll(_data: *mut c_void) {
+    let at = Instant::now();
     let task = TASK.lock().unwrap_or_else(|p| p.into_inner()).take();
     if let Some(task) = task {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
@@ -168,8 +181,13 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
         if let Some((new, _)) = *tracepoint_values() {
             switch(new as VALUE, change);
         }
+        if let Some(on) = change {
+            STATS.switched(on);
+        }
         publish::when_due(changes);
     });
+    STATS.jobs.fetch_add(1, Relaxed);
+    STATS.job_ns.fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
 }
 
 /// Turns a tracepoint of ours on or off (with the GVL, outside any hook).
@@ -267,6 +285,8 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total));
     *tracker() = Some(t);
     publish::reset();
+    STATS.reset();
+    STATS.switched(true);
     switch(end_mark, marks.is_some().then_some(true));
     // On from the start, always or until the first point (see `Arm::new`).
     switch(new, Some(true));
@@ -285,6 +305,7 @@ pub(crate) fn stop() {
             debug::rb_tracepoint_disable(new as VALUE);
             debug::rb_tracepoint_disable(end_mark as VALUE);
         }
+        STATS.switched(false);
     }
     let stopped = tracker()
         .as_mut()
@@ -314,6 +335,11 @@ pub(crate) fn after_fork() {
 pub(crate) fn collect() {
     // SAFETY: with the GVL, outside any hook.
     unsafe { rb_sys::rb_gc_start() };
+}
+
+/// What the tracker's machinery did since tracking started (stats.rs), as (name, value).
+pub(crate) fn stats() -> Vec<(&'static str, f64)> {
+    STATS.snapshot()
 }
 
 pub(crate) fn tracking() -> bool {

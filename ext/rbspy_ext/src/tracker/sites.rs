@@ -229,6 +229,9 @@ impl Tracker {
         };
         self.ids = key.0;
         self.changes += 1;
+        super::stats::STATS
+            .samples
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for _ in 0..times {
             self.sites[site as usize].counts.add(size, self.rate_bytes);
         }

@@ -1,0 +1,144 @@
+# frozen_string_literal: true
+
+# Where sampled allocation tracking's cost goes (issue 48): process CPU of a workload with
+# tracking on against off, in windows whose order is shuffled every round, and what the
+# tracker's machinery did in the tracked windows (RubySpy::NativeAllocations.stats):
+# - slow-path allocations: NEWOBJ hook calls a second, and the share of time the hook is on;
+# - wake-ups a second (what asks for the postponed job), jobs a second and µs each;
+# - µs a second inside the NEWOBJ hook and the GC_END_MARK hook;
+# - JIT code thrown away: YJIT's invalidation_count, ZJIT's invalidation time and
+#   compiled iseqs, tracked windows against untracked.
+#
+# Workloads (each in a process of its own):
+#   loop     allocations only: arrays, strings, objects, hashes (bench/allocs.rb's mix)
+#   request  a request's worth of work from the standard library: an ERB page over 50 rows,
+#            JSON of them, a few Hash and String operations; about 2,000 objects each
+#
+#   rake compile && ruby bench/alloc_cost.rb [loop|request] [ROUNDS] [WINDOW_SECONDS]
+#   TARGET_RUBY="/opt/srcrubies/4.0/bin/ruby --yjit" ruby bench/alloc_cost.rb request
+#
+# Defaults: request, 7 rounds, 1 s windows. RATE=32768 tracks at another rate. Each figure
+# is the median over rounds, with the spread (lowest and highest) beside it.
+require "json"
+require "open3"
+require_relative "support"
+
+workload = ARGV.fetch(0, "request")
+rounds = Integer(ARGV.fetch(1, "7"))
+window = Float(ARGV.fetch(2, "1"))
+abort "workload: loop or request" unless %w[loop request].include?(workload)
+
+RUN = <<~'RUBY'
+  $LOAD_PATH.unshift(File.join(ENV.fetch("ROOT"), "lib"))
+  require "rbspy_ext"
+  require "erb"
+  require "json"
+  rate = Integer(ENV.fetch("RATE"))
+  rounds = Integer(ENV.fetch("ROUNDS"))
+  window = Float(ENV.fetch("WINDOW"))
+
+  ROWS = Array.new(50) { |i| { id: i, name: "item #{i}", price: i * 1.5, tags: %w[a b c] } }
+  PAGE = ERB.new(<<~HTML)
+    <ul><% rows.each do |r| %><li id="<%= r[:id] %>"><%= r[:name] %> <%= format("%.2f", r[:price]) %>
+    <%= r[:tags].join(",") %></li><% end %></ul>
+  HTML
+  unit = case ENV.fetch("WORKLOAD")
+         when "loop"
+           lambda do
+             kept = []
+             i = 0
+             while i < 4000
+               a = Array.new(3)
+               s = "item #{i}"
+               o = Object.new
+               h = { i => s }
+               kept << o if i % 10 == 0
+               i += 4
+             end
+             kept.size + a.size + h.size
+           end
+         else
+           lambda do
+             rows = ROWS.map { |r| r.merge(seen: true) }
+             html = PAGE.result_with_hash(rows: rows)
+             json = JSON.generate(rows)
+             html.size + json.size + rows.group_by { |r| r[:id] % 3 }.size
+           end
+         end
+  cpu = -> { Process.clock_gettime(Process::CLOCK_PROCESS_CPUTIME_ID) }
+  mono = -> { Process.clock_gettime(Process::CLOCK_MONOTONIC) }
+  # Units in a window: as many as fit in WINDOW seconds untracked, measured once.
+  200.times { unit.() }
+  GC.start
+  started = mono.()
+  n = 0
+  (unit.(); n += 1) while mono.() - started < window
+  objects = GC.stat(:total_allocated_objects)
+  n.times { unit.() }
+  per_unit = (GC.stat(:total_allocated_objects) - objects).fdiv(n)
+
+  jit = lambda do
+    if defined?(RubyVM::YJIT) && RubyVM::YJIT.enabled?
+      s = RubyVM::YJIT.runtime_stats
+      { "yjit invalidations" => s[:invalidation_count].to_i, "yjit iseqs compiled" => s[:compiled_iseq_count].to_i }
+    elsif defined?(RubyVM::ZJIT) && RubyVM::ZJIT.enabled?
+      s = RubyVM::ZJIT.stats
+      { "zjit invalidation ms" => s[:invalidation_time_ns].to_i / 1e6, "zjit iseqs compiled" => s[:compiled_iseq_count].to_i }
+    else
+      {}
+    end
+  end
+  windows = []
+  rounds.times do
+    %w[none tracked].shuffle.each do |tool|
+      GC.start
+      RubySpy.track_allocations(rate: rate) if tool == "tracked"
+      before_jit = jit.()
+      t = cpu.()
+      n.times { unit.() }
+      t = cpu.() - t
+      row = { "tool" => tool, "cpu" => t, "jit" => jit.().to_h { |k, v| [k, v - before_jit.fetch(k, 0)] } }
+      if tool == "tracked"
+        row["stats"] = RubySpy::NativeAllocations.stats.transform_keys(&:to_s)
+        RubySpy.stop_tracking_allocations
+      end
+      windows << row
+    end
+  end
+  puts JSON.generate(ruby: RUBY_DESCRIPTION, units: n, per_unit: per_unit, windows: windows)
+RUBY
+
+env = { "ROOT" => File.expand_path("..", __dir__), "RATE" => ENV.fetch("RATE", "524288"), "ROUNDS" => rounds.to_s,
+        "WINDOW" => window.to_s, "WORKLOAD" => workload }
+out, err, status = Open3.capture3(env, *target_ruby, "-e", RUN)
+abort "the workload failed: #{err}" unless status.success?
+result = JSON.parse(out.lines.last)
+
+median = ->(a) { a.sort[a.size / 2] }
+spread = ->(a) { format("%+.1f..%+.1f", a.min, a.max) }
+by_tool = result["windows"].group_by { |w| w["tool"] }
+none = by_tool["none"].map { |w| w["cpu"] }
+tracked = by_tool["tracked"]
+# Each round's tracked window against the median untracked one.
+cost = tracked.map { |w| 100.0 * (w["cpu"] / median.(none) - 1) }
+puts result["ruby"]
+puts format("%s: %d units a window (%.0f objects each), rate %s, %d rounds", workload, result["units"],
+            result["per_unit"], env["RATE"], rounds)
+puts format("  CPU a window: untracked %.3f s, tracked %.3f s: %+.1f %% (spread %s)", median.(none),
+            median.(tracked.map { |w| w["cpu"] }), median.(cost), spread.(cost))
+per_s = ->(key) { median.(tracked.map { |w| w["stats"][key] / w["stats"]["seconds"] }) }
+each_us = lambda do |ns, count|
+  median.(tracked.map { |w| w["stats"][count].positive? ? w["stats"][ns] / w["stats"][count] / 1000 : 0 })
+end
+armed = median.(tracked.map { |w| 100.0 * w["stats"]["armed_ns"] / (w["stats"]["seconds"] * 1e9) })
+puts format("  samples %.0f/s; slow-path allocations (hook calls) %.0f/s; hook on %.1f %% of the time, " \
+            "turned on %.0f/s", per_s.("samples"), per_s.("hook_calls"), armed, per_s.("arms"))
+puts format("  wake-ups %.0f/s; jobs %.0f/s at %.1f µs each", per_s.("wakes"), per_s.("jobs"),
+            each_us.("job_ns", "jobs"))
+puts format("  inside the NEWOBJ hook %.0f µs/s; GC_END_MARK %.1f calls/s at %.1f µs each",
+            per_s.("hook_ns") / 1000, per_s.("marks"), each_us.("mark_ns", "marks"))
+jit_keys = result["windows"].flat_map { |w| w["jit"].keys }.uniq
+jit_keys.each do |k|
+  puts format("  %s a window: untracked %s, tracked %s", k, median.(by_tool["none"].map { |w| w["jit"][k] }),
+              median.(tracked.map { |w| w["jit"][k] }))
+end
