@@ -2,7 +2,7 @@
 
 # What sampled allocation tracking costs (issue 38), beside memory_profiler and stackprof's
 # object mode on the same allocation-heavy workload, each run in a Ruby of its own:
-# - the fixed cost per allocation (tracking at a rate that never samples: the poller, and
+# - the fixed cost per allocation (tracking at a rate that never samples: the timer's jobs, and
 #   before Ruby 3.3 the GC_END_MARK hook's slow allocation path);
 # - the cost per sampled allocation (rate 1: every allocation sampled, less the fixed cost);
 # - the slowdown of the workload at several rates, the default among them;

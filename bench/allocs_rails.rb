@@ -7,7 +7,7 @@
 # 32 KiB, and, where Debian has them for this Ruby, stackprof's object mode (every
 # allocation, and interval 1000) and memory_profiler. The windows of one round run in a
 # shuffled order; each figure is the median over rounds of the process's CPU time per request
-# (CLOCK_PROCESS_CPUTIME_ID: our poller thread included), which a shared machine's other work
+# (CLOCK_PROCESS_CPUTIME_ID: the tracker's signal handler and jobs included), which a shared machine's other work
 # reaches less than wall time.
 #
 #   rake compile && ruby bench/allocs_rails.rb [ROUNDS] [REQUESTS]        # Rails 6.1, Ruby 3.1

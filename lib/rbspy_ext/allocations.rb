@@ -16,8 +16,8 @@ module RubySpy
     # The rate for {ENV_ALLOCATIONS}, in bytes (default {DEFAULT_RATE}).
     ENV_RATE = "RUBYSPY_ALLOCATION_RATE"
 
-    # A forked child's tracking needs a poller thread of its own (the parent's is not
-    # copied): +Process._fork+ (Ruby 3.1+) gives it one.
+    # A forked child's tracking needs a timer of its own (the parent's is not inherited):
+    # +Process._fork+ (Ruby 3.1+) gives it one.
     module ForkHook
       # @api private
       def _fork

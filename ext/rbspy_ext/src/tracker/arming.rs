@@ -2,34 +2,42 @@
 //!
 //! Any NEWOBJ hook sends every allocation down Ruby's slow path and through its hook call:
 //! about 100 ns each here, +51 % on bench/allocs.rb, whatever the hook does. So the hook is
-//! on only around a sample point. A native thread of ours (the poller) wakes, and asks Ruby
-//! to run a postponed job on whichever thread holds the GVL; the job reads how many objects
-//! were allocated (`GC.stat(:total_allocated_objects)`), turns them into bytes at the rate
-//! the hook last saw, and turns the hook on when the next sample point is due within a few
-//! hundred µs (more where the poller wakes late). The hook then counts every byte exactly
-//! up to the point, samples, and asks for a job that turns it off again when the next point
-//! is far. The poller sleeps most of the time the job expects the next point to take (from
+//! on only around a sample point. A timer asks Ruby to run a postponed job on whichever
+//! thread holds the GVL; the job reads how many objects were allocated
+//! (`GC.stat(:total_allocated_objects)`), turns them into bytes at the rate the hook last
+//! saw, and turns the hook on when the next sample point is due within a few hundred µs
+//! (more after points were missed). The hook then counts every byte exactly up to the point,
+//! samples, and asks for a job that turns it off again when the next point is far. The job
+//! sets the timer for most of the time it expects the next point to take (from
 //! [`MIN_DELAY_US`] to [`MAX_DELAY_US`]), so a point costs a few jobs, each a few µs.
 //!
-//! A point that passes while the hook is off (a burst faster than the poller) is owed, and
-//! paid by the points after it (sites.rs), so the totals stay unbiased and no one line is
-//! billed for the burst; the notes count them.
+//! Why a timer's signal and not a thread of ours: on a busy machine a thread that sleeps
+//! between polls is woken late, by many points, while the Ruby thread it watches runs on
+//! (a CI run with one core busy missed 359 points in a second this way). A POSIX timer
+//! expires in the kernel and signals the process at once; the signal interrupts the running
+//! Ruby thread (or another one of the process, which then only posts the job), so no thread
+//! of ours has to be scheduled. The handler only posts the job, which is async-signal-safe
+//! on every Ruby that can post from outside a Ruby thread. The signal is a real-time one
+//! nobody else handles, installed with `SA_RESTART` so that interrupted system calls go on.
 //!
-//! Which Rubies: the job is posted from a thread Ruby does not know, which
-//! `rb_postponed_job_trigger` (3.3+) and `rb_postponed_job_register_one` (3.0 to 3.2) allow;
-//! 2.7's needs a Ruby thread, so on 2.7 the hook stays on.
+//! A point that passes while the hook is off anyway (a long C call allocating with no
+//! interrupt check, where the job cannot run) is owed, and paid by the points after it
+//! (sites.rs), so the totals stay unbiased; the notes count them.
+//!
+//! Which Rubies: `rb_postponed_job_trigger` (3.3+) and `rb_postponed_job_register_one`
+//! (3.0 to 3.2) may be called from any thread; 2.7's needs a Ruby thread, so on 2.7 the hook
+//! stays on.
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, Ordering};
+use std::sync::OnceLock;
+use std::time::Instant;
 
 /// A point due within `Arm::ahead_us` turns the hook on: from this long...
 const MIN_AHEAD_US: f64 = 200.0;
 /// ...to this.
 const MAX_AHEAD_US: f64 = 5_000.0;
 const MIN_DELAY_US: u64 = 100;
-const MAX_DELAY_US: u64 = 10_000;
+const MAX_DELAY_US: u64 = 2_000;
 
 type Job = unsafe extern "C" fn(*mut c_void);
 type Preregister = unsafe extern "C" fn(u32, Job, *mut c_void) -> u32;
@@ -46,14 +54,12 @@ enum Post {
 }
 
 static POST: OnceLock<Option<Post>> = OnceLock::new();
-/// Bumped to stop the poller; a poller runs while its generation is current.
-static GENERATION: AtomicU64 = AtomicU64::new(0);
-static DELAY_US: AtomicU64 = AtomicU64::new(MAX_DELAY_US);
-static POLLER: Mutex<Option<JoinHandle<()>>> = Mutex::new(None);
-/// The poller's thread, to wake it when its sleep should end sooner.
-static POLLER_THREAD: Mutex<Option<std::thread::Thread>> = Mutex::new(None);
-/// Set with a shorter delay: the poller, woken, sleeps again for the new one.
-static RESCHEDULED: AtomicBool = AtomicBool::new(false);
+/// The timer (a `timer_t`, which glibc gives as the kernel's small id), -1 when none.
+static TIMER: AtomicI64 = AtomicI64::new(-1);
+/// The signal the timer sends, once a handler is installed for it (0: none).
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
+/// Whether a signal posts the job: false once tracking stops, for a signal still pending.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
 
 fn symbol(name: &std::ffi::CStr) -> *mut c_void {
     // SAFETY: dlsym on the global namespace with a NUL-terminated name.
@@ -103,67 +109,110 @@ pub(super) fn post() {
     }
 }
 
-/// How long the poller sleeps from now (it is woken if asleep for longer).
-pub(super) fn set_delay(us: u64) {
-    let us = us.clamp(MIN_DELAY_US, MAX_DELAY_US);
-    let before = DELAY_US.swap(us, Ordering::Relaxed);
-    if us < before {
-        if let Some(thread) = POLLER_THREAD
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
-            RESCHEDULED.store(true, Ordering::SeqCst);
-            thread.unpark();
+/// The timer's signal: posts the job. Only async-signal-safe calls: an atomic load, and
+/// Ruby's posting, which sets a flag and an interrupt.
+extern "C" fn on_signal(_signal: libc::c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
+    // SAFETY: errno of this thread, saved and restored around the handler.
+    let errno = unsafe { *libc::__errno_location() };
+    if ACTIVE.load(Ordering::Relaxed) {
+        super::stats::STATS.wakes.fetch_add(1, Ordering::Relaxed);
+        post();
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// The highest real-time signal nobody handles, with our handler installed (once: it stays,
+/// since a pending real-time signal with no handler would end the process); None when every
+/// one is taken.
+fn signal() -> Option<libc::c_int> {
+    let installed = SIGNAL.load(Ordering::Acquire);
+    if installed != 0 {
+        return Some(installed);
+    }
+    for signal in (libc::SIGRTMIN()..=libc::SIGRTMAX()).rev() {
+        // SAFETY: queries, then sets, one signal's action with zeroed, then filled, structs.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut old) != 0
+                || old.sa_sigaction != libc::SIG_DFL
+            {
+                continue;
+            }
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as *const () as usize;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            if libc::sigaction(signal, &action, std::ptr::null_mut()) == 0 {
+                SIGNAL.store(signal, Ordering::Release);
+                return Some(signal);
+            }
         }
     }
+    None
 }
 
-/// Starts a poller (stopping any earlier one first).
-pub(super) fn start_poller() {
-    stop_poller();
+/// Sets the timer to expire once, `us` from now (clamped), when one runs.
+pub(super) fn set_delay(us: u64) {
+    let us = us.clamp(MIN_DELAY_US, MAX_DELAY_US);
+    let timer = TIMER.load(Ordering::Acquire);
+    if timer < 0 {
+        return;
+    }
+    let value = libc::itimerspec {
+        it_interval: libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        },
+        it_value: libc::timespec {
+            tv_sec: (us / 1_000_000) as libc::time_t,
+            tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
+        },
+    };
+    // SAFETY: our timer, a filled itimerspec.
+    unsafe { libc::timer_settime(timer as libc::timer_t, 0, &value, std::ptr::null_mut()) };
+}
+
+/// Starts the timer (deleting any earlier one first); false when none could be made (no free
+/// real-time signal), and the hook must then stay on.
+pub(super) fn start_timer() -> bool {
+    stop_timer();
+    let Some(signal) = signal() else {
+        return false;
+    };
+    // SAFETY: a zeroed sigevent filled for a signal to the process; glibc writes the id.
+    let made = unsafe {
+        let mut event: libc::sigevent = std::mem::zeroed();
+        event.sigev_notify = libc::SIGEV_SIGNAL;
+        event.sigev_signo = signal;
+        let mut timer: libc::timer_t = std::ptr::null_mut();
+        (libc::timer_create(libc::CLOCK_MONOTONIC, &mut event, &mut timer) == 0)
+            .then_some(timer as i64)
+    };
+    let Some(timer) = made else {
+        return false;
+    };
+    TIMER.store(timer, Ordering::Release);
+    ACTIVE.store(true, Ordering::Release);
     // The first job, soon, measures the rate.
     set_delay(MIN_DELAY_US);
-    let generation = GENERATION.load(Ordering::SeqCst);
-    let thread = std::thread::Builder::new()
-        .name("rbspy-allocs".into())
-        .spawn(move || loop {
-            // Parked, not asleep: `stop_poller` wakes it at once.
-            std::thread::park_timeout(Duration::from_micros(DELAY_US.load(Ordering::Relaxed)));
-            if GENERATION.load(Ordering::SeqCst) != generation {
-                return;
-            }
-            if !RESCHEDULED.swap(false, Ordering::SeqCst) {
-                super::stats::STATS.wakes.fetch_add(1, Ordering::Relaxed);
-                post();
-            }
-        });
-    if let Ok(thread) = thread {
-        *POLLER_THREAD.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread.thread().clone());
-        *POLLER.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
-    }
+    true
 }
 
-/// In a forked child: the poller thread was not copied, so its handle is dropped unjoined.
-pub(super) fn forget_poller() {
-    GENERATION.fetch_add(1, Ordering::SeqCst);
-    POLLER_THREAD
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
-    if let Some(thread) = POLLER.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        std::mem::forget(thread);
-    }
+/// In a forked child: the parent's timer is not inherited, so only our note of it goes.
+pub(super) fn forget_timer() {
+    ACTIVE.store(false, Ordering::Release);
+    TIMER.store(-1, Ordering::Release);
 }
 
-/// Stops the poller and waits for it: after this no job is posted, so it is safe before
-/// Ruby tears the VM down.
-pub(super) fn stop_poller() {
-    GENERATION.fetch_add(1, Ordering::SeqCst);
-    let thread = POLLER.lock().unwrap_or_else(|p| p.into_inner()).take();
-    if let Some(thread) = thread {
-        thread.thread().unpark();
-        let _ = thread.join();
+/// Stops the timer: after this no job is posted by it (a signal already pending finds
+/// `ACTIVE` false), so it is safe before Ruby tears the VM down.
+pub(super) fn stop_timer() {
+    ACTIVE.store(false, Ordering::Release);
+    let timer = TIMER.swap(-1, Ordering::AcqRel);
+    if timer >= 0 {
+        // SAFETY: our timer, deleted once (the swap took it).
+        unsafe { libc::timer_delete(timer as libc::timer_t) };
     }
 }
 
@@ -175,7 +224,7 @@ pub(super) struct Arm {
     /// The hook found the next point far: the job turns it off.
     off_wanted: bool,
     /// A point due within this long turns the hook on: it grows after a point was missed,
-    /// and shrinks while none is, so it follows how late this machine wakes the poller.
+    /// and shrinks while none is, so it follows how late this machine runs the job.
     ahead_us: f64,
     /// A point within this many bytes turns the hook on, and keeps it on.
     within: i64,
@@ -277,8 +326,6 @@ impl Arm {
         } else {
             ((until_sample as f64 / bytes_per_us - self.ahead_us) * 0.8) as u64
         };
-        // A shorter delay wakes the poller (it may be asleep for the old one): waking it
-        // costs a context switch, but sleeping on would miss the point.
         set_delay(delay);
         change
     }

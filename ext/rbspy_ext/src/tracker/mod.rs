@@ -83,7 +83,7 @@ unsafe extern "C" fn on_newobj(tracepoint: VALUE, _data: *mut c_void) {
         return;
     }
     let call = STATS.hook_calls.fetch_add(1, Relaxed);
-    let timed = (call % HOOK_TIMED_EVERY == 0).then(Instant::now);
+    let timed = call.is_multiple_of(HOOK_TIMED_EVERY).then(Instant::now);
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: called by Ruby with our NEWOBJ tracepoint, inside its hook.
         let object =
@@ -118,7 +118,9 @@ unsafe extern "C" fn on_end_mark(_tracepoint: VALUE, _data: *mut c_void) {
         }
     });
     STATS.marks.fetch_add(1, Relaxed);
-    STATS.mark_ns.fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
+    STATS
+        .mark_ns
+        .fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
 }
 
 /// Work a native thread (the listener's) hands the postponed job.
@@ -187,7 +189,9 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
         publish::when_due(changes);
     });
     STATS.jobs.fetch_add(1, Relaxed);
-    STATS.job_ns.fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
+    STATS
+        .job_ns
+        .fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
 }
 
 /// Turns a tracepoint of ours on or off (with the GVL, outside any hook).
@@ -238,7 +242,7 @@ fn tracepoint_values() -> MutexGuard<'static, Option<(usize, usize)>> {
 }
 
 /// The hidden root whose mark and compaction functions are the tracker's, and the two
-/// tracepoints, made once and kept alive for good; and the end proc that stops the poller
+/// tracepoints, made once and kept alive for good; and the end proc that stops the timer
 /// before Ruby tears the VM down.
 fn tracepoints() -> (VALUE, VALUE) {
     let mut made = tracepoint_values();
@@ -269,7 +273,7 @@ fn tracepoints() -> (VALUE, VALUE) {
 }
 
 unsafe extern "C" fn at_exit(_data: VALUE) {
-    arming::stop_poller();
+    arming::stop_timer();
 }
 
 /// Starts tracking anew at `rate_bytes` (at least 1) in Ruby `version`: what an earlier run
@@ -277,8 +281,10 @@ unsafe extern "C" fn at_exit(_data: VALUE) {
 pub(crate) fn start(rate_bytes: u64, version: &str) {
     stop();
     let (new, end_mark) = tracepoints();
-    let posts = arming::prepare(poll);
-    let always = rate_bytes <= 1 || !posts;
+    // With no timer (2.7 cannot post from a signal on any thread; no free signal) the hook
+    // stays on. At rate 1 it stays on anyway, and the timer's jobs publish the live set.
+    let timed = arming::prepare(poll) && arming::start_timer();
+    let always = rate_bytes <= 1 || !timed;
     let marks = MarkBits::for_version(version);
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
@@ -290,15 +296,11 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     switch(end_mark, marks.is_some().then_some(true));
     // On from the start, always or until the first point (see `Arm::new`).
     switch(new, Some(true));
-    // With the hook always on (rate 1), the job still publishes the live set.
-    if posts {
-        arming::start_poller();
-    }
 }
 
 /// Stops tracking; what was counted stays for `copy`.
 pub(crate) fn stop() {
-    arming::stop_poller();
+    arming::stop_timer();
     if let Some((new, end_mark)) = *tracepoint_values() {
         // SAFETY: our tracepoints.
         unsafe {
@@ -321,13 +323,13 @@ pub(crate) fn stop() {
     }
 }
 
-/// In a forked child (a Puma worker): the poller is the parent's, so the child starts its
-/// own. Called from `Process._fork` (lib/rbspy_ext/allocations.rb).
+/// In a forked child (a Puma worker): timers are not inherited, so the child makes its own.
+/// Called from `Process._fork` (lib/rbspy_ext/allocations.rb).
 pub(crate) fn after_fork() {
-    arming::forget_poller();
-    let polled = tracker().as_ref().is_some_and(|t| t.running);
-    if polled && prepare() {
-        arming::start_poller();
+    arming::forget_timer();
+    let running = tracker().as_ref().is_some_and(|t| t.running);
+    if running && prepare() {
+        arming::start_timer();
     }
 }
 
