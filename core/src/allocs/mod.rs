@@ -83,6 +83,14 @@ impl SiteCounts {
         self.live_weighted_bytes += w * size as f64 * n as f64;
     }
 
+    /// Counts nothing as alive (before the live ones are counted again).
+    pub fn clear_live(&mut self) {
+        self.live_samples = 0;
+        self.live_bytes = 0;
+        self.live_weight = 0.0;
+        self.live_weighted_bytes = 0.0;
+    }
+
     /// Takes one sampled object of `size` bytes out of the live ones (the GC freed it).
     pub fn free(&mut self, size: u64, rate_bytes: u64) {
         if self.live_samples == 0 {

@@ -1,9 +1,16 @@
 //! The sampled objects still alive, keyed by address and held weakly (never marked).
 //!
-//! Liveness is read from the GC's mark bits at the end of each marking (the GC_END_MARK
-//! hook), before the sweep frees anything: a sampled object is alive when it is marked. A
-//! FREEOBJ hook would tell the same, but any FREEOBJ hook costs Ruby a call on every object
-//! it frees (+42 % on bench/allocs.rb); one call per GC costs nothing.
+//! Two ways to know which are alive, by how the tracker samples (mod.rs):
+//! - Sampling (a rate above 1, with a timer): each sampled object is put in an
+//!   `ObjectSpace::WeakMap` under its sample's id by the postponed job right after the
+//!   sample, and looked up there when a snapshot is made (weak.rs). No GC hook is on: before
+//!   Ruby 3.3 any internal GC hook sends every allocation down the slow path (+6 % of CPU on
+//!   a request loop on 3.1), and one per sample is all this costs.
+//! - Every allocation (rate 1, or 2.7 with no timer): a million weak-map entries would cost
+//!   more than the allocations, so liveness is read from the GC's mark bits at the end of
+//!   each marking (the GC_END_MARK hook), before the sweep frees anything: a sampled object
+//!   is alive when it is marked. A FREEOBJ hook would tell the same, but any FREEOBJ hook
+//!   costs Ruby a call on every object it frees (+42 % on bench/allocs.rb).
 //!
 //! The check reads this process's memory directly while it can be sure every tracked
 //! address is in a heap page: when it saw the end of every GC's marking since the objects
@@ -17,14 +24,17 @@ use rustc_hash::FxHashMap as HashMap;
 /// Bits of the filter (128 KiB).
 const FILTER_BITS: usize = 1 << 20;
 
-/// A sampled object: its site, slot bytes, built-in type, and how many samples it is
-/// (more than one when it paid for points that passed unseen).
+/// A sampled object: its site, slot bytes, built-in type, how many samples it is (more than
+/// one when it paid for points that passed unseen), its sample's id (its weak-map key) and
+/// `rb_gc_count()` when it was sampled (it is in use once a GC after that kept it).
 #[derive(Clone, Copy)]
 pub(super) struct Entry {
     pub site: u32,
     pub size: u32,
     pub type_id: u8,
     pub times: u32,
+    pub id: u64,
+    pub gc: u64,
 }
 
 pub(super) struct LiveSet {
@@ -61,6 +71,30 @@ impl LiveSet {
             set_bit(&mut self.maybe_live, object);
         }
         old
+    }
+
+    /// Every entry, by address.
+    pub fn entries(&self) -> impl Iterator<Item = (&VALUE, &Entry)> {
+        self.objects.iter()
+    }
+
+    /// Keeps the entries `current` finds alive, each under the address it gives (an object
+    /// `GC.compact` moved has a new one), and hands the others to `dead`.
+    pub fn follow(
+        &mut self,
+        mut current: impl FnMut(&Entry) -> Option<VALUE>,
+        mut dead: impl FnMut(Entry),
+    ) {
+        let entries: Vec<(VALUE, Entry)> = self.objects.drain().collect();
+        for (_, entry) in entries {
+            match current(&entry) {
+                Some(object) => {
+                    self.objects.insert(object, entry);
+                }
+                None => dead(entry),
+            }
+        }
+        self.rebuild_filter();
     }
 
     /// Every object tracked: (address, site, slot bytes, samples).
@@ -147,6 +181,14 @@ fn set_bit(bits: &mut [u64], object: VALUE) {
 /// The filter bit of an address (slots are at least 40 bytes apart).
 fn filter_bit(object: VALUE) -> usize {
     ((object >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 44) as usize % FILTER_BITS
+}
+
+/// Whether the slot at `object` still holds an object of this class word and type: read
+/// through `process_vm_readv`, since a GC may have freed its page.
+pub(super) fn same_header(object: VALUE, klass: VALUE, type_id: u8) -> bool {
+    let flags = read_word(object);
+    let word = read_word(object + 8);
+    matches!((flags, word), (Ok(f), Ok(k)) if (f & 0x1f) as u8 == type_id && k == klass)
 }
 
 /// 8 bytes of this process, or `Unreadable` where nothing is mapped.

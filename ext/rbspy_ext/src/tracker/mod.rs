@@ -29,6 +29,7 @@ mod live;
 mod publish;
 mod sites;
 mod stats;
+mod weak;
 
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
@@ -179,6 +180,7 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             let missed = t.replay_missed();
             (t.arm.decide(t.until_sample, missed), t.changes)
         };
+        register_pending();
         // Outside the lock: enabling allocates, which may run a GC and its hook.
         if let Some((new, _)) = *tracepoint_values() {
             switch(new as VALUE, change);
@@ -192,6 +194,42 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
     STATS
         .job_ns
         .fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
+}
+
+/// Puts the objects sampled since the last job in the weak map (weak.rs), with the GVL and
+/// outside any hook: the hook itself may not call Ruby, and the object is whole only once
+/// its allocator returned. One a GC may have freed since (the GC count moved) is left out,
+/// and so found dead at the next check, unless its header is still the same. Then, when the live set has doubled since the last
+/// check, drops the dead ones, so that it does not grow with garbage between snapshots.
+fn register_pending() {
+    let (pending, check) = {
+        let mut guard = tracker();
+        let Some(t) = guard.as_mut().filter(|t| t.weak) else {
+            return;
+        };
+        let check = t.live.len() >= 2 * t.checked_len + 4096;
+        (std::mem::take(&mut t.pending), check)
+    };
+    if pending.is_empty() && !check {
+        return;
+    }
+    // SAFETY: reads the GC's count, with the GVL.
+    let count = unsafe { rb_sys::rb_gc_count() } as u64;
+    publish::QUIET.store(true, Relaxed);
+    for p in pending {
+        // After a GC, the same header at the address: the object survived it (a GC that
+        // freed it and gave the slot to an object of the same class and type, in the µs
+        // before the job, would be taken for it).
+        if p.gc == count || live::same_header(p.object, p.klass, p.type_id) {
+            weak::put(p.id, p.object);
+        }
+    }
+    publish::QUIET.store(false, Relaxed);
+    if check {
+        if let Some(t) = tracker().as_mut() {
+            t.follow_weak();
+        }
+    }
 }
 
 /// Turns a tracepoint of ours on or off (with the GVL, outside any hook).
@@ -285,10 +323,19 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     // stays on. At rate 1 it stays on anyway, and the timer's jobs publish the live set.
     let timed = arming::prepare(poll) && arming::start_timer();
     let always = rate_bytes <= 1 || !timed;
-    let marks = MarkBits::for_version(version);
+    // Sampling: liveness from the weak map, and no GC hook; every allocation: from the
+    // mark bits at the end of each marking (live.rs).
+    let marks = if always {
+        MarkBits::for_version(version)
+    } else {
+        None
+    };
+    if !always {
+        weak::renew();
+    }
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
-    let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total));
+    let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total), !always);
     *tracker() = Some(t);
     publish::reset();
     STATS.reset();
@@ -309,17 +356,30 @@ pub(crate) fn stop() {
         }
         STATS.switched(false);
     }
-    let stopped = tracker()
-        .as_mut()
-        .map(|t| std::mem::replace(&mut t.running, false));
+    // The counts stay as of this look: no marking or weak map is checked from now on (the
+    // addresses would go stale, and a compaction would follow freed ones).
+    register_pending();
+    // SAFETY: reads the GC's count, with the GVL.
+    let gc_count = unsafe { rb_sys::rb_gc_count() } as u64;
+    let stopped = tracker().as_mut().map(|t| {
+        if t.running {
+            if t.weak {
+                t.follow_weak();
+            }
+            let (sites, _) = t.in_use(gc_count);
+            for (site, counts) in t.sites.iter_mut().zip(sites) {
+                site.counts = counts;
+            }
+        }
+        std::mem::replace(&mut t.running, false)
+    });
     if stopped == Some(true) {
         // Readers outside see the run's last counts, and that it stopped.
         publish::now();
     }
-    // No marking is checked from now on: the addresses would go stale (and a compaction
-    // would follow freed ones). The counts stay, as of the last marking.
     if let Some(t) = tracker().as_mut() {
         t.live.clear();
+        t.pending.clear();
     }
 }
 
@@ -364,9 +424,25 @@ pub(crate) struct Copied {
 
 /// The tracker's counts, and with `live` its live samples, as of one moment.
 pub(crate) fn copy(live: bool) -> Option<Copied> {
-    let guard = tracker();
-    let t = guard.as_ref()?;
+    register_pending();
+    let mut guard = tracker();
+    let t = guard.as_mut()?;
+    if t.weak && t.running {
+        t.follow_weak();
+    }
+    // SAFETY: reads the GC's count, with the GVL.
+    let gc_count = unsafe { rb_sys::rb_gc_count() } as u64;
+    let (sites, unsettled) = match t.running {
+        true => t.in_use(gc_count),
+        // As `stop` left them.
+        false => (t.sites.iter().map(|s| s.counts.clone()).collect(), 0),
+    };
     let mut notes = Vec::new();
+    if unsettled > 0 {
+        notes.push(format!(
+            "{unsettled} samples taken since the last GC are counted as allocated, not yet as in use (Go's meaning: in use as of the last completed GC)"
+        ));
+    }
     if t.sites_full > 0 {
         notes.push(format!(
             "{} samples of new sites past {MAX_SITES} sites were not kept",
@@ -379,7 +455,7 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
             t.live_full
         ));
     }
-    if t.marks.is_none() {
+    if t.marks.is_none() && !t.weak {
         notes.push(
             "the heap's layout of this Ruby is not known: every sample is counted as in use".into(),
         );
@@ -397,8 +473,8 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
     Some(Copied {
         rate_bytes: t.rate_bytes,
         frames: t.frames.clone(),
-        sites: (t.sites.iter())
-            .map(|s| (s.counts.clone(), s.frames.clone(), s.klass, s.type_id))
+        sites: (t.sites.iter().zip(sites))
+            .map(|(s, counts)| (counts, s.frames.clone(), s.klass, s.type_id))
             .collect(),
         notes,
         start_unix_ns: t.start_unix_ns,

@@ -30,6 +30,16 @@ const OWED_SPREAD: u32 = 256;
 /// A slot's size before Ruby 3.2, which has one size of slot.
 const RVALUE_SIZE: u64 = 40;
 
+/// A sampled object the job has still to put in the weak map: its address, sample id, GC
+/// count when sampled, and its header's class word and type (to know it again after a GC).
+pub(super) struct Pending {
+    pub object: VALUE,
+    pub id: u64,
+    pub gc: u64,
+    pub klass: VALUE,
+    pub type_id: u8,
+}
+
 pub(super) struct Site {
     pub counts: SiteCounts,
     pub frames: Vec<u32>,
@@ -69,10 +79,17 @@ pub(super) struct Tracker {
     /// Samples taken and markings that freed some: whether there is anything new to
     /// publish (publish.rs).
     pub changes: u64,
+    /// Liveness from a weak map (live.rs): the samples the job has still to put there, as
+    /// (address, id), and the next sample's id.
+    pub weak: bool,
+    pub pending: Vec<Pending>,
+    pub next_id: u64,
+    /// The live set's size after the last weak-map check.
+    pub checked_len: usize,
 }
 
 impl Tracker {
-    pub fn new(rate_bytes: u64, marks: Option<MarkBits>, arm: Arm) -> Self {
+    pub fn new(rate_bytes: u64, marks: Option<MarkBits>, arm: Arm, weak: bool) -> Self {
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
@@ -103,6 +120,10 @@ impl Tracker {
             arm,
             owed: 0,
             changes: 0,
+            weak,
+            pending: Vec::new(),
+            next_id: 0,
+            checked_len: 0,
         };
         t.until_sample = t.next_interval();
         t
@@ -167,8 +188,10 @@ impl Tracker {
         let paid = self.owed.min(OWED_PER_POINT.max(self.owed / OWED_SPREAD));
         self.owed -= paid;
         self.sample(object, klass, type_id, size, 1 + paid);
-        // While points are owed the hook stays on: off, it could miss more of them.
-        self.owed == 0 && self.arm.far(self.until_sample)
+        // While points are owed the hook stays on: off, it could miss more of them. The job
+        // runs soon after any sample anyway, to put it in the weak map while it is whole.
+        let far = self.owed == 0 && self.arm.far(self.until_sample);
+        far || self.weak
     }
 
     /// The job, after `Arm::observe`: each point `until_sample` went past while the hook
@@ -185,6 +208,7 @@ impl Tracker {
 
     /// Counts the object `times` times (more than once for points owed to it).
     pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, times: u32) {
+        let raw_klass = klass;
         // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
         let n = unsafe {
             debug::rb_profile_frames(
@@ -235,15 +259,29 @@ impl Tracker {
         for _ in 0..times {
             self.sites[site as usize].counts.add(size, self.rate_bytes);
         }
+        let id = self.next_id;
+        self.next_id += 1;
         let entry = Entry {
             site,
             size: size as u32,
             type_id,
             times,
+            id,
+            // SAFETY: reads the GC's count.
+            gc: unsafe { rb_sys::rb_gc_count() } as u64,
         };
         if self.live.len() < MAX_LIVE {
             if let Some(old) = self.live.insert(object, entry) {
                 self.free(old);
+            }
+            if self.weak {
+                self.pending.push(Pending {
+                    object,
+                    id,
+                    gc: entry.gc,
+                    klass: raw_klass,
+                    type_id,
+                });
             }
         } else {
             self.live_full += 1;
@@ -270,6 +308,40 @@ impl Tracker {
         if self.live.len() != before {
             self.changes += 1;
         }
+    }
+}
+
+impl Tracker {
+    /// Drops every sampled object the weak map no longer holds (weak.rs: with the GVL,
+    /// outside any hook), and follows those `GC.compact` moved.
+    pub fn follow_weak(&mut self) {
+        let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        let before = self.live.len();
+        self.live
+            .follow(|e| super::weak::get(e.id), |e| free_entry(sites, e, rate));
+        if self.live.len() != before {
+            self.changes += 1;
+        }
+        self.checked_len = self.live.len();
+    }
+
+    /// Each site's counts with Go's meaning of in use: the sampled objects a completed GC
+    /// kept, those sampled before GC number `gc_count` started that are still here. Returns
+    /// them, and how many live samples are newer.
+    pub fn in_use(&self, gc_count: u64) -> (Vec<SiteCounts>, u64) {
+        let mut sites: Vec<SiteCounts> = self.sites.iter().map(|s| s.counts.clone()).collect();
+        for s in &mut sites {
+            s.clear_live();
+        }
+        let mut unsettled = 0;
+        for (_, e) in self.live.entries() {
+            if e.gc < gc_count {
+                sites[e.site as usize].add_live(e.size as u64, self.rate_bytes, e.times as u64);
+            } else {
+                unsettled += e.times as u64;
+            }
+        }
+        (sites, unsettled)
     }
 }
 
