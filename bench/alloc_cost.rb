@@ -17,8 +17,10 @@
 #   rake compile && ruby bench/alloc_cost.rb [loop|request] [ROUNDS] [WINDOW_SECONDS]
 #   TARGET_RUBY="/opt/srcrubies/4.0/bin/ruby --yjit" ruby bench/alloc_cost.rb request
 #
-# Defaults: request, 7 rounds, 1 s windows. RATE=32768 tracks at another rate. Each figure
-# is the median over rounds, with the spread (lowest and highest) beside it.
+# Defaults: request, 7 rounds, 1 s windows, tracking as `RubySpy.track_allocations` does
+# (512 KiB, at most 100 samples a second). RATE=524288 tracks at a rate given (no cap),
+# CAP=0 or CAP=1000 sets the cap. Each figure is the median over rounds, with the spread
+# (lowest and highest) beside it.
 require "json"
 require "open3"
 require_relative "support"
@@ -33,7 +35,8 @@ RUN = <<~'RUBY'
   require "rbspy_ext"
   require "erb"
   require "json"
-  rate = Integer(ENV.fetch("RATE"))
+  options = ENV["RATE"].to_s.empty? ? {} : { rate: Integer(ENV["RATE"]) }
+  options[:max_samples_per_second] = Integer(ENV["CAP"]) unless ENV["CAP"].to_s.empty?
   rounds = Integer(ENV.fetch("ROUNDS"))
   window = Float(ENV.fetch("WINDOW"))
 
@@ -92,7 +95,7 @@ RUN = <<~'RUBY'
   rounds.times do
     %w[none tracked].shuffle.each do |tool|
       GC.start
-      RubySpy.track_allocations(rate: rate) if tool == "tracked"
+      RubySpy.track_allocations(**options) if tool == "tracked"
       before_jit = jit.()
       t = cpu.()
       n.times { unit.() }
@@ -108,8 +111,8 @@ RUN = <<~'RUBY'
   puts JSON.generate(ruby: RUBY_DESCRIPTION, units: n, per_unit: per_unit, windows: windows)
 RUBY
 
-env = { "ROOT" => File.expand_path("..", __dir__), "RATE" => ENV.fetch("RATE", "524288"), "ROUNDS" => rounds.to_s,
-        "WINDOW" => window.to_s, "WORKLOAD" => workload }
+env = { "ROOT" => File.expand_path("..", __dir__), "RATE" => ENV.fetch("RATE", ""), "CAP" => ENV.fetch("CAP", ""),
+        "ROUNDS" => rounds.to_s, "WINDOW" => window.to_s, "WORKLOAD" => workload }
 out, err, status = Open3.capture3(env, *target_ruby, "-e", RUN)
 abort "the workload failed: #{err}" unless status.success?
 result = JSON.parse(out.lines.last)
@@ -122,8 +125,9 @@ tracked = by_tool["tracked"]
 # Each round's tracked window against the median untracked one.
 cost = tracked.map { |w| 100.0 * (w["cpu"] / median.(none) - 1) }
 puts result["ruby"]
-puts format("%s: %d units a window (%.0f objects each), rate %s, %d rounds", workload, result["units"],
-            result["per_unit"], env["RATE"], rounds)
+puts format("%s: %d units a window (%.0f objects each), rate %s, cap %s, %d rounds", workload, result["units"],
+            result["per_unit"], env["RATE"].empty? ? "default" : env["RATE"],
+            env["CAP"].empty? ? "default" : env["CAP"], rounds)
 puts format("  CPU a window: untracked %.3f s, tracked %.3f s: %+.1f %% (spread %s)", median.(none),
             median.(tracked.map { |w| w["cpu"] }), median.(cost), spread.(cost))
 per_s = ->(key) { median.(tracked.map { |w| w["stats"][key] / w["stats"]["seconds"] }) }
@@ -132,9 +136,11 @@ each_us = lambda do |ns, count|
 end
 armed = median.(tracked.map { |w| 100.0 * w["stats"]["armed_ns"] / (w["stats"]["seconds"] * 1e9) })
 puts format("  samples %.0f/s; slow-path allocations (hook calls) %.0f/s; hook on %.1f %% of the time, " \
-            "turned on %.0f/s", per_s.("samples"), per_s.("hook_calls"), armed, per_s.("arms"))
-puts format("  wake-ups %.0f/s; jobs %.0f/s at %.1f µs each", per_s.("wakes"), per_s.("jobs"),
-            each_us.("job_ns", "jobs"))
+            "turned on %.0f/s (%.1f µs a turn on and off)", per_s.("samples"), per_s.("hook_calls"), armed,
+            per_s.("arms"), each_us.("switch_ns", "arms"))
+puts format("  wake-ups %.0f/s; jobs %.0f/s at %.1f µs each; publications %.1f/s at %.0f µs each",
+            per_s.("wakes"), per_s.("jobs"), each_us.("job_ns", "jobs"), per_s.("publishes"),
+            each_us.("publish_ns", "publishes"))
 puts format("  inside the NEWOBJ hook %.0f µs/s; GC_END_MARK %.1f calls/s at %.1f µs each",
             per_s.("hook_ns") / 1000, per_s.("marks"), each_us.("mark_ns", "marks"))
 jit_keys = result["windows"].flat_map { |w| w["jit"].keys }.uniq

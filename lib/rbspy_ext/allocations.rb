@@ -11,6 +11,9 @@ module RubySpy
   class Allocations
     # Go's MemProfileRate: one sample every 512 KiB allocated, on average.
     DEFAULT_RATE = 512 * 1024
+    # At the default rate, samples a second at most: a heavy allocator's samples then stand
+    # for more bytes each (and weigh what they stand for), so its cost stays bounded.
+    DEFAULT_MAX_SAMPLES_PER_SECOND = 100
     # "1" tracks allocations from the moment the gem loads ({RubySpy.track_allocations_from_env}).
     ENV_ALLOCATIONS = "RUBYSPY_ALLOCATIONS"
     # The rate for {ENV_ALLOCATIONS}, in bytes (default {DEFAULT_RATE}).
@@ -125,18 +128,32 @@ module RubySpy
     #
     # Before Ruby 4.0 only the Ractor that starts tracking is tracked (Ruby keeps such hooks
     # per Ractor); from 4.0 every Ractor's allocations are.
+    #
+    # At the default rate samples are capped at
+    # {Allocations::DEFAULT_MAX_SAMPLES_PER_SECOND} a second: past it, each sample stands for
+    # more bytes (and weighs what it stood for), so the estimates stay unbiased and a heavy
+    # allocator pays no more; what is given up is precision on small sites. A rate given
+    # explicitly is kept unless +max_samples_per_second+ is given too.
     # @param rate [Integer] mean bytes between samples; 1 samples every allocation
+    # @param max_samples_per_second [Integer, nil] the cap (0: none); nil: the default cap at
+    #   the default rate, none at a rate given
     # @return [RubySpy::Allocations, nil] with a block, its allocations; nil without one
-    # @raise [ArgumentError] for a rate below 1
-    # @raise [TypeError] for a rate that is not an Integer
+    # @raise [ArgumentError] for a rate below 1 or a negative cap
+    # @raise [TypeError] for a rate or cap that is not an Integer
     # @example
     #   sites = RubySpy.track_allocations(rate: 1) { import_all }.sites
     #   sites.first(5).each { |s| puts "#{s[:live]} #{s[:class]} at #{s[:frames].first}" }
-    def track_allocations(rate: Allocations::DEFAULT_RATE)
+    def track_allocations(rate: nil, max_samples_per_second: nil)
+      cap = max_samples_per_second || (rate ? 0 : Allocations::DEFAULT_MAX_SAMPLES_PER_SECOND)
+      rate ||= Allocations::DEFAULT_RATE
       raise TypeError, "rate must be an Integer number of bytes, got #{rate.class}" unless rate.is_a?(Integer)
       raise ArgumentError, "rate must be at least 1 byte (1: every allocation), got #{rate}" if rate < 1
+      unless cap.is_a?(Integer)
+        raise TypeError, "max_samples_per_second must be an Integer (0: no cap), got #{cap.class}"
+      end
+      raise ArgumentError, "max_samples_per_second must be 0 (no cap) or more, got #{cap}" if cap.negative?
 
-      NativeAllocations.start(rate)
+      NativeAllocations.start(rate, cap)
       Allocations.follow_forks
       return nil unless block_given?
 
@@ -160,8 +177,7 @@ module RubySpy
       return false if NativeAllocations.tracking?
 
       text = env[Allocations::ENV_RATE].to_s.strip
-      rate = text.empty? ? Allocations::DEFAULT_RATE : Integer(text, 10)
-      track_allocations(rate: rate)
+      track_allocations(rate: text.empty? ? nil : Integer(text, 10))
       true
     rescue ArgumentError, TypeError => e
       warn "rbspy_ext: #{Allocations::ENV_RATE}=#{text}: not tracking allocations: #{e.message}"
@@ -169,7 +185,8 @@ module RubySpy
     end
 
     # What the tracking so far counted (also after it stopped), nil when it never ran. What
-    # is in use is as of the last GC (its marking tells which sampled objects live).
+    # is in use is as of the last completed GC, as in Go: the sampled objects it kept;
+    # those allocated since are counted as allocated only (a note says how many).
     # @param gc [Boolean] run a full GC first (and check it), as Go's `/debug/pprof/heap?gc=1`
     # @return [RubySpy::Allocations, nil]
     def allocations(gc: false)

@@ -8,8 +8,8 @@
 //! saw, and turns the hook on when the next sample point is due within a few hundred µs
 //! (more after points were missed). The hook then counts every byte exactly up to the point,
 //! samples, and asks for a job that turns it off again when the next point is far. The job
-//! sets the timer for most of the time it expects the next point to take (from
-//! [`MIN_DELAY_US`] to [`MAX_DELAY_US`]), so a point costs a few jobs, each a few µs.
+//! sets the timer's period to most of the time it expects the next point to take (from
+//! [`MIN_DELAY_US`] to [`MAX_DELAY_US`]), so a point costs a few jobs, each about a µs.
 //!
 //! Why a timer's signal and not a thread of ours: on a busy machine a thread that sleeps
 //! between polls is woken late, by many points, while the Ruby thread it watches runs on
@@ -28,7 +28,7 @@
 //! (3.0 to 3.2) may be called from any thread; 2.7's needs a Ruby thread, so on 2.7 the hook
 //! stays on.
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -60,6 +60,8 @@ static TIMER: AtomicI64 = AtomicI64::new(-1);
 static SIGNAL: AtomicI32 = AtomicI32::new(0);
 /// Whether a signal posts the job: false once tracking stops, for a signal still pending.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// The timer's period (0: not set).
+static PERIOD_US: AtomicU64 = AtomicU64::new(0);
 
 fn symbol(name: &std::ffi::CStr) -> *mut c_void {
     // SAFETY: dlsym on the global namespace with a NUL-terminated name.
@@ -152,22 +154,27 @@ fn signal() -> Option<libc::c_int> {
     None
 }
 
-/// Sets the timer to expire once, `us` from now (clamped), when one runs.
+/// Wants the next job within `us` (clamped), when a timer runs. The timer is periodic, its
+/// period a power of two times [`MIN_DELAY_US`], and set again only when it is longer than
+/// `us` or less than a quarter of it: `timer_settime` costs about 10 µs in this machine's VM,
+/// more than the job itself, and a job that comes early costs about 1 µs.
 pub(super) fn set_delay(us: u64) {
     let us = us.clamp(MIN_DELAY_US, MAX_DELAY_US);
     let timer = TIMER.load(Ordering::Acquire);
-    if timer < 0 {
+    let period = PERIOD_US.load(Ordering::Relaxed);
+    if timer < 0 || (period <= us && period * 4 >= us) {
         return;
     }
+    // The largest power-of-two multiple of the shortest period within `us`.
+    let us = MIN_DELAY_US << (us / MIN_DELAY_US).ilog2();
+    PERIOD_US.store(us, Ordering::Relaxed);
+    let span = libc::timespec {
+        tv_sec: (us / 1_000_000) as libc::time_t,
+        tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
+    };
     let value = libc::itimerspec {
-        it_interval: libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        },
-        it_value: libc::timespec {
-            tv_sec: (us / 1_000_000) as libc::time_t,
-            tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
-        },
+        it_interval: span,
+        it_value: span,
     };
     // SAFETY: our timer, a filled itimerspec.
     unsafe { libc::timer_settime(timer as libc::timer_t, 0, &value, std::ptr::null_mut()) };
@@ -193,6 +200,7 @@ pub(super) fn start_timer() -> bool {
         return false;
     };
     TIMER.store(timer, Ordering::Release);
+    PERIOD_US.store(0, Ordering::Relaxed);
     ACTIVE.store(true, Ordering::Release);
     // The first job, soon, measures the rate.
     set_delay(MIN_DELAY_US);
@@ -273,10 +281,10 @@ impl Arm {
         first
     }
 
-    /// The job, first: `total` objects were allocated so far. While the hook was off, the
-    /// bytes since the last job (at the rate the hook last saw) bring `until_sample` nearer
-    /// (past 0 when points were missed).
-    pub fn observe(&mut self, total: u64, until_sample: &mut i64) {
+    /// The job, first: `total` objects were allocated so far. Returns the bytes allocated
+    /// since the last job while the hook was off (at the bytes an allocation took while it
+    /// last watched), which bring the next point nearer (past it when points were missed).
+    pub fn observe(&mut self, total: u64) -> i64 {
         let now = Instant::now();
         let us = now.duration_since(self.at).as_secs_f64() * 1e6;
         self.at = now;
@@ -292,9 +300,15 @@ impl Arm {
             self.bytes_per_allocation = self.bytes_per_allocation * 0.5 + seen * 0.5;
         }
         (self.seen, self.seen_bytes) = (0, 0);
-        if !self.on {
-            *until_sample -= (allocated as f64 * self.bytes_per_allocation) as i64;
+        match self.on {
+            true => 0,
+            false => (allocated as f64 * self.bytes_per_allocation) as i64,
         }
+    }
+
+    /// Bytes the process allocates a second, lately (for the budget).
+    pub fn bytes_per_second(&self) -> f64 {
+        self.per_us * self.bytes_per_allocation * 1e6
     }
 
     /// The job, then: `missed` points passed while the hook was off (they are owed to the

@@ -33,6 +33,8 @@ pub(super) struct Entry {
     pub size: u32,
     pub type_id: u8,
     pub times: u32,
+    /// The rate its point was drawn with (its weight's).
+    pub rate: u64,
     pub id: u64,
     pub gc: u64,
 }

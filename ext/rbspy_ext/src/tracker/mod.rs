@@ -176,14 +176,20 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             let Some(t) = guard.as_mut().filter(|t| t.running) else {
                 return;
             };
-            t.arm.observe(total, &mut t.until_sample);
-            let missed = t.replay_missed();
-            (t.arm.decide(t.until_sample, missed), t.changes)
+            let unseen = t.arm.observe(total);
+            t.points.advance(unseen);
+            t.points.budget(t.arm.bytes_per_second());
+            let missed = t.points.replay_missed();
+            (t.arm.decide(t.points.until(), missed), t.changes)
         };
         register_pending();
         // Outside the lock: enabling allocates, which may run a GC and its hook.
         if let Some((new, _)) = *tracepoint_values() {
+            let at = Instant::now();
             switch(new as VALUE, change);
+            STATS
+                .switch_ns
+                .fetch_add(at.elapsed().as_nanos() as u64, Relaxed);
         }
         if let Some(on) = change {
             STATS.switched(on);
@@ -269,8 +275,8 @@ unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
 /// After `GC.compact` moved objects: the live set's keys follow them.
 unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
     if let Some(t) = tracker().as_mut().filter(|t| t.running) {
-        let (sites, rate) = (&mut t.sites, t.rate_bytes);
-        t.live.moved(|e| sites::free_entry(sites, e, rate));
+        let sites = &mut t.sites;
+        t.live.moved(|e| sites::free_entry(sites, e));
         t.changes += 1;
     }
 }
@@ -316,7 +322,7 @@ unsafe extern "C" fn at_exit(_data: VALUE) {
 
 /// Starts tracking anew at `rate_bytes` (at least 1) in Ruby `version`: what an earlier run
 /// counted is dropped.
-pub(crate) fn start(rate_bytes: u64, version: &str) {
+pub(crate) fn start(rate_bytes: u64, max_per_second: u64, version: &str) {
     stop();
     let (new, end_mark) = tracepoints();
     // With no timer (2.7 cannot post from a signal on any thread; no free signal) the hook
@@ -335,7 +341,8 @@ pub(crate) fn start(rate_bytes: u64, version: &str) {
     }
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
-    let t = Tracker::new(rate_bytes, marks, arming::Arm::new(always, total), !always);
+    let arm = arming::Arm::new(always, total);
+    let t = Tracker::new(rate_bytes, max_per_second, marks, arm, !always);
     *tracker() = Some(t);
     publish::reset();
     STATS.reset();
@@ -455,13 +462,20 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
             t.live_full
         ));
     }
+    if t.points.highest_rate() > t.rate_bytes {
+        notes.push(format!(
+            "samples were capped near {} a second: at times one sample stood for up to {} bytes (each weighs what it stood for)",
+            t.max_per_second,
+            t.points.highest_rate()
+        ));
+    }
     if t.marks.is_none() && !t.weak {
         notes.push(
             "the heap's layout of this Ruby is not known: every sample is counted as in use".into(),
         );
     }
     if t.arm.missed > 0 {
-        let unpaid = match t.owed {
+        let unpaid = match t.points.owed() {
             0 => String::new(),
             n => format!(" ({n} not yet)"),
         };

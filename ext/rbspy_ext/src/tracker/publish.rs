@@ -91,9 +91,14 @@ pub fn when_due(changes: u64) {
 /// Publishes now (with the GVL, outside any hook).
 pub fn now() {
     if let Some(f) = PUBLISHER.get() {
+        let at = Instant::now();
         QUIET.store(true, Ordering::Relaxed);
         f();
         QUIET.store(false, Ordering::Relaxed);
+        let stats = &super::stats::STATS;
+        stats.publishes.fetch_add(1, Ordering::Relaxed);
+        let ns = at.elapsed().as_nanos() as u64;
+        stats.publish_ns.fetch_add(ns, Ordering::Relaxed);
     }
 }
 

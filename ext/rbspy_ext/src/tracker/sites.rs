@@ -7,6 +7,7 @@ use super::debug;
 use super::live::{Entry, LiveSet};
 use rb_sys::VALUE;
 use rbspy_ext_core::allocs::marks::MarkBits;
+use rbspy_ext_core::allocs::points::{Points, Take};
 use rbspy_ext_core::allocs::SiteCounts;
 use rustc_hash::FxHashMap as HashMap;
 use std::ffi::c_void;
@@ -21,12 +22,6 @@ pub const MAX_LIVE: usize = 1 << 20;
 /// Built-in types that are no object a program sees (`flags & 0x1f`): T_NONE, T_IMEMO,
 /// T_NODE, T_ICLASS, T_ZOMBIE, T_MOVED. They are not counted towards samples either.
 const INTERNAL_TYPES: [u8; 6] = [0x00, 0x1a, 0x1b, 0x1c, 0x1d, 0x1e];
-/// A point missed while the hook was off is paid by a later point, which counts its object
-/// once more for it: each point pays one...
-const OWED_PER_POINT: u32 = 1;
-/// ...or, when much is owed, this fraction of it, so that a debt of any size is paid within
-/// a few thousand points.
-const OWED_SPREAD: u32 = 256;
 /// A slot's size before Ruby 3.2, which has one size of slot.
 const RVALUE_SIZE: u64 = 40;
 
@@ -50,9 +45,10 @@ pub(super) struct Site {
 /// Everything the hooks keep.
 pub(super) struct Tracker {
     pub rate_bytes: u64,
-    /// Bytes still to allocate before the next sample point.
-    pub until_sample: i64,
-    pub rng: u64,
+    /// The sample points and their weights (core's `allocs::points`), at most
+    /// `max_per_second` samples a second (0: no cap).
+    pub points: Points,
+    pub max_per_second: u64,
     /// (frame VALUE, line) of each distinct frame, and its index.
     pub frames: Vec<(VALUE, i32)>,
     pub frame_ids: HashMap<(VALUE, i32), u32>,
@@ -73,9 +69,6 @@ pub(super) struct Tracker {
     pub ids: Vec<u32>,
     pub slot_size: Option<unsafe extern "C" fn(VALUE) -> usize>,
     pub arm: Arm,
-    /// Points that passed while the hook was off, still to be paid by the points after them
-    /// (`allocated`, a few at each); the hook stays on until they are.
-    pub owed: u32,
     /// Samples taken and markings that freed some: whether there is anything new to
     /// publish (publish.rs).
     pub changes: u64,
@@ -89,15 +82,21 @@ pub(super) struct Tracker {
 }
 
 impl Tracker {
-    pub fn new(rate_bytes: u64, marks: Option<MarkBits>, arm: Arm, weak: bool) -> Self {
+    pub fn new(
+        rate_bytes: u64,
+        max_per_second: u64,
+        marks: Option<MarkBits>,
+        arm: Arm,
+        weak: bool,
+    ) -> Self {
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64)
             ^ (std::process::id() as u64) << 32;
-        let mut t = Tracker {
+        Tracker {
             rate_bytes: rate_bytes.max(1),
-            until_sample: 0,
-            rng: seed | 1,
+            points: Points::new(rate_bytes, max_per_second, seed),
+            max_per_second,
             frames: Vec::new(),
             frame_ids: HashMap::default(),
             sites: Vec::new(),
@@ -118,30 +117,12 @@ impl Tracker {
             ids: Vec::with_capacity(MAX_DEPTH),
             slot_size: slot_size_function(),
             arm,
-            owed: 0,
             changes: 0,
             weak,
             pending: Vec::new(),
             next_id: 0,
             checked_len: 0,
-        };
-        t.until_sample = t.next_interval();
-        t
-    }
-
-    /// Bytes until the next sample: exponential with the rate as mean (0 at rate 1, so every
-    /// allocation is sampled).
-    pub fn next_interval(&mut self) -> i64 {
-        if self.rate_bytes <= 1 {
-            return 0;
         }
-        // xorshift64*: a generator of our own, so the hook calls nothing it does not need.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        let bits = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11;
-        let u = (bits as f64 + 1.0) / (1u64 << 53) as f64; // (0, 1]
-        (-u.ln() * self.rate_bytes as f64).min(i64::MAX as f64 / 2.0) as i64
     }
 
     pub fn size_of(&self, object: VALUE) -> u64 {
@@ -175,39 +156,19 @@ impl Tracker {
         }
         let size = self.size_of(object);
         self.arm.seen_bytes += size;
-        self.until_sample -= size as i64;
-        if self.until_sample > 0 {
+        let Some(take) = self.points.counted(size) else {
             return false;
-        }
-        // One sample however many points the object spans: Go's weight counts on it.
-        self.until_sample = self.next_interval();
-        // Points missed in a burst are paid a few at a time by the points after it, so that
-        // the code allocating then stands for the burst, over about as many bytes as the
-        // burst took: all at one object, they billed a whole burst to whichever line
-        // happened to allocate next (+12 % on one of ten equal sites, in a CI run).
-        let paid = self.owed.min(OWED_PER_POINT.max(self.owed / OWED_SPREAD));
-        self.owed -= paid;
-        self.sample(object, klass, type_id, size, 1 + paid);
+        };
+        self.sample(object, klass, type_id, size, take);
         // While points are owed the hook stays on: off, it could miss more of them. The job
         // runs soon after any sample anyway, to put it in the weak map while it is whole.
-        let far = self.owed == 0 && self.arm.far(self.until_sample);
+        let far = self.points.owed() == 0 && self.arm.far(self.points.until());
         far || self.weak
     }
 
-    /// The job, after `Arm::observe`: each point `until_sample` went past while the hook
-    /// was off is owed to the points that follow. Returns how many.
-    pub fn replay_missed(&mut self) -> u64 {
-        let mut missed = 0;
-        while self.until_sample <= 0 && self.rate_bytes > 1 && missed < 1_000_000 {
-            missed += 1;
-            self.until_sample += self.next_interval().max(1);
-        }
-        self.owed = self.owed.saturating_add(missed as u32);
-        missed
-    }
-
-    /// Counts the object `times` times (more than once for points owed to it).
-    pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, times: u32) {
+    /// Counts the object as `take` says: at its rate, and more than once for points owed.
+    pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, take: Take) {
+        let times = take.times;
         let raw_klass = klass;
         // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
         let n = unsafe {
@@ -257,7 +218,7 @@ impl Tracker {
             .samples
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         for _ in 0..times {
-            self.sites[site as usize].counts.add(size, self.rate_bytes);
+            self.sites[site as usize].counts.add(size, take.rate);
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -266,6 +227,7 @@ impl Tracker {
             size: size as u32,
             type_id,
             times,
+            rate: take.rate,
             id,
             // SAFETY: reads the GC's count.
             gc: unsafe { rb_sys::rb_gc_count() } as u64,
@@ -291,7 +253,7 @@ impl Tracker {
 
     /// A sampled object is gone: its site's in-use counts drop it.
     pub fn free(&mut self, entry: Entry) {
-        free_entry(&mut self.sites, entry, self.rate_bytes);
+        free_entry(&mut self.sites, entry);
     }
 
     /// GC_END_MARK: every sampled object the marking left unmarked is gone.
@@ -301,10 +263,9 @@ impl Tracker {
         let count = unsafe { rb_sys::rb_gc_count() } as u64;
         let direct = count == self.checked_gc.wrapping_add(1);
         self.checked_gc = count;
-        let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        let sites = &mut self.sites;
         let before = self.live.len();
-        self.live
-            .check(&marks, direct, |e| free_entry(sites, e, rate));
+        self.live.check(&marks, direct, |e| free_entry(sites, e));
         if self.live.len() != before {
             self.changes += 1;
         }
@@ -315,10 +276,10 @@ impl Tracker {
     /// Drops every sampled object the weak map no longer holds (weak.rs: with the GVL,
     /// outside any hook), and follows those `GC.compact` moved.
     pub fn follow_weak(&mut self) {
-        let (sites, rate) = (&mut self.sites, self.rate_bytes);
+        let sites = &mut self.sites;
         let before = self.live.len();
         self.live
-            .follow(|e| super::weak::get(e.id), |e| free_entry(sites, e, rate));
+            .follow(|e| super::weak::get(e.id), |e| free_entry(sites, e));
         if self.live.len() != before {
             self.changes += 1;
         }
@@ -336,7 +297,7 @@ impl Tracker {
         let mut unsettled = 0;
         for (_, e) in self.live.entries() {
             if e.gc < gc_count {
-                sites[e.site as usize].add_live(e.size as u64, self.rate_bytes, e.times as u64);
+                sites[e.site as usize].add_live(e.size as u64, e.rate, e.times as u64);
             } else {
                 unsettled += e.times as u64;
             }
@@ -345,11 +306,11 @@ impl Tracker {
     }
 }
 
-pub(super) fn free_entry(sites: &mut [Site], entry: Entry, rate_bytes: u64) {
+pub(super) fn free_entry(sites: &mut [Site], entry: Entry) {
     for _ in 0..entry.times {
         sites[entry.site as usize]
             .counts
-            .free(entry.size as u64, rate_bytes);
+            .free(entry.size as u64, entry.rate);
     }
 }
 

@@ -21,11 +21,16 @@ pub(super) struct Stats {
     /// Times the hook was turned on, and ns it was on.
     pub arms: AtomicU64,
     pub armed_ns: AtomicU64,
+    /// ns the job spent turning the hook on and off.
+    pub switch_ns: AtomicU64,
     /// GC_END_MARK hook calls and their ns.
     pub marks: AtomicU64,
     pub mark_ns: AtomicU64,
     /// Samples taken.
     pub samples: AtomicU64,
+    /// Live sets published for readers outside (publish.rs), and the ns they took.
+    pub publishes: AtomicU64,
+    pub publish_ns: AtomicU64,
 }
 
 /// The hook is timed on one call in this many: reading the clock on every call would cost
@@ -40,9 +45,12 @@ pub(super) static STATS: Stats = Stats {
     hook_ns: AtomicU64::new(0),
     arms: AtomicU64::new(0),
     armed_ns: AtomicU64::new(0),
+    switch_ns: AtomicU64::new(0),
     marks: AtomicU64::new(0),
     mark_ns: AtomicU64::new(0),
     samples: AtomicU64::new(0),
+    publishes: AtomicU64::new(0),
+    publish_ns: AtomicU64::new(0),
 };
 
 /// When the hook was last turned on (None while it is off), and when tracking started.
@@ -58,7 +66,7 @@ impl Stats {
         *ARMED_AT.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
-    fn counters(&self) -> [&AtomicU64; 10] {
+    fn counters(&self) -> [&AtomicU64; 13] {
         [
             &self.wakes,
             &self.jobs,
@@ -67,9 +75,12 @@ impl Stats {
             &self.hook_ns,
             &self.arms,
             &self.armed_ns,
+            &self.switch_ns,
             &self.marks,
             &self.mark_ns,
             &self.samples,
+            &self.publishes,
+            &self.publish_ns,
         ]
     }
 
@@ -93,7 +104,7 @@ impl Stats {
     /// (name, value) pairs: the counters, the armed time including a current stretch, and
     /// the seconds since tracking started.
     pub fn snapshot(&self) -> Vec<(&'static str, f64)> {
-        const NAMES: [&str; 10] = [
+        const NAMES: [&str; 13] = [
             "wakes",
             "jobs",
             "job_ns",
@@ -101,9 +112,12 @@ impl Stats {
             "hook_ns",
             "arms",
             "armed_ns",
+            "switch_ns",
             "marks",
             "mark_ns",
             "samples",
+            "publishes",
+            "publish_ns",
         ];
         let mut pairs: Vec<(&'static str, f64)> = NAMES
             .iter()
