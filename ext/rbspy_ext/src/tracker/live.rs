@@ -80,16 +80,17 @@ impl LiveSet {
         self.objects.iter()
     }
 
-    /// Keeps the entries `current` finds alive, each under the address it gives (an object
-    /// `GC.compact` moved has a new one), and hands the others to `dead`.
+    /// Keeps the entries `current` (given each address and entry) finds alive, each under
+    /// the address it gives (an object `GC.compact` moved has a new one), and hands the
+    /// others to `dead`.
     pub fn follow(
         &mut self,
-        mut current: impl FnMut(&Entry) -> Option<VALUE>,
+        mut current: impl FnMut(VALUE, &Entry) -> Option<VALUE>,
         mut dead: impl FnMut(Entry),
     ) {
         let entries: Vec<(VALUE, Entry)> = self.objects.drain().collect();
-        for (_, entry) in entries {
-            match current(&entry) {
+        for (object, entry) in entries {
+            match current(object, &entry) {
                 Some(object) => {
                     self.objects.insert(object, entry);
                 }

@@ -232,9 +232,25 @@ fn register_pending() {
     }
     publish::QUIET.store(false, Relaxed);
     if check {
-        if let Some(t) = tracker().as_mut() {
-            t.follow_weak();
-        }
+        follow_weak();
+    }
+}
+
+/// Drops every sampled object the weak map no longer holds, and follows those `GC.compact`
+/// moved. The lookups call Ruby, which may allocate and so run a GC, whose marking takes
+/// the tracker's lock (`mark_tracker`): they run with the lock released, on the ids taken
+/// under it, and what they found is applied under it again.
+fn follow_weak() {
+    let ids: Vec<u64> = match tracker().as_ref().filter(|t| t.weak && t.running) {
+        Some(t) => t.live.entries().map(|(_, e)| e.id).collect(),
+        None => return,
+    };
+    publish::QUIET.store(true, Relaxed);
+    let found: rustc_hash::FxHashMap<u64, Option<VALUE>> =
+        ids.into_iter().map(|id| (id, weak::get(id))).collect();
+    publish::QUIET.store(false, Relaxed);
+    if let Some(t) = tracker().as_mut().filter(|t| t.weak && t.running) {
+        t.follow_found(&found);
     }
 }
 
@@ -366,13 +382,11 @@ pub(crate) fn stop() {
     // The counts stay as of this look: no marking or weak map is checked from now on (the
     // addresses would go stale, and a compaction would follow freed ones).
     register_pending();
+    follow_weak();
     // SAFETY: reads the GC's count, with the GVL.
     let gc_count = unsafe { rb_sys::rb_gc_count() } as u64;
     let stopped = tracker().as_mut().map(|t| {
         if t.running {
-            if t.weak {
-                t.follow_weak();
-            }
             let (sites, _) = t.in_use(gc_count);
             for (site, counts) in t.sites.iter_mut().zip(sites) {
                 site.counts = counts;
@@ -432,13 +446,11 @@ pub(crate) struct Copied {
 /// The tracker's counts, and with `live` its live samples, as of one moment.
 pub(crate) fn copy(live: bool) -> Option<Copied> {
     register_pending();
-    let mut guard = tracker();
-    let t = guard.as_mut()?;
-    if t.weak && t.running {
-        t.follow_weak();
-    }
+    follow_weak();
     // SAFETY: reads the GC's count, with the GVL.
     let gc_count = unsafe { rb_sys::rb_gc_count() } as u64;
+    let mut guard = tracker();
+    let t = guard.as_mut()?;
     let (sites, unsettled) = match t.running {
         true => t.in_use(gc_count),
         // As `stop` left them.

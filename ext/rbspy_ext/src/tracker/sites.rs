@@ -273,13 +273,15 @@ impl Tracker {
 }
 
 impl Tracker {
-    /// Drops every sampled object the weak map no longer holds (weak.rs: with the GVL,
-    /// outside any hook), and follows those `GC.compact` moved.
-    pub fn follow_weak(&mut self) {
+    /// Applies what the weak map said of each sample id (mod.rs's `follow_weak`): gone, or
+    /// alive at an address. Samples taken since it looked stay as they are.
+    pub fn follow_found(&mut self, found: &HashMap<u64, Option<VALUE>>) {
         let sites = &mut self.sites;
         let before = self.live.len();
-        self.live
-            .follow(|e| super::weak::get(e.id), |e| free_entry(sites, e));
+        self.live.follow(
+            |object, e| found.get(&e.id).copied().unwrap_or(Some(object)),
+            |e| free_entry(sites, e),
+        );
         if self.live.len() != before {
             self.changes += 1;
         }
