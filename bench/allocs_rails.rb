@@ -3,8 +3,9 @@
 # What sampled allocation tracking costs a Rails request (issue 38): CatalogController#index
 # of spec/fixtures/rails_app (a JSON catalog of 300 items built and rendered on each request),
 # called through the whole Rails middleware stack in one process, in windows of REQUESTS
-# requests: without any tool, with RubySpy.track_allocations at 512 KiB (the default) and at
-# 32 KiB, and, where Debian has them for this Ruby, stackprof's object mode (every
+# requests: without any tool, with RubySpy.track_allocations as it is by default (512 KiB,
+# at most 100 samples a second: "rubyspy:default"), at 512 KiB with no cap and at 32 KiB,
+# and, where Debian has them for this Ruby, stackprof's object mode (every
 # allocation, and interval 1000) and memory_profiler. The windows of one round run in a
 # shuffled order; each figure is the median over rounds of the process's CPU time per request
 # (CLOCK_PROCESS_CPUTIME_ID: the tracker's signal handler and jobs included), which a shared machine's other work
@@ -13,7 +14,8 @@
 #   rake compile && ruby bench/allocs_rails.rb [ROUNDS] [REQUESTS]        # Rails 6.1, Ruby 3.1
 #   script/rubies ext trixie && ruby bench/allocs_rails.rb --in trixie [ROUNDS] [REQUESTS]
 #                                                                        # Rails 7.2, Ruby 3.3
-# Defaults: 15 rounds of 300 requests. TOOLS=none,rubyspy:4096 picks the windows.
+# Defaults: 15 rounds of 300 requests. TOOLS=none,rubyspy:default,rubyspy:4096 picks the
+# windows.
 require "fileutils"
 require "open3"
 require "rbconfig"
@@ -47,7 +49,7 @@ LOOP = <<~'RUBY'
   require File.expand_path("config/environment", Dir.pwd)
   require "rack/mock"
   rounds, requests = ENV.fetch("ROUNDS").to_i, ENV.fetch("REQUESTS").to_i
-  tools = ENV["TOOLS"] ? ENV["TOOLS"].split(",") : %w[none rubyspy:524288 rubyspy:32768]
+  tools = ENV["TOOLS"] ? ENV["TOOLS"].split(",") : %w[none rubyspy:default rubyspy:524288 rubyspy:32768]
   if File.directory?(ENV.fetch("STACKPROF_DIR"))
     stackprof = Dir[File.join(ENV.fetch("STACKPROF_DIR"), "gems", "stackprof-*", "lib")].first
     ext = Dir[File.join(ENV.fetch("STACKPROF_DIR"), "extensions", "*", "*", "stackprof-*")].first
@@ -89,8 +91,8 @@ LOOP = <<~'RUBY'
       GC.start
       case tool
       when "none" then times[tool] << timed.(requests)
-      when /\Arubyspy:(\d+)\z/
-        RubySpy.track_allocations(rate: Integer($1))
+      when /\Arubyspy:(\d+|default)\z/
+        $1 == "default" ? RubySpy.track_allocations : RubySpy.track_allocations(rate: Integer($1))
         times[tool] << timed.(requests)
         result = RubySpy.stop_tracking_allocations
         samples[tool] += result.sites.sum { |s| s[:samples] }
