@@ -78,6 +78,11 @@ impl Points {
         self.until
     }
 
+    /// The mean the next points are drawn with (the rate, or more under the cap).
+    pub fn mean(&self) -> u64 {
+        self.draw_rate
+    }
+
     /// Points missed and not yet paid.
     pub fn owed(&self) -> u32 {
         self.owed

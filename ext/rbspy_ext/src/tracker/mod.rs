@@ -180,7 +180,8 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             t.points.advance(unseen);
             t.points.budget(t.arm.bytes_per_second());
             let missed = t.points.replay_missed();
-            (t.arm.decide(t.points.until(), missed), t.changes)
+            let mean = t.points.mean();
+            (t.arm.decide(t.points.until(), missed, mean), t.changes)
         };
         register_pending();
         // Outside the lock: enabling allocates, which may run a GC and its hook.
