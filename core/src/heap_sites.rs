@@ -78,6 +78,7 @@ pub fn join(census: &Census, set: &LiveSet, there: &[bool]) -> Joined {
             bytes: 0,
         });
         let times = u64::from(sample.times.max(1));
+        let rate = if sample.rate > 0 { sample.rate } else { rate };
         profile.sites[site].add_live(sample.size as u64, rate, times);
         share.samples += times;
     }
@@ -282,6 +283,7 @@ mod tests {
                     site: (i >= 3) as u32,
                     size: 40,
                     times: 1,
+                    rate: 0,
                 })
                 .collect(),
         };

@@ -33,13 +33,17 @@ pub const MAX_BLOB: u64 = 256 << 20;
 const ATTEMPTS: usize = 8;
 
 /// One sampled object the tracker follows: its address, its site (an index into
-/// `profile.sites`), its slot bytes, and how many samples it stands for.
+/// `profile.sites`), its slot bytes, how many samples it stands for, and the rate its point
+/// was drawn with (above the profile's under a cap on samples a second; 0, or absent from a
+/// blob of an older tracker: the profile's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LiveSample {
     pub address: u64,
     pub site: u32,
     pub size: u32,
     pub times: u32,
+    #[serde(default)]
+    pub rate: u64,
 }
 
 /// What the tracker publishes: its profile with names, each site's class (the address of
@@ -280,12 +284,14 @@ mod tests {
                     site: 0,
                     size: 40,
                     times: 1,
+                    rate: 0,
                 },
                 LiveSample {
                     address: 0x1028,
                     site: 0,
                     size: 40,
                     times: 1,
+                    rate: 0,
                 },
             ],
         }

@@ -162,11 +162,12 @@ fn publish() {
         .map(|&(_, _, klass, type_id)| (klass, type_id))
         .collect();
     let live = (std::mem::take(&mut copied.live).into_iter())
-        .map(|(address, site, size, times)| LiveSample {
+        .map(|(address, site, size, times, rate)| LiveSample {
             address,
             site,
             size,
             times,
+            rate,
         })
         .collect();
     let running = copied.running;

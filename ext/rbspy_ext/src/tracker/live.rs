@@ -100,10 +100,10 @@ impl LiveSet {
         self.rebuild_filter();
     }
 
-    /// Every object tracked: (address, site, slot bytes, samples).
-    pub fn samples(&self) -> Vec<(u64, u32, u32, u32)> {
+    /// Every object tracked: (address, site, slot bytes, samples, rate).
+    pub fn samples(&self) -> Vec<(u64, u32, u32, u32, u64)> {
         (self.objects.iter())
-            .map(|(&o, e)| (o, e.site, e.size, e.times))
+            .map(|(&o, e)| (o, e.site, e.size, e.times, e.rate))
             .collect()
     }
 

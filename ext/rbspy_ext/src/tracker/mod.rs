@@ -440,8 +440,8 @@ pub(crate) struct Copied {
     pub start_unix_ns: u64,
     pub duration_ns: u64,
     pub running: bool,
-    /// With `copy(true)`: each live sample's address, site, slot bytes and samples.
-    pub live: Vec<(u64, u32, u32, u32)>,
+    /// With `copy(true)`: each live sample's address, site, slot bytes, samples and rate.
+    pub live: Vec<(u64, u32, u32, u32, u64)>,
 }
 
 /// The tracker's counts, and with `live` its live samples, as of one moment.
