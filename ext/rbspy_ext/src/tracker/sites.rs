@@ -169,50 +169,11 @@ impl Tracker {
     /// Counts the object as `take` says: at its rate, and more than once for points owed.
     pub fn sample(&mut self, object: VALUE, klass: VALUE, type_id: u8, size: u64, take: Take) {
         let times = take.times;
-        let raw_klass = klass;
-        // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
-        let n = unsafe {
-            debug::rb_profile_frames(
-                0,
-                MAX_DEPTH as i32,
-                self.buf.as_mut_ptr(),
-                self.lines.as_mut_ptr(),
-            )
-        };
-        let n = (n.max(0) as usize).min(MAX_DEPTH);
         // SAFETY: the class of an object just allocated (a singleton class's real class).
-        let klass = unsafe { rb_sys::rb_class_real(klass) };
-        self.ids.clear();
-        for i in 0..n {
-            let key = (self.buf[i], self.lines[i]);
-            let next = self.frames.len() as u32;
-            let id = *self.frame_ids.entry(key).or_insert(next);
-            if id == next {
-                self.frames.push(key);
-            }
-            self.ids.push(id);
-        }
-        let key = (std::mem::take(&mut self.ids), klass, type_id);
-        let site = match self.site_ids.get(&key) {
-            Some(&site) => site,
-            None if self.sites.len() >= MAX_SITES => {
-                self.sites_full += 1;
-                self.ids = key.0;
-                return;
-            }
-            None => {
-                let site = self.sites.len() as u32;
-                self.sites.push(Site {
-                    counts: SiteCounts::default(),
-                    frames: key.0.clone(),
-                    klass,
-                    type_id,
-                });
-                self.site_ids.insert(key.clone(), site);
-                site
-            }
+        let real = unsafe { rb_sys::rb_class_real(klass) };
+        let Some(site) = self.site_here(real, type_id) else {
+            return;
         };
-        self.ids = key.0;
         self.changes += 1;
         super::stats::STATS
             .samples
@@ -241,7 +202,7 @@ impl Tracker {
                     object,
                     id,
                     gc: entry.gc,
-                    klass: raw_klass,
+                    klass,
                     type_id,
                 });
             }
@@ -249,6 +210,53 @@ impl Tracker {
             self.live_full += 1;
             self.free(entry);
         }
+    }
+
+    /// The site of an object of class `klass` and type `type_id` allocated here: this
+    /// thread's stack (`rb_profile_frames`), its frames kept once each. None past
+    /// [`MAX_SITES`] sites, for a site not seen before.
+    fn site_here(&mut self, klass: VALUE, type_id: u8) -> Option<u32> {
+        // SAFETY: reads this thread's control frames into our buffers; allocates nothing.
+        let n = unsafe {
+            debug::rb_profile_frames(
+                0,
+                MAX_DEPTH as i32,
+                self.buf.as_mut_ptr(),
+                self.lines.as_mut_ptr(),
+            )
+        };
+        let n = (n.max(0) as usize).min(MAX_DEPTH);
+        self.ids.clear();
+        for i in 0..n {
+            let key = (self.buf[i], self.lines[i]);
+            let next = self.frames.len() as u32;
+            let id = *self.frame_ids.entry(key).or_insert(next);
+            if id == next {
+                self.frames.push(key);
+            }
+            self.ids.push(id);
+        }
+        let key = (std::mem::take(&mut self.ids), klass, type_id);
+        let site = match self.site_ids.get(&key) {
+            Some(&site) => Some(site),
+            None if self.sites.len() >= MAX_SITES => {
+                self.sites_full += 1;
+                None
+            }
+            None => {
+                let site = self.sites.len() as u32;
+                self.sites.push(Site {
+                    counts: SiteCounts::default(),
+                    frames: key.0.clone(),
+                    klass,
+                    type_id,
+                });
+                self.site_ids.insert(key.clone(), site);
+                Some(site)
+            }
+        };
+        self.ids = key.0;
+        site
     }
 
     /// A sampled object is gone: its site's in-use counts drop it.
