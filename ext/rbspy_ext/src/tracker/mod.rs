@@ -222,16 +222,16 @@ fn register_pending() {
     }
     // SAFETY: reads the GC's count, with the GVL.
     let count = unsafe { rb_sys::rb_gc_count() } as u64;
-    publish::QUIET.store(true, Relaxed);
-    for p in pending {
-        // After a GC, the same header at the address: the object survived it (a GC that
-        // freed it and gave the slot to an object of the same class and type, in the µs
-        // before the job, would be taken for it).
-        if p.gc == count || live::same_header(p.object, p.klass, p.type_id) {
-            weak::put(p.id, p.object);
+    publish::quietly(|| {
+        for p in pending {
+            // After a GC, the same header at the address: the object survived it (a GC
+            // that freed it and gave the slot to an object of the same class and type, in
+            // the µs before the job, would be taken for it).
+            if p.gc == count || live::same_header(p.object, p.klass, p.type_id) {
+                weak::put(p.id, p.object);
+            }
         }
-    }
-    publish::QUIET.store(false, Relaxed);
+    });
     if check {
         follow_weak();
     }
@@ -246,10 +246,8 @@ fn follow_weak() {
         Some(t) => t.live.entries().map(|(_, e)| e.id).collect(),
         None => return,
     };
-    publish::QUIET.store(true, Relaxed);
     let found: rustc_hash::FxHashMap<u64, Option<VALUE>> =
-        ids.into_iter().map(|id| (id, weak::get(id))).collect();
-    publish::QUIET.store(false, Relaxed);
+        publish::quietly(|| ids.into_iter().map(|id| (id, weak::get(id))).collect());
     if let Some(t) = tracker().as_mut().filter(|t| t.weak && t.running) {
         t.follow_found(&found);
     }

@@ -53,6 +53,15 @@ static PUBLISHER: OnceLock<fn()> = OnceLock::new();
 /// allocations (names, JSON) against the application's code.
 pub static QUIET: AtomicBool = AtomicBool::new(false);
 
+/// Runs `f` with the hook ignoring allocations (`QUIET`), as it was before afterwards: the
+/// publisher calls the weak-map lookups, which are quiet too, and must stay quiet after them.
+pub fn quietly<T>(f: impl FnOnce() -> T) -> T {
+    let before = QUIET.swap(true, Ordering::Relaxed);
+    let value = f();
+    QUIET.store(before, Ordering::Relaxed);
+    value
+}
+
 /// When `store` last published (Unix ms; 0: never).
 static STORED_AT_MS: AtomicU64 = AtomicU64::new(0);
 
@@ -92,9 +101,7 @@ pub fn when_due(changes: u64) {
 pub fn now() {
     if let Some(f) = PUBLISHER.get() {
         let at = Instant::now();
-        QUIET.store(true, Ordering::Relaxed);
-        f();
-        QUIET.store(false, Ordering::Relaxed);
+        quietly(f);
         let stats = &super::stats::STATS;
         stats.publishes.fetch_add(1, Ordering::Relaxed);
         let ns = at.elapsed().as_nanos() as u64;
