@@ -32,6 +32,16 @@ RSpec.describe RubySpy::Recorder do
   # The sampler's native thread is named "rbspy_ext sampler" (comm keeps 15 bytes).
   let(:sampler_comm) { "rbspy_ext sampl" }
 
+  # The sampler thread has ended. Joining it returns once the kernel clears its thread id,
+  # a little before the task leaves /proc/self/task: on a busy machine it was still listed
+  # (1 run in CI), so its leaving is waited for, briefly.
+  def expect_no_sampler_thread
+    gone = wait_for("the sampler thread to leave /proc/self/task", timeout: 2, raise_on_timeout: false) do
+      !own_thread_names.include?(sampler_comm)
+    end
+    expect(gone).to be(true), "still running: #{own_thread_names.inspect}"
+  end
+
   describe "recording all threads of a process with a busy named thread and a sleeping main" do
     it "sees both threads with their names, main flags, states and tids, at the requested rate" do
       target = start_target("named_worker")
@@ -192,7 +202,7 @@ RSpec.describe RubySpy::Recorder do
       expect(main[:tid]).to eq(Process.pid)
       expect(main[:states]["running"].to_i).to be > 0.8 * total(main[:states])
       # The sampler thread is gone once the profile is returned.
-      expect(own_thread_names).not_to include(sampler_comm)
+      expect_no_sampler_thread
     end
 
     # At 999 Hz a 5 ms block gets 4-7 samples on a quiet machine (no gap exceeds 1.5 ms), the
@@ -244,7 +254,7 @@ RSpec.describe RubySpy::Recorder do
       expect do
         RubySpy.record(Process.pid, rate: 200) { raise IOError, "from the block" }
       end.to raise_error(IOError, "from the block")
-      expect(own_thread_names).not_to include(sampler_comm)
+      expect_no_sampler_thread
     end
 
     it "records for duration: without a block" do
@@ -429,7 +439,7 @@ RSpec.describe RubySpy::Recorder do
         expect { RubySpy.record(Process.pid, **options) { ran = true } }.to raise_error(error, message)
         expect(ran).to be(false), "the block ran with #{options.inspect}"
       end
-      expect(own_thread_names).not_to include(sampler_comm)
+      expect_no_sampler_thread
     end
 
     it "rejects a bad pid" do
