@@ -167,7 +167,10 @@ RSpec.describe RubySpy::Recorder do
       expect(spinner[:states]["running"].to_i).to be >= 0.8 * total(spinner[:states]), spinner.inspect
     end
 
-    it "records the thread collecting garbage in GC, by phase, about as often as Ruby counts GC time" do
+    # Quiet: beside another run (one core's worth of load) the share of GC states strayed
+    # from Ruby's GC time in CI's lanes.
+    it "records the thread collecting garbage in GC, by phase, about as often as Ruby counts GC time",
+       quiet: true do
       target = start_target("gc_churn", "3")
       profile = RubySpy::Recorder.new(target.pid, rate: 500, duration: 2).start.wait.stop
 

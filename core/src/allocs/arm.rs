@@ -1,0 +1,339 @@
+//! When the extension's tracker turns its NEWOBJ hook on, and when its timer wakes: the
+//! Ruby-free decisions of ext/rbspy_ext/src/tracker/arming.rs, which owns the timer, its
+//! signal and Ruby's postponed job, and asks this module at each job.
+//!
+//! Any NEWOBJ hook sends every allocation down Ruby's slow path, so the hook is on only
+//! around a sample point. The job learns how many objects were allocated since it last ran
+//! (`GC.stat(:total_allocated_objects)`), turns them into bytes at the size the hook last
+//! saw, and so knows how far the next point is ([`super::points::Points::until`]). Time is
+//! what a timer can wait for, so the distance becomes µs at the rate the process lately
+//! allocates: the hook is turned on when the point is due within a margin (`ahead_us`),
+//! which grows when a point passed while the hook was off (a burst, or a job run late) and
+//! shrinks while points are met. The timer is periodic; [`period_for`] says when its period
+//! must change, so that `timer_settime` runs only then.
+//!
+//! The tests drive it with a simulated allocator, a fake clock and the periodic timer, as
+//! the extension runs them, and bound what a sample costs in wake-ups and in allocations
+//! taken on the slow path.
+
+/// A point due within the margin (`ahead_us`) turns the hook on: from this long...
+pub const MIN_AHEAD_US: f64 = 200.0;
+/// ...to this.
+pub const MAX_AHEAD_US: f64 = 5_000.0;
+pub const MIN_DELAY_US: u64 = 100;
+pub const MAX_DELAY_US: u64 = 20_000;
+/// The longest wait is the time a burst of this many bytes a µs (50 MB/s) takes to pass one
+/// point at the current mean, from 2 ms to [`MAX_DELAY_US`]: each wake-up costs the process
+/// about 30 µs of CPU here (the VM's timer interrupt and the signal), so waking every 2 ms
+/// cost 1.5 % by itself, while at the default rate, or under the cap's larger means, a
+/// burst missed over 10 ms misses one point or two (paid by the points after it). A small
+/// rate, asked for its detail, keeps 2 ms: a 2 ms burst of 100 points at 4 KiB passed
+/// unseen between two looks 10 ms apart.
+pub const BURST_BYTES_PER_US: f64 = 50.0;
+pub const SHORTEST_LONGEST_US: u64 = 2_000;
+/// The timer aims at this share of the time the next point should take, less the margin.
+/// Nearer 1, fewer wake-ups arm the hook (each costs about 30 µs here, see above), but more
+/// points are missed when the rate rises, and each miss widens the margin: at 0.95 the hook
+/// was on 7 % of the time instead of 2 %, for the same CPU, and misses bill other code.
+pub const AIM: f64 = 0.8;
+
+/// The timer's period for a job wanted within `wanted_us`, when the period now is
+/// `period_us` (0: none set); None keeps it. The period is a power of two times
+/// [`MIN_DELAY_US`], set again only when it is longer than wanted or less than a quarter of
+/// it: `timer_settime` cost about 10 µs in this machine's VM on some days (0.8 µs on
+/// others), more than the job itself, and a job that comes early costs about 1 µs.
+pub fn period_for(period_us: u64, wanted_us: u64) -> Option<u64> {
+    let wanted = wanted_us.clamp(MIN_DELAY_US, MAX_DELAY_US);
+    if period_us != 0 && period_us <= wanted && period_us * 4 >= wanted {
+        return None;
+    }
+    Some(MIN_DELAY_US << (wanted / MIN_DELAY_US).ilog2())
+}
+
+/// What the postponed job knows of the allocation rate, and whether the hook is on.
+#[derive(Debug, Clone)]
+pub struct Arm {
+    /// The hook stays on: 2.7, or rate 1.
+    always: bool,
+    on: bool,
+    /// The hook found the next point far: the job turns it off.
+    off_wanted: bool,
+    /// A point due within this long turns the hook on: it grows after a point was missed,
+    /// and shrinks while none is, so it follows how late this machine runs the job.
+    ahead_us: f64,
+    /// A point within this many bytes turns the hook on, and keeps it on.
+    within: i64,
+    /// Allocations (of every type) and counted bytes the hook saw since the last job.
+    pub seen: u64,
+    pub seen_bytes: u64,
+    bytes_per_allocation: f64,
+    /// Objects allocated per µs, lately.
+    per_us: f64,
+    /// `total_allocated_objects`, and the time in µs, at the last job.
+    total: u64,
+    at_us: u64,
+    /// Points that passed while the hook was off.
+    pub missed: u64,
+}
+
+impl Arm {
+    /// The hook starts on (the tracker's `start` turns it on): until the first job has
+    /// measured how fast the process allocates, nothing can say when to arm it, and a burst
+    /// right after tracking starts would pass unsampled. The first point then turns it off.
+    /// `total` objects were allocated so far, at `now_us` on a monotonic clock.
+    pub fn new(always: bool, total: u64, now_us: u64) -> Self {
+        Arm {
+            always,
+            on: true,
+            off_wanted: false,
+            ahead_us: MIN_AHEAD_US * 2.0,
+            within: 0,
+            seen: 0,
+            seen_bytes: 0,
+            // A slot before Ruby 3.2; what the hook sees replaces it.
+            bytes_per_allocation: 40.0,
+            per_us: 0.0,
+            total,
+            at_us: now_us,
+            missed: 0,
+        }
+    }
+
+    /// In the hook, after a sample: whether the next point is far enough to turn it off.
+    pub fn far(&mut self, until_sample: i64) -> bool {
+        if self.always || until_sample <= self.within {
+            return false;
+        }
+        let first = !self.off_wanted;
+        self.off_wanted = true;
+        first
+    }
+
+    /// The job, first: `total` objects were allocated so far, at `now_us`. Returns the bytes
+    /// allocated since the last job while the hook was off (at the bytes an allocation took
+    /// while it last watched), which bring the next point nearer (past it when points were
+    /// missed).
+    pub fn observe(&mut self, total: u64, now_us: u64) -> i64 {
+        let us = now_us.saturating_sub(self.at_us) as f64;
+        self.at_us = now_us;
+        let allocated = total.saturating_sub(self.total);
+        self.total = total;
+        if us > 0.0 {
+            // Rises at once, falls slowly: a burst is met by arming early.
+            let rate = allocated as f64 / us;
+            self.per_us = rate.max(self.per_us * 0.75 + rate * 0.25);
+        }
+        if self.seen >= 64 {
+            let seen = self.seen_bytes as f64 / self.seen as f64;
+            self.bytes_per_allocation = self.bytes_per_allocation * 0.5 + seen * 0.5;
+        }
+        (self.seen, self.seen_bytes) = (0, 0);
+        match self.on {
+            true => 0,
+            false => (allocated as f64 * self.bytes_per_allocation) as i64,
+        }
+    }
+
+    /// Bytes the process allocates a second, lately (for the budget).
+    pub fn bytes_per_second(&self) -> f64 {
+        self.per_us * self.bytes_per_allocation * 1e6
+    }
+
+    /// Whether the hook is on.
+    pub fn is_on(&self) -> bool {
+        self.on
+    }
+
+    /// The job, then: `missed` points passed while the hook was off (they are owed to the
+    /// next allocation); points are drawn at a mean of `mean` bytes. Returns whether to turn
+    /// the hook on (Some(true)) or off, and the µs the next job is wanted within.
+    pub fn decide(&mut self, until_sample: i64, missed: u64, mean: u64) -> (Option<bool>, u64) {
+        if missed > 0 {
+            self.missed += missed;
+            self.ahead_us = (self.ahead_us * 1.5).min(MAX_AHEAD_US);
+        }
+        let bytes_per_us = (self.per_us * self.bytes_per_allocation).max(1e-3);
+        self.within = (bytes_per_us * self.ahead_us) as i64;
+        let change = if self.always {
+            None
+        } else if !self.on && (missed > 0 || until_sample <= self.within) {
+            Some(true)
+        } else if self.on && self.off_wanted && until_sample > self.within {
+            // A point taken in time: the margin may shrink.
+            self.ahead_us = (self.ahead_us * 0.95).max(MIN_AHEAD_US);
+            Some(false)
+        } else {
+            None
+        };
+        self.off_wanted = false;
+        if let Some(on) = change {
+            self.on = on;
+        }
+        let longest =
+            ((mean as f64 / BURST_BYTES_PER_US) as u64).clamp(SHORTEST_LONGEST_US, MAX_DELAY_US);
+        let delay = if self.on {
+            longest
+        } else {
+            ((until_sample as f64 / bytes_per_us - self.ahead_us) * AIM) as u64
+        };
+        (change, delay.min(longest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::points::Points;
+    use super::*;
+
+    /// What a simulated run of the tracker did.
+    #[derive(Debug)]
+    struct Run {
+        samples: u64,
+        missed: u64,
+        wakes: u64,
+        /// Allocations while the hook was on: each took Ruby's slow path.
+        slow: u64,
+        objects: u64,
+    }
+
+    /// A process allocating `bytes(t)` bytes in µs `t`, in objects of 40 (none: a GC, when
+    /// Ruby runs no job), tracked at `rate` with at most `cap` samples a second for
+    /// `seconds`: the hook, the job and the periodic timer as the extension runs them.
+    fn simulate(rate: u64, cap: u64, seconds: u64, bytes: impl Fn(u64) -> u64) -> Run {
+        let mut points = Points::new(rate, cap, 7);
+        let mut arm = Arm::new(false, 0, 0);
+        let mut run = Run {
+            samples: 0,
+            missed: 0,
+            wakes: 0,
+            slow: 0,
+            objects: 0,
+        };
+        let (mut period, mut next_wake) = (0, u64::MAX);
+        let (mut job_wanted, mut due) = (true, 0);
+        for t in 0..seconds * 1_000_000 {
+            let now = bytes(t);
+            due += now;
+            while due >= 40 {
+                due -= 40;
+                run.objects += 1;
+                if arm.is_on() {
+                    run.slow += 1;
+                    arm.seen += 1;
+                    arm.seen_bytes += 40;
+                    if points.counted(40).is_some() {
+                        run.samples += 1;
+                        job_wanted |= points.owed() == 0 && arm.far(points.until());
+                    }
+                }
+            }
+            if t == next_wake {
+                run.wakes += 1;
+                job_wanted = true;
+                next_wake += period;
+            }
+            if !job_wanted || now == 0 {
+                continue;
+            }
+            job_wanted = false;
+            let unseen = arm.observe(run.objects, t);
+            points.advance(unseen);
+            points.budget(arm.bytes_per_second());
+            let missed = points.replay_missed();
+            run.missed += missed;
+            let (_, wanted) = arm.decide(points.until(), missed, points.mean());
+            if let Some(p) = period_for(period, wanted) {
+                (period, next_wake) = (p, t + p);
+            }
+        }
+        run
+    }
+
+    #[test]
+    fn a_steady_allocator_costs_a_few_wakeups_and_the_margin_per_sample() {
+        // 100 MB/s at 512 KiB, capped at 100 samples a second: about 10 ms between points.
+        let run = simulate(512 * 1024, 100, 2, |_| 100);
+        assert!((160..=240).contains(&run.samples), "{run:?}");
+        assert_eq!(run.missed, 0, "{run:?}");
+        let per_sample = |n: u64| n as f64 / run.samples as f64;
+        assert!(per_sample(run.wakes) < 8.0, "{run:?}");
+        // The margin is 200 to 400 µs at 2.5 objects a µs: about 1,000 slow allocations.
+        assert!(per_sample(run.slow) < 1_500.0, "{run:?}");
+    }
+
+    #[test]
+    fn gc_pauses_miss_few_points() {
+        // 200 MB/s, with a 2 ms pause (a GC) every 15 ms.
+        let run = simulate(
+            512 * 1024,
+            100,
+            2,
+            |t| if t % 15_000 < 2_000 { 0 } else { 200 },
+        );
+        let points = run.samples + run.missed;
+        assert!(run.missed * 10 <= points, "{run:?}");
+        assert!((run.slow as f64) < 0.1 * run.objects as f64, "{run:?}");
+    }
+
+    #[test]
+    fn a_burst_is_paid_for_by_the_points_after_it() {
+        // 10 MB/s, with 2 ms bursts at 200 MB/s every 50 ms; no cap.
+        let run = simulate(
+            512 * 1024,
+            0,
+            2,
+            |t| if t % 50_000 < 2_000 { 200 } else { 10 },
+        );
+        // Every point is sampled or missed (and paid later): 35.2 MB make about 67.
+        let points = run.samples + run.missed;
+        assert!((45..=90).contains(&points), "{run:?}");
+        assert!(run.missed * 2 < points, "{run:?}");
+    }
+
+    #[test]
+    fn the_period_changes_only_when_it_must() {
+        assert_eq!(period_for(0, 1_000), Some(800));
+        assert_eq!(period_for(800, 1_000), None);
+        assert_eq!(period_for(800, 3_200), None);
+        assert_eq!(period_for(800, 3_300), Some(3_200));
+        assert_eq!(period_for(800, 700), Some(400));
+        assert_eq!(period_for(0, 5), Some(MIN_DELAY_US));
+        assert_eq!(period_for(0, u64::MAX), Some(12_800));
+    }
+
+    #[test]
+    fn the_hook_stays_on_while_a_point_is_near_and_goes_off_when_far() {
+        let mut arm = Arm::new(false, 0, 0);
+        arm.observe(1_000, 1_000);
+        // One object of 40 bytes a µs: 4 KB is 100 µs away, within the margin.
+        assert_eq!(arm.decide(4_000, 0, 512 * 1024).0, None);
+        assert!(arm.is_on());
+        // Found far after a sample: off, and the next job aims short of the point.
+        assert!(arm.far(400_000));
+        let (change, wanted) = arm.decide(400_000, 0, 512 * 1024);
+        assert_eq!(change, Some(false));
+        assert!((7_000..10_000).contains(&wanted), "{wanted} µs");
+    }
+
+    #[test]
+    fn a_missed_point_turns_the_hook_on_and_widens_the_margin() {
+        let mut arm = Arm::new(false, 0, 0);
+        arm.observe(1_000, 1_000);
+        assert!(arm.far(1_000_000));
+        arm.decide(1_000_000, 0, 512 * 1024);
+        assert!(!arm.is_on());
+        let before = arm.within;
+        assert_eq!(arm.decide(1_000_000, 1, 512 * 1024).0, Some(true));
+        assert!(arm.within > before);
+        assert_eq!(arm.missed, 1);
+    }
+
+    #[test]
+    fn always_on_never_switches() {
+        let mut arm = Arm::new(true, 0, 0);
+        arm.observe(1_000, 1_000);
+        assert!(!arm.far(1 << 30));
+        assert_eq!(arm.decide(1 << 30, 0, 1).0, None);
+        assert!(arm.is_on());
+    }
+}
