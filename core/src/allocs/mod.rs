@@ -15,6 +15,7 @@
 //! larger object (a bigger slot from Ruby 3.2's variable-width allocation) is likelier to be
 //! sampled, in proportion to the memory it takes. The bytes are the object's slot, known when
 //! it is allocated; what it allocates outside the heap later (a long String's buffer) is not.
+pub mod arm;
 pub mod marks;
 pub mod points;
 pub mod pprof;

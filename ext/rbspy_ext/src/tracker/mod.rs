@@ -33,6 +33,7 @@ mod weak;
 
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
+use rbspy_ext_core::allocs::arm::Arm;
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use sites::Tracker;
@@ -176,12 +177,15 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             let Some(t) = guard.as_mut().filter(|t| t.running) else {
                 return;
             };
-            let unseen = t.arm.observe(total);
+            let unseen = t.arm.observe(total, arming::now_us());
             t.points.advance(unseen);
             t.points.budget(t.arm.bytes_per_second());
             let missed = t.points.replay_missed();
+            STATS.missed.fetch_add(missed, Relaxed);
             let mean = t.points.mean();
-            (t.arm.decide(t.points.until(), missed, mean), t.changes)
+            let (change, wanted_us) = t.arm.decide(t.points.until(), missed, mean);
+            arming::set_delay(wanted_us);
+            (change, t.changes)
         };
         register_pending();
         // Outside the lock: enabling allocates, which may run a GC and its hook.
@@ -356,7 +360,7 @@ pub(crate) fn start(rate_bytes: u64, max_per_second: u64, version: &str) {
     }
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
-    let arm = arming::Arm::new(always, total);
+    let arm = Arm::new(always, total, arming::now_us());
     let t = Tracker::new(rate_bytes, max_per_second, marks, arm, !always);
     *tracker() = Some(t);
     publish::reset();

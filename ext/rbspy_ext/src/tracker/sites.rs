@@ -2,10 +2,10 @@
 //! counts, and the live set; and the sampling itself, which runs inside the NEWOBJ hook and
 //! so calls no Ruby API but `rb_profile_frames`, `rb_class_real` and `rb_gc_obj_slot_size`,
 //! none of which allocates. The hooks, the job and the Ruby-facing functions are mod.rs.
-use super::arming::Arm;
 use super::debug;
 use super::live::{Entry, LiveSet};
 use rb_sys::VALUE;
+use rbspy_ext_core::allocs::arm::Arm;
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::points::{Points, Take};
 use rbspy_ext_core::allocs::SiteCounts;
