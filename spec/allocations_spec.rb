@@ -277,6 +277,26 @@ RSpec.describe "sampled allocations" do
     expect(kept.size).to eq(3000)
   end
 
+  # What allocates with no Ruby frame (issue 48): on 3.1, each new Thread's first Array,
+  # before its block runs. Its site has no frames; the views and Go's profile name it.
+  it "names the site of an allocation made before a thread's first frame, in every view" do
+    skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
+    allocations = RubySpy.track_allocations(rate: 1) { Array.new(4) { Thread.new { 1 } }.each(&:join) }
+    frameless = allocations.sites.select { |s| s[:frames].empty? }
+    skip "Ruby #{RUBY_VERSION} allocates nothing before a new thread's first frame" if frameless.empty?
+    count = frameless.sum { |s| s[:allocated] }
+    expect(count).to be >= 4
+    folded = allocations.render(:collapsed, measure: :alloc_objects).lines.map { |l| l.rpartition(" ") }
+    named = folded.select { |stack, _, _| stack.start_with?("(no Ruby frame);(") }
+    expect(named.sum { |_, _, n| Integer(n) }).to eq(count)
+    expect(allocations.render(:summary, measure: :alloc_objects)).to include("(no Ruby frame)")
+    Dir.mktmpdir("rubyspy-frameless") do |dir|
+      path = File.join(dir, "allocs.pb.gz")
+      File.binwrite(path, allocations.pprof(opens: :allocs))
+      expect(RubySpyTest::Recording.pprof_functions(path)).to include("(no Ruby frame)")
+    end
+  end
+
   it "follows 300,000 live samples at rate 1, and its own census joins them by site" do
     skip "tracks the spec's own process: the host's Ruby" unless target_ruby.host?
     keeper = Class.new

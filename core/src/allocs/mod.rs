@@ -148,7 +148,29 @@ pub struct AllocProfile {
     pub notes: Vec<String>,
 }
 
+/// The one frame of a site whose stack is empty: an allocation Ruby makes before any frame
+/// of its thread exists (on 3.1, a new Thread's first Array, before its block runs). Named,
+/// so that views and Go's tools show a stack, not a bare class.
+pub const NO_RUBY_FRAME: &str = "(no Ruby frame)";
+
 impl AllocProfile {
+    /// This profile, with every site whose stack is empty given the one frame
+    /// [`NO_RUBY_FRAME`] (borrowed as it is when there is none).
+    pub fn frameless_named(&self) -> std::borrow::Cow<'_, AllocProfile> {
+        if self.sites.iter().all(|s| !s.frames.is_empty()) {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let mut named = self.clone();
+        let id = named.frames.len() as u32;
+        named
+            .frames
+            .push(crate::profile::frame(NO_RUBY_FRAME, "", 0, true));
+        for site in named.sites.iter_mut().filter(|s| s.frames.is_empty()) {
+            site.frames.push(id);
+        }
+        std::borrow::Cow::Owned(named)
+    }
+
     /// The sites' estimates summed: what the whole process allocated and keeps.
     pub fn totals(&self) -> Estimates {
         self.sites
@@ -176,6 +198,28 @@ impl AllocProfile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_site_with_no_frame_is_named() {
+        let site = |frames: Vec<u32>| SiteCounts {
+            frames,
+            class: "Array".into(),
+            type_name: "T_ARRAY".into(),
+            ..SiteCounts::default()
+        };
+        let mut p = AllocProfile {
+            frames: vec![crate::profile::frame("Object#work", "a.rb", 3, false)],
+            sites: vec![site(vec![0]), site(vec![])],
+            ..AllocProfile::default()
+        };
+        let named = p.frameless_named();
+        assert_eq!(named.sites[0].frames, vec![0]);
+        assert_eq!(named.sites[1].frames, vec![1]);
+        assert_eq!(&*named.frames[1].label, NO_RUBY_FRAME);
+        assert!(named.check().is_ok());
+        p.sites.pop();
+        assert!(matches!(p.frameless_named(), std::borrow::Cow::Borrowed(_)));
+    }
 
     #[test]
     fn allocs_weight_is_one_at_rate_one_and_about_rate_over_size_when_sparse() {

@@ -24,6 +24,7 @@ pub enum Opens {
 /// The message, before encoding (tests decode and compare against it).
 pub fn build(profile: &AllocProfile, opens: Opens) -> Result<proto::Profile, String> {
     profile.check()?;
+    let profile = &*profile.frameless_named();
     let mut strings = Strings::new();
     let mut locations = Locations::default();
     let frames = frame_locations(&profile.frames, &mut strings, &mut locations);

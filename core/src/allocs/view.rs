@@ -77,6 +77,7 @@ fn class_leaf(site: &SiteCounts) -> String {
 /// every stack running, each ending in its class's leaf. `rate_hz` is 0 (no time) and
 /// `count_name` the unit, which the writers show instead of "samples".
 pub fn as_profile(allocs: &AllocProfile, measure: Measure) -> Profile {
+    let allocs = &*allocs.frameless_named();
     let mut frames: Vec<Frame> = allocs.frames.clone();
     let mut leaves: HashMap<String, u32> = HashMap::default();
     let mut stacks: Vec<StackCount> = Vec::new();
