@@ -6,7 +6,7 @@ use super::tags::{TagRead, TagReader};
 use super::thread_list::{
     read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS, RELIST_MIN,
 };
-use super::{word, Attempt, Memory};
+use super::{word, Attempt, Memory, MAX_FRAMES};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
 use crate::memory::{field, ReadBatch, Span};
@@ -407,6 +407,21 @@ impl ThreadSampler {
         let end = vm_stack
             .wrapping_add(vm_stack_size.wrapping_mul(8))
             .wrapping_sub(cfp_size);
+        // `ec` is the context as first read, which a racing thread (an M:N thread moving to
+        // another native thread) can have changed under the walk that succeeded: only a
+        // context the walker would plan is kept, so that the next sample's read spans at
+        // most MAX_FRAMES frames and never wraps (a size read mid-change once asked for
+        // 756 TB).
+        let frames = end.wrapping_sub(cfp) / cfp_size.max(1);
+        if vm_stack == 0
+            || vm_stack_size > MAX_FRAMES * 1024
+            || cfp < vm_stack
+            || cfp > end
+            || frames > MAX_FRAMES
+        {
+            self.stacks.remove(&thread);
+            return;
+        }
         let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
         let values = hints.get(&vm_stack).copied().unwrap_or(0);
         let values = values.min((from - vm_stack) as usize);
@@ -493,5 +508,38 @@ impl Batch {
             return false;
         };
         read.read_late(self.nt(i, l), &self.reads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A context read while its thread moved (M:N threads) must not become the next sample's
+    /// read: a wild size once asked the batch for 756 TB.
+    #[test]
+    fn a_context_the_walker_would_refuse_is_not_kept_as_a_guess() {
+        let l = rbspy_ext_bindings::layout_for_version("3.1.2").expect("3.1.2's layout");
+        let cfp_size = l.cfp_size as u64;
+        let hints = FxHashMap::default();
+        let mut sampler = ThreadSampler::default();
+        let vm_stack = 0x7f00_0000_0000u64;
+        let words = 128 * 1024; // Ruby's 1 MiB VM stack
+        let end = vm_stack + words * 8 - cfp_size;
+        let cfp = end - 10 * cfp_size;
+        sampler.guess_stack(l, &hints, 1, [vm_stack, words, cfp]);
+        let g = sampler.stacks[&1];
+        assert!(g.end - g.from <= (PREFETCH_FRAMES + 10) * cfp_size);
+        for wild in [
+            [vm_stack, u64::MAX / 8, cfp],      // a size read mid-change
+            [vm_stack, words, vm_stack - 8],    // below the stack
+            [vm_stack, words, end + cfp_size],  // past its end: the span would wrap
+            [0, words, cfp],                    // no stack
+            [vm_stack, MAX_FRAMES * 2048, cfp], // more than the walker ever plans
+        ] {
+            sampler.guess_stack(l, &hints, 1, [vm_stack, words, cfp]);
+            sampler.guess_stack(l, &hints, 1, wild);
+            assert!(!sampler.stacks.contains_key(&1), "{wild:x?} kept");
+        }
     }
 }
