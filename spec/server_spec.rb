@@ -176,7 +176,10 @@ RSpec.describe "the pprof listener" do
     expect(get(untracked.info["port"], "/debug/pprof/allocs").code).to eq("404")
     target = start_target("pprof_listener", "allocs", ruby: serving_ruby)
     base = "http://127.0.0.1:#{target.info['port']}/debug/pprof"
-    sleep 0.5 # some thousands of allocations
+    # Some thousands of allocations. At 4 KiB a sample and 0.5 s, a busy machine left the
+    # leak a handful of samples, and the one churned Array alive at the GC (a 640-byte slot
+    # from 3.2) outweighed it once: at 1 KiB and 1 s the leak has some 40 times its weight.
+    sleep 1
     allocs = go_pprof("-top", "-sample_index=alloc_objects", "#{base}/allocs")
     expect(allocs).to match(/Type: alloc_objects/)
     expect(allocs).to match(/\sListener\.churn$/).and match(/\sListener\.leak$/)
