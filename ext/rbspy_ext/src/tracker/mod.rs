@@ -295,7 +295,7 @@ unsafe extern "C" fn mark_tracker(_data: *mut c_void) {
 unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
     if let Some(t) = tracker().as_mut().filter(|t| t.running) {
         let sites = &mut t.sites;
-        t.live.moved(|e| sites::free_entry(sites, e));
+        live::moved(&mut t.live, |e| sites::free_entry(sites, e));
         t.changes += 1;
     }
 }

@@ -3,9 +3,10 @@
 //! so calls no Ruby API but `rb_profile_frames`, `rb_class_real` and `rb_gc_obj_slot_size`,
 //! none of which allocates. The hooks, the job and the Ruby-facing functions are mod.rs.
 use super::debug;
-use super::live::{Entry, LiveSet};
+use super::live;
 use rb_sys::VALUE;
 use rbspy_ext_core::allocs::arm::Arm;
+use rbspy_ext_core::allocs::live::{Entry, LiveObjects};
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::points::{Points, Take};
 use rbspy_ext_core::allocs::SiteCounts;
@@ -54,7 +55,7 @@ pub(super) struct Tracker {
     pub frame_ids: HashMap<(VALUE, i32), u32>,
     pub sites: Vec<Site>,
     pub site_ids: HashMap<(Vec<u32>, VALUE, u8), u32>,
-    pub live: LiveSet,
+    pub live: LiveObjects,
     /// Where mark bits are on this Ruby; None: no liveness (every sample stays in use).
     pub marks: Option<MarkBits>,
     /// `rb_gc_count()` at the last marking checked.
@@ -101,7 +102,7 @@ impl Tracker {
             frame_ids: HashMap::default(),
             sites: Vec::new(),
             site_ids: HashMap::default(),
-            live: LiveSet::new(),
+            live: LiveObjects::new(),
             marks,
             // SAFETY: reads the GC's count; with the GVL.
             checked_gc: unsafe { rb_sys::rb_gc_count() } as u64,
@@ -273,7 +274,7 @@ impl Tracker {
         self.checked_gc = count;
         let sites = &mut self.sites;
         let before = self.live.len();
-        self.live.check(&marks, direct, |e| free_entry(sites, e));
+        live::check(&mut self.live, &marks, direct, |e| free_entry(sites, e));
         if self.live.len() != before {
             self.changes += 1;
         }
