@@ -252,8 +252,12 @@ File.write("Makefile", <<~MAKE)
   # Always ask cargo: it knows whether anything changed, make does not. Without this make's
   # MAKEFLAGS: RubyGems runs `make DESTDIR=`, and the empty DESTDIR would reach the make that
   # libbpf-sys runs to build libbpf (for the BPF sampler), whose install step then fails.
+  # Without SOURCE_DATE_EPOCH, which RubyGems sets to the time of each install: the C
+  # compiler's build scripts (cc) watch it, so with a shared CARGO_TARGET_DIR every install,
+  # and the next build from the source tree, built libbpf and its crates again (2 min).
+  # Nothing here uses __DATE__ or __TIME__, which is all it would change.
   $(DLLIB): FORCE
-  \tenv -u MAKEFLAGS -u MFLAGS -u MAKELEVEL $(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext #{features}
+  \tenv -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u SOURCE_DATE_EPOCH $(CARGO) build --release --manifest-path $(WORKSPACE)/Cargo.toml --package rbspy_ext #{features}
   \tcp -f $(RUSTLIB) $@
 
   install: all
