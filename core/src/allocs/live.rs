@@ -123,11 +123,16 @@ impl LiveObjects {
 
     /// Takes out the object at `object`, if one is tracked there.
     pub fn remove(&mut self, object: u64) -> Option<Entry> {
-        let bit = filter_bit(object);
-        if self.maybe_live[bit / 64] & (1 << (bit % 64)) == 0 {
+        if !self.maybe_tracked(object) {
             return None;
         }
         self.objects.remove(&object)
+    }
+
+    /// Whether the filter's bit for `object` is set: clear means it is surely not tracked.
+    fn maybe_tracked(&self, object: u64) -> bool {
+        let bit = filter_bit(object);
+        self.maybe_live[bit / 64] & (1 << (bit % 64)) != 0
     }
 
     /// Stops following every object (tracking stopped: no marking will be checked again,
@@ -177,6 +182,15 @@ mod tests {
         0x7f00_0000_0000 + 40 * i
     }
 
+    /// Ten objects, site i at slot i.
+    fn ten() -> LiveObjects {
+        let mut live = LiveObjects::new();
+        for i in 0..10 {
+            live.insert(slot(i), entry(i as u32));
+        }
+        live
+    }
+
     #[test]
     fn a_reused_address_gives_back_the_object_tracked_there() {
         let mut live = LiveObjects::new();
@@ -197,10 +211,7 @@ mod tests {
         assert!((0..1000).all(|i| live.remove(slot(2 * i + 1)).is_none()));
         // How many of those the filter answered alone: nearly all, at 1,000 of 2^20 bits.
         let clear = (0..1000)
-            .filter(|&i| {
-                let bit = filter_bit(slot(2 * i + 1));
-                live.maybe_live[bit / 64] & (1 << (bit % 64)) == 0
-            })
+            .filter(|&i| !live.maybe_tracked(slot(2 * i + 1)))
             .count();
         assert!(clear >= 990, "{clear} of 1000 answered by the filter");
         assert!((0..1000).all(|i| live.remove(slot(2 * i)) == Some(entry(i as u32))));
@@ -226,10 +237,7 @@ mod tests {
 
     #[test]
     fn following_moves_the_survivors_and_hands_over_the_dead() {
-        let mut live = LiveObjects::new();
-        for i in 0..10 {
-            live.insert(slot(i), entry(i as u32));
-        }
+        let mut live = ten();
         let mut dead = Vec::new();
         // GC.compact: the even ones moved up by 1,000 slots, the odd ones were freed.
         live.follow(
@@ -246,10 +254,7 @@ mod tests {
 
     #[test]
     fn a_check_keeps_the_marked_in_place() {
-        let mut live = LiveObjects::new();
-        for i in 0..10 {
-            live.insert(slot(i), entry(i as u32));
-        }
+        let mut live = ten();
         let mut dead = Vec::new();
         live.retain(|object, _| object < slot(4), |e| dead.push(e.site));
         dead.sort();

@@ -6,7 +6,8 @@ use super::tags::{TagRead, TagReader};
 use super::thread_list::{
     read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS, RELIST_MIN,
 };
-use super::{word, Attempt, Memory, MAX_FRAMES};
+use super::walker::frame_count;
+use super::{word, Attempt, Memory};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
 use crate::memory::{field, ReadBatch, Span};
@@ -404,24 +405,17 @@ impl ThreadSampler {
         [vm_stack, vm_stack_size, cfp]: [u64; 3],
     ) {
         let cfp_size = l.cfp_size as u64;
-        let end = vm_stack
-            .wrapping_add(vm_stack_size.wrapping_mul(8))
-            .wrapping_sub(cfp_size);
         // `ec` is the context as first read, which a racing thread (an M:N thread moving to
         // another native thread) can have changed under the walk that succeeded: only a
-        // context the walker would plan is kept, so that the next sample's read spans at
-        // most MAX_FRAMES frames and never wraps (a size read mid-change once asked for
-        // 756 TB).
-        let frames = end.wrapping_sub(cfp) / cfp_size.max(1);
-        if vm_stack == 0
-            || vm_stack_size > MAX_FRAMES * 1024
-            || cfp < vm_stack
-            || cfp > end
-            || frames > MAX_FRAMES
-        {
+        // context the walker would plan is kept (a size read mid-change once asked the next
+        // sample's read for 756 TB).
+        if frame_count(cfp_size, [vm_stack, vm_stack_size, cfp]).is_err() {
             self.stacks.remove(&thread);
             return;
         }
+        let end = vm_stack
+            .wrapping_add(vm_stack_size.wrapping_mul(8))
+            .wrapping_sub(cfp_size);
         let from = cfp.saturating_sub(PREFETCH_FRAMES * cfp_size).max(vm_stack);
         let values = hints.get(&vm_stack).copied().unwrap_or(0);
         let values = values.min((from - vm_stack) as usize);
@@ -513,6 +507,7 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
+    use super::super::MAX_FRAMES;
     use super::*;
 
     /// A context read while its thread moved (M:N threads) must not become the next sample's

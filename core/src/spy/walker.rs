@@ -128,25 +128,11 @@ impl<M: Memory> Walker<'_, M> {
         &self,
         [vm_stack, vm_stack_size, cfp]: [u64; 3],
     ) -> std::result::Result<Plan, Attempt> {
-        let cfp_size = self.target.layout.cfp_size as u64;
-        // Control frames grow down from the end of the VM stack; the last slot is a dummy
-        // frame that Ruby's own backtrace skips.
-        let end = vm_stack.wrapping_add(vm_stack_size.wrapping_mul(8));
-        let last = end.wrapping_sub(cfp_size);
-        if vm_stack == 0
-            || vm_stack_size > MAX_FRAMES * 1024
-            || cfp < vm_stack
-            || cfp > last
-            || (last - cfp) % cfp_size != 0
-        {
-            return Err(Attempt::Changed(format!(
-                "control frame pointer {cfp:#x} outside its stack"
-            )));
-        }
-        let count = (last - cfp) / cfp_size;
-        if count > MAX_FRAMES {
-            return Err(Attempt::Changed(format!("{count} frames")));
-        }
+        let count = frame_count(
+            self.target.layout.cfp_size as u64,
+            [vm_stack, vm_stack_size, cfp],
+        )
+        .map_err(Attempt::Changed)?;
         let hint = self.walk.stack_hints.get(&vm_stack).copied().unwrap_or(0);
         Ok(Plan {
             vm_stack,
@@ -562,4 +548,31 @@ impl<'a> FrameBuffers<'a> {
             })
             .collect()
     }
+}
+
+/// How many control frames an execution context (`vm_stack`, `vm_stack_size`, `cfp`) holds
+/// below its last slot, or why it cannot be a context: the one check both the walk's plan and
+/// the next sample's read guess (batch.rs) make, so that no read spans more than MAX_FRAMES
+/// frames or wraps. Control frames grow down from the end of the VM stack; the last slot is
+/// a dummy frame that Ruby's own backtrace skips.
+pub(super) fn frame_count(
+    cfp_size: u64,
+    [vm_stack, vm_stack_size, cfp]: [u64; 3],
+) -> std::result::Result<u64, String> {
+    let end = vm_stack.wrapping_add(vm_stack_size.wrapping_mul(8));
+    let last = end.wrapping_sub(cfp_size);
+    if vm_stack == 0
+        || cfp_size == 0
+        || vm_stack_size > MAX_FRAMES * 1024
+        || cfp < vm_stack
+        || cfp > last
+        || (last - cfp) % cfp_size != 0
+    {
+        return Err(format!("control frame pointer {cfp:#x} outside its stack"));
+    }
+    let count = (last - cfp) / cfp_size;
+    if count > MAX_FRAMES {
+        return Err(format!("{count} frames"));
+    }
+    Ok(count)
 }
