@@ -284,11 +284,25 @@ RSpec.describe "RubySpy.snapshot" do
       3.times do |i|
         ask_to_compact("#{target.ready_path}.fifo")
         target.result(".done#{i + 1}", timeout: 60)
+        wait_until_no_thread_holds_the_gvl(target.pid)
         again = handle.snapshot
         expect(again).to eq(first), "after compaction #{i + 1}:\n" +
                                     RubySpyTest::FrameComparison.side_by_side(again, first, target.ruby_version)
       end
       expect(target.health_problems).to eq([])
+    end
+  end
+
+  # The compactor answers while it holds the GVL and gives it up only back in read(2); a
+  # snapshot taken in between reads its stack, the GVL owner's, not the parked main thread's
+  # (it did on a busy machine). A handle of its own watches, so that the handle under test
+  # meets the moved code on its first read after the compaction.
+  def wait_until_no_thread_holds_the_gvl(pid)
+    watcher = RubySpy.attach(pid)
+    states = nil
+    wait_for("every thread off the GVL", timeout: 30, detail: -> { "states: #{states.inspect}" }) do
+      states = watcher.thread_snapshots.map { |t| t[:state] }
+      states.all? { |s| %w[blocked no_gvl].include?(s) }
     end
   end
 
