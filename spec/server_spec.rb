@@ -176,10 +176,10 @@ RSpec.describe "the pprof listener" do
     expect(get(untracked.info["port"], "/debug/pprof/allocs").code).to eq("404")
     target = start_target("pprof_listener", "allocs", ruby: serving_ruby)
     base = "http://127.0.0.1:#{target.info['port']}/debug/pprof"
-    # Some thousands of allocations. At 4 KiB a sample and 0.5 s, a busy machine left the
-    # leak a handful of samples, and the one churned Array alive at the GC (a 640-byte slot
-    # from 3.2) outweighed it once: at 1 KiB and 1 s the leak has some 40 times its weight.
-    sleep 1
+    # Some thousands of allocations: the leak's 2,000 Strings, some 80 samples at 1 KiB,
+    # and 50 times that of churn. Waited for by count: after a fixed second a busy machine
+    # had let the allocator run ten rounds, and the leak had no sample (head, a core busy).
+    target.result(".allocated", timeout: 60)
     allocs = go_pprof("-top", "-sample_index=alloc_objects", "#{base}/allocs")
     expect(allocs).to match(/Type: alloc_objects/)
     expect(allocs).to match(/\sListener\.churn$/).and match(/\sListener\.leak$/)
