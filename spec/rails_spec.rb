@@ -147,13 +147,12 @@ RSpec.describe "Rails and Puma" do
       # Tracking starts at boot, whose allocations (some 60 MB of Rails' own) come first; the
       # actions' share grows with the requests served, which a busy machine serves slowly
       # (2 s gave the catalog 6 % there): asked every 2 s until it leads, for up to a minute.
-      top = under_load(server, ["/catalog", "/hello"], threads: 3) do
-        deadline = Process.clock_gettime(Process::CLOCK_MONOTONIC) + 60
-        loop do
-          sleep 2 # some tens of samples at 512 KiB each
-          out = go_pprof("-top", "-cum", "-sample_index=alloc_space", url)
-          break out if cum.(out, "CatalogController#index").to_f > 30
-          break out if Process.clock_gettime(Process::CLOCK_MONOTONIC) > deadline
+      top = nil
+      under_load(server, ["/catalog", "/hello"], threads: 3) do
+        # Every 2 s: some tens of samples at 512 KiB each. The expectations below judge the last.
+        wait_for("the catalog to lead the allocations", timeout: 60, interval: 2, raise_on_timeout: false) do
+          top = go_pprof("-top", "-cum", "-sample_index=alloc_space", url)
+          cum.(top, "CatalogController#index").to_f > 30
         end
       end
       expect(top).to include("Type: alloc_space")
