@@ -234,23 +234,9 @@ mod tests {
         serde_json::from_slice(&out).expect("valid JSON")
     }
 
-    /// The schema's requirements, checked by hand (and against the schema itself when
-    /// $SPEEDSCOPE_SCHEMA names speedscope's file-format-schema.json).
+    /// The schema's requirements, checked by hand. spec/viewer_spec.rb validates what a
+    /// recording of a live Ruby writes against the schema the speedscope app ships.
     fn check_structure(doc: &Value) {
-        if let Ok(path) = std::env::var("SPEEDSCOPE_SCHEMA") {
-            let schema: Value =
-                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let validator = jsonschema::validator_for(&schema).unwrap();
-            let errors: Vec<String> = validator.iter_errors(doc).map(|e| e.to_string()).collect();
-            assert!(errors.is_empty(), "schema {path}: {errors:#?}");
-            // And the validator does reject what the schema forbids.
-            let mut bad = doc.clone();
-            bad["profiles"][0]["unit"] = "furlongs".into();
-            assert!(!validator.is_valid(&bad));
-            eprintln!("speedscope output validated against {path}");
-        } else {
-            eprintln!("SPEEDSCOPE_SCHEMA unset: speedscope structure checked by hand only");
-        }
         assert_eq!(doc["$schema"], SCHEMA_URL);
         assert!(doc["name"].is_string() && doc["exporter"].is_string());
         let frames = doc["shared"]["frames"].as_array().unwrap();
