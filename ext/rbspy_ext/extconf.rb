@@ -204,6 +204,14 @@ unless bpf_missing.empty?
        "Debian/Ubuntu: apt-get install clang libelf-dev zlib1g-dev"
 end
 
+# The cargo profile, read as rb_sys reads it, for either path below: release unless
+# RB_SYS_CARGO_PROFILE names another (dev, or one of Cargo.toml's). spec/gem_install_spec.rb
+# builds the source gem in dev, where `cargo test` has already compiled every dependency.
+profile = ENV.fetch("RB_SYS_CARGO_PROFILE", "release")
+unless profile.match?(/\A[a-z0-9_-]+\z/)
+  abort "rbspy_ext: RB_SYS_CARGO_PROFILE=#{profile.inspect} is not a cargo profile name (release, dev, ...)"
+end
+
 require "mkmf" # first: rake-compiler and rb_sys hook into it
 
 begin
@@ -214,7 +222,7 @@ end
 
 if defined?(RbSys::Mkmf)
   create_rust_makefile("rbspy_ext/rbspy_ext") do |r|
-    r.profile = ENV.fetch("RB_SYS_CARGO_PROFILE", :release).to_sym
+    r.profile = profile.to_sym
     r.extra_cargo_args += [features] unless features.empty?
   end
   exit
@@ -228,13 +236,6 @@ target_dir = ENV.fetch("CARGO_TARGET_DIR", File.join(workspace, "target"))
 # library is installed (plus the build copy of the .so): it is several hundred MB and is
 # never reused there.
 clean_target = !ENV.key?("CARGO_TARGET_DIR") && !File.exist?(File.join(workspace, ".git"))
-# The cargo profile, as the rb_sys path above takes it: release unless RB_SYS_CARGO_PROFILE
-# names another (dev, or one of Cargo.toml's). spec/gem_install_spec.rb builds the source gem
-# in dev, where `cargo test` has already compiled every dependency.
-profile = ENV.fetch("RB_SYS_CARGO_PROFILE", "release")
-unless profile.match?(/\A[a-z0-9_-]+\z/)
-  abort "rbspy_ext: RB_SYS_CARGO_PROFILE=#{profile.inspect} is not a cargo profile name (release, dev, ...)"
-end
 # Cargo puts the dev profile's output in debug/, every other profile's in a directory of its name.
 profile_dir = profile == "dev" ? "debug" : profile
 
