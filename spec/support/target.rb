@@ -18,8 +18,12 @@ module RubySpyTest
 
   # A fixture script running in its own process:
   #
-  #   RbConfig.ruby spec/fixtures/NAME.rb READY_PATH [ARGS...]
+  #   RbConfig.ruby --disable-gems spec/fixtures/NAME.rb READY_PATH [ARGS...]
   #
+  # RubyGems is left out unless the fixture's header has the line RUBYGEMS_MARK (a fixture
+  # that loads a gem, or one whose stack goes through RubyGems' own `require`): loading it is
+  # a tenth of a second of CPU per start, and the suites start some 200 fixtures per Ruby
+  # (issue 47: CI's time is CPU time on this machine).
   # run from the repository root (so the main script's path is relative, like in real use)
   # with its output in a private temporary directory. #start returns once the fixture has
   # written its ready file (see spec/fixtures/lib/park.rb) and is settled in the state the
@@ -28,6 +32,7 @@ module RubySpyTest
     include Waiting
 
     READY_TIMEOUT = 15 # seconds
+    RUBYGEMS_MARK = "# rbspy-test: rubygems"
     POLL_INTERVAL = 0.01 # seconds
 
     attr_reader :name, :args, :pid, :dir, :ready_path, :log_path, :ruby_version, :frames,
@@ -79,11 +84,17 @@ module RubySpyTest
         options[:in] = File::NULL
         options[:out] = [:child, :err]
       end
-      @pid = Process.spawn(@env, *ruby.command(script, target_ready_path, *args), options)
+      @pid = Process.spawn(@env, *ruby.command(*ruby_options, script, target_ready_path, *args), options)
       self
     ensure
       child_in&.close
       child_out&.close
+    end
+
+    # Ruby's options before the script: see RUBYGEMS_MARK.
+    def ruby_options
+      header = File.foreach(File.join(ROOT, script)).first(40)
+      header.any? { |line| line.start_with?(RUBYGEMS_MARK) } ? [] : ["--disable-gems"]
     end
 
     def wait_until_ready

@@ -7,7 +7,10 @@ require_relative "../paths"
 
 module RubySpyTest
   # Running exe/rubyspy as its users do: a child process of the host Ruby, from the
-  # repository root. Included into every example group (see spec_helper.rb).
+  # repository root. Included into every example group (see spec_helper.rb). Without RubyGems,
+  # which the CLI does not need and which costs a tenth of a second of CPU per run, some 120
+  # runs per suite (issue 47); spec/gem_install_spec.rb runs the installed gem's own
+  # executable, through RubyGems, as users start it.
   module CLIHelpers
     EXE = File.join(ROOT, "exe", "rubyspy")
 
@@ -34,7 +37,7 @@ module RubySpyTest
     # The command line of `rubyspy ARGS`, for a spec that starts it itself (in the
     # background, in a terminal).
     def rubyspy_command(*args)
-      [RbConfig.ruby, EXE, *args.map(&:to_s)]
+      [RbConfig.ruby, "--disable-gems", EXE, *args.map(&:to_s)]
     end
 
     # Runs `rubyspy ARGS` until it exits; a CLIRun. +under+ is a command that runs it
