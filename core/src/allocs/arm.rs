@@ -154,13 +154,23 @@ impl Arm {
         }
         let bytes_per_us = (self.per_us * self.bytes_per_allocation).max(1e-3);
         self.within = (bytes_per_us * self.ahead_us) as i64;
+        // On while the next point is within the margin, whatever turned the hook on: the start,
+        // a point found near, or one missed. A point missed widens the margin and is owed to
+        // the next point taken. Kept on until then, the hook took a whole interval's
+        // allocations down the slow path after each miss, and, at a rate whose first point
+        // never came (1 GiB; the hook starts on), every allocation for good.
         let change = if self.always {
             None
-        } else if !self.on && (missed > 0 || until_sample <= self.within) {
+        } else if !self.on && until_sample <= self.within {
             Some(true)
         } else if self.on && self.off_wanted && until_sample > self.within {
             // A point taken in time: the margin may shrink.
             self.ahead_us = (self.ahead_us * 0.95).max(MIN_AHEAD_US);
+            Some(false)
+        } else if self.on && self.per_us > 0.0 && until_sample > 2 * self.within {
+            // Far with no point taken: the start (once a job has measured the rate), or a
+            // miss. Twice the margin, so that a rate estimate that sags on the way to a point
+            // does not turn the hook off short of it.
             Some(false)
         } else {
             None
@@ -316,16 +326,30 @@ mod tests {
     }
 
     #[test]
-    fn a_missed_point_turns_the_hook_on_and_widens_the_margin() {
+    fn a_missed_point_widens_the_margin_and_arms_only_when_the_next_is_near() {
         let mut arm = Arm::new(false, 0, 0);
         arm.observe(1_000, 1_000);
         assert!(arm.far(1_000_000));
         arm.decide(1_000_000, 0, 512 * 1024);
         assert!(!arm.is_on());
         let before = arm.within;
-        assert_eq!(arm.decide(1_000_000, 1, 512 * 1024).0, Some(true));
+        // The next point is 25 ms away: the hook stays off, with a wider margin.
+        assert_eq!(arm.decide(1_000_000, 1, 512 * 1024).0, None);
         assert!(arm.within > before);
         assert_eq!(arm.missed, 1);
+        // Near: on.
+        assert_eq!(arm.decide(arm.within - 1, 0, 512 * 1024).0, Some(true));
+    }
+
+    #[test]
+    fn a_rate_never_reached_leaves_the_hook_off_after_the_first_job() {
+        // 100 MB/s at 1 GiB: no point in 2 s. The hook starts on; the first job turns it off.
+        let run = simulate(1 << 30, 0, 2, |_| 100);
+        assert_eq!(run.samples, 0, "{run:?}");
+        // The first period only (12.8 ms; it was every allocation).
+        assert!(run.slow * 100 < run.objects, "{run:?}");
+        // A wake-up per longest period (12.8 ms), no more.
+        assert!(run.wakes <= 2_000_000 / 12_800 + 2, "{run:?}");
     }
 
     #[test]

@@ -161,8 +161,10 @@ impl Tracker {
             return false;
         };
         self.sample(object, klass, type_id, size, take);
-        // While points are owed the hook stays on: off, it could miss more of them. The job
-        // runs soon after any sample anyway, to put it in the weak map while it is whole.
+        // While points are owed the hook stays on from sample to sample, so that the next
+        // points pay them; the job turns it off when the next point is far all the same
+        // (Arm::decide). The job runs soon after any sample anyway, to put it in the weak
+        // map while it is whole.
         let far = self.points.owed() == 0 && self.arm.far(self.points.until());
         far || self.weak
     }
