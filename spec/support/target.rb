@@ -20,14 +20,15 @@ module RubySpyTest
   #
   #   RbConfig.ruby --disable-gems spec/fixtures/NAME.rb READY_PATH [ARGS...]
   #
-  # RubyGems is left out unless the fixture's header has the line RUBYGEMS_MARK (a fixture
-  # that loads a gem, or one whose stack goes through RubyGems' own `require`): loading it is
-  # a tenth of a second of CPU per start, and the suites start some 200 fixtures per Ruby
-  # (issue 47: CI's time is CPU time on this machine).
   # run from the repository root (so the main script's path is relative, like in real use)
   # with its output in a private temporary directory. #start returns once the fixture has
   # written its ready file (see spec/fixtures/lib/park.rb) and is settled in the state the
   # file describes.
+  #
+  # RubyGems is left out unless the fixture's header has the line RUBYGEMS_MARK (a fixture
+  # that loads a gem, or one whose stack goes through RubyGems' own `require`): loading it is
+  # a tenth of a second of CPU per start, and the suites start some 200 fixtures per Ruby
+  # (issue 47: CI's time is CPU time on this machine).
   class Target
     include Waiting
 
