@@ -72,6 +72,8 @@ pub struct Arm {
     /// `total_allocated_objects`, and the time in µs, at the last job.
     total: u64,
     at_us: u64,
+    /// µs between the last two jobs.
+    interval_us: u64,
     /// Points that passed while the hook was off.
     pub missed: u64,
 }
@@ -95,6 +97,7 @@ impl Arm {
             per_us: 0.0,
             total,
             at_us: now_us,
+            interval_us: 0,
             missed: 0,
         }
     }
@@ -114,7 +117,8 @@ impl Arm {
     /// while it last watched), which bring the next point nearer (past it when points were
     /// missed).
     pub fn observe(&mut self, total: u64, now_us: u64) -> i64 {
-        let us = now_us.saturating_sub(self.at_us) as f64;
+        self.interval_us = now_us.saturating_sub(self.at_us);
+        let us = self.interval_us as f64;
         self.at_us = now_us;
         let allocated = total.saturating_sub(self.total);
         self.total = total;
@@ -137,6 +141,11 @@ impl Arm {
     /// Bytes the process allocates a second, lately (for the budget).
     pub fn bytes_per_second(&self) -> f64 {
         self.per_us * self.bytes_per_allocation * 1e6
+    }
+
+    /// µs between the last job and the one before it (the budget's refill).
+    pub fn interval_us(&self) -> u64 {
+        self.interval_us
     }
 
     /// Whether the hook is on.
@@ -248,7 +257,7 @@ mod tests {
             job_wanted = false;
             let unseen = arm.observe(run.objects, t);
             points.advance(unseen);
-            points.budget(arm.bytes_per_second());
+            points.budget(arm.bytes_per_second(), arm.interval_us() as f64 / 1e6);
             let missed = points.replay_missed();
             run.missed += missed;
             let (_, wanted) = arm.decide(points.until(), missed, points.mean());
@@ -261,9 +270,10 @@ mod tests {
 
     #[test]
     fn a_steady_allocator_costs_a_few_wakeups_and_the_margin_per_sample() {
-        // 100 MB/s at 512 KiB, capped at 100 samples a second: about 10 ms between points.
+        // 100 MB/s at 512 KiB (190 points a second), capped at 100 samples a second: the
+        // bucket's second of samples, then about 10 ms between points.
         let run = simulate(512 * 1024, 100, 2, |_| 100);
-        assert!((160..=240).contains(&run.samples), "{run:?}");
+        assert!((200..=310).contains(&run.samples), "{run:?}");
         assert_eq!(run.missed, 0, "{run:?}");
         let per_sample = |n: u64| n as f64 / run.samples as f64;
         assert!(per_sample(run.wakes) < 8.0, "{run:?}");

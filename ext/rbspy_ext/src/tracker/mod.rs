@@ -179,7 +179,8 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             };
             let unseen = t.arm.observe(total, arming::now_us());
             t.points.advance(unseen);
-            t.points.budget(t.arm.bytes_per_second());
+            t.points
+                .budget(t.arm.bytes_per_second(), t.arm.interval_us() as f64 / 1e6);
             let missed = t.points.replay_missed();
             STATS.missed.fetch_add(missed, Relaxed);
             let mean = t.points.mean();
