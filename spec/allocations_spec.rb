@@ -200,7 +200,12 @@ RSpec.describe "sampled allocations" do
   it "names a leak of 10,000 objects first, in use and in the diff of two heap profiles (#{target_ruby})" do
     skip_unless_fixture_runs(target_ruby)
     Dir.mktmpdir("rubyspy-leak") do |dir|
-      result = run_rates(target_ruby, "leak", rate_for(target_ruby), 30_000, dir)
+      # A quarter of the rate: some 50 samples of the leak, not 12. A point that passes
+      # while the hook is off is paid by a later point, of the churn after the leak: on a
+      # CI run with a core kept busy the leak (10,000 allocations in 3 ms on 4.0) lost
+      # all of its few, and a site of the churn came first (issue 48 wants points never
+      # billed to other code; until then the leak must outweigh such losses).
+      result = run_rates(target_ruby, "leak", rate_for(target_ruby) / 4, 30_000, dir)
       expect(result["kept"]).to eq(10_000)
       live = result["live"].sort_by { |_, n| -n }
       expect(live.first.first).to eq("Sites.leak")
