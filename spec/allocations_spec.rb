@@ -180,8 +180,11 @@ RSpec.describe "sampled allocations" do
     # heavy sample to one site), so the error is wider than 1/sqrt(n) of equal weights:
     # twice that bound here. Per site, with some 20 samples each, such lumps reached 4.6
     # of the equal-weight bound (1 run in 6), so sites are only checked to be there.
+    # The bucket's first second of samples, drawn at the rate asked for, weigh little and
+    # add next to no precision: the bound counts the samples past them.
     total = result["sites"].values.sum
-    expect((total - (10 * calls)).abs).to be < 2 * 4.5 * 10 * calls / Math.sqrt(samples), result["notes"].inspect
+    heavy = [samples - 100, 30].max
+    expect((total - (10 * calls)).abs).to be < 2 * 4.5 * 10 * calls / Math.sqrt(heavy), result["notes"].inspect
   end
 
   # The CI run that failed this: 359 points passed while a busy machine kept the poller from

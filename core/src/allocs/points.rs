@@ -10,8 +10,8 @@
 //! **The budget.** With `max_per_second`, samples are paid from a bucket that holds one
 //! second's worth and refills at that many a second. While it is full the draws keep the
 //! rate asked for; as it empties their mean rises towards what keeps a heavy allocator at
-//! the cap (`budget`, from the bytes a second the job measures), and past it while the
-//! bucket is in debt. It never falls below the rate asked for. A burst shorter than a
+//! the cap (`budget`, from the bytes a second the job measures). It never falls below
+//! the rate asked for. A burst shorter than a
 //! second so keeps its samples: priced at the rate the job last measured, a 20 ms burst of
 //! 8 MB right after tracking started was drawn at a mean of 4 MB, and so got no sample at
 //! all one time in five on a busy machine. Each sample keeps the rate
@@ -53,8 +53,7 @@ pub struct Points {
     owed: u32,
     /// The highest mean drawn with (notes say when the budget raised it).
     highest_rate: u64,
-    /// Samples the cap has left: at most `max_per_second`, and as many below 0 (a debt
-    /// the next draws pay by a higher mean).
+    /// Samples the cap has left: at most `max_per_second`.
     tokens: f64,
 }
 
@@ -166,10 +165,13 @@ impl Points {
             return;
         }
         let cap = self.max_per_second as f64;
-        self.tokens = (self.tokens + seconds.max(0.0) * cap).clamp(-cap, cap);
-        // Full: the rate asked for. Empty: the mean that spends the cap. In debt: up to
-        // twice that, so that the samples a second average no more than the cap.
-        let needed = bytes_per_second / cap * (1.0 - self.tokens / cap);
+        self.tokens = (self.tokens + seconds.max(0.0) * cap).clamp(0.0, cap);
+        // Full: the rate asked for. Half empty or less: the mean that spends the cap, so a
+        // steady allocator settles there at the cap. Never above it: a debt paid by a
+        // higher mean made samples of very unequal weights (80 MB beside 512 KiB), and the
+        // total's error grew past what the sample count promises.
+        let spare = (2.0 * self.tokens / cap - 1.0).clamp(0.0, 1.0);
+        let needed = bytes_per_second / cap * (1.0 - spare);
         self.draw_rate = (needed.min(u64::MAX as f64 / 4.0) as u64).max(self.rate);
         self.highest_rate = self.highest_rate.max(self.draw_rate);
     }
