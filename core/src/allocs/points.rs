@@ -9,12 +9,12 @@
 //!
 //! **The budget.** With `max_per_second`, samples are paid from a bucket that holds one
 //! second's worth and refills at that many a second. While it is full the draws keep the
-//! rate asked for; as it empties their mean rises towards what keeps a heavy allocator at
-//! the cap (`budget`, from the bytes a second the job measures). It never falls below
-//! the rate asked for. A burst shorter than a
-//! second so keeps its samples: priced at the rate the job last measured, a 20 ms burst of
-//! 8 MB right after tracking started was drawn at a mean of 4 MB, and so got no sample at
-//! all one time in five on a busy machine. Each sample keeps the rate
+//! rate asked for; by the time it is half spent their mean has risen to what keeps a heavy
+//! allocator at the cap (`budget`, from the bytes a second the job measures). It never
+//! falls below the rate asked for. A short burst so keeps its samples: priced at the rate
+//! the job last measured, a 20 ms burst of 8 MB right after tracking started was drawn at
+//! a mean of 4 MB, and got no sample at all 4 times in 100 on a busy machine. Each sample
+//! keeps the rate
 //! its interval was drawn with, and the weights use it, so the estimates stay unbiased: the
 //! rate only changes between draws, where an exponential draw has no memory of the past.
 //! What a user gives up at the cap is samples, so precision: a site allocating 1 % of the
