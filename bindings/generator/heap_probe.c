@@ -16,6 +16,7 @@
  */
 #include "gc.c"
 #undef heaps
+#undef size_pools
 #include "ruby/version.h"
 
 #define API (RUBY_API_VERSION_MAJOR * 100 + RUBY_API_VERSION_MINOR)
@@ -69,6 +70,30 @@ VALUE_OF(base_slot_size, sizeof(RVALUE))
 VALUE_OF(gc_mode_sweeping, gc_mode_sweeping)
 /* Compactions so far: a census during which it changes read objects that moved. */
 VALUE_OF(compact_count, offsetof(rb_objspace_t, profile.compact_count))
+
+/* Objects allocated so far (GC.stat's total_allocated_objects): one counter before 3.3, then
+ * one per size pool (3.3) or heap (3.4+), summed. The allocation tracker reads them in its own
+ * process, with no call into Ruby, to see a sample point coming
+ * (ext/rbspy_ext/src/tracker/watch.rs). 4.0 adds a Ractor's allocations to them only in steps of
+ * ALLOCATED_COUNT_STEP (a static const, so not measurable here): `allocated_batched` marks the
+ * counters as behind, and the tracker does not rely on them there. */
+#if API >= 304
+VALUE_OF(allocated_at, offsetof(rb_objspace_t, heaps) + offsetof(rb_heap_t, total_allocated_objects))
+VALUE_OF(allocated_stride, sizeof(rb_heap_t))
+VALUE_OF(allocated_count, HEAP_COUNT)
+#elif API >= 303
+VALUE_OF(allocated_at,
+         offsetof(rb_objspace_t, size_pools) + offsetof(rb_size_pool_t, total_allocated_objects))
+VALUE_OF(allocated_stride, sizeof(rb_size_pool_t))
+VALUE_OF(allocated_count, SIZE_POOL_COUNT)
+#else
+VALUE_OF(allocated_at, offsetof(rb_objspace_t, total_allocated_objects))
+VALUE_OF(allocated_stride, 0)
+VALUE_OF(allocated_count, 1)
+#endif
+#if API == 400
+VALUE_OF(allocated_batched, 1)
+#endif
 
 /* Bytes outside the slot (what ObjectSpace.memsize_of adds to the slot). */
 VALUE_OF(str_shared, STR_SHARED)

@@ -40,6 +40,8 @@ pub struct HeapLayout {
     /// (from the objspace's start): a census that saw either change read objects that moved.
     pub compact_count: usize,
     pub during_compacting: (usize, u8),
+    /// Where `GC.stat(:total_allocated_objects)` is kept in the objspace.
+    pub allocated: Allocated,
     // Bytes held outside the slot, as `ObjectSpace.memsize_of` counts them.
     /// A string owns its buffer (`as.heap.aux.capa` + 1 bytes) when not embedded, not
     /// shared and not `STR_NOFREE`.
@@ -80,6 +82,18 @@ pub struct HeapLayout {
     /// The master of 2026-08: what `ObjectSpace.memsize_of` adds for a T_IMEMO fields
     /// object, which holds the ivars that left an object's slot (`as.extended`).
     pub fields: Option<Fields>,
+}
+
+/// `GC.stat(:total_allocated_objects)`: the sum of `count` words, the first at `at` from the
+/// objspace's start, each `stride` bytes after the one before (one counter before 3.3; one
+/// per size pool or heap after). Where `batched` (4.0), a Ractor adds its allocations to them
+/// only every 1,024 of a heap, so they run behind by up to that many per heap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocated {
+    pub at: usize,
+    pub stride: usize,
+    pub count: usize,
+    pub batched: bool,
 }
 
 /// The objspaces of a VM whose Ractors each own one (`rb_gc_vm_each_objspace`'s list): each

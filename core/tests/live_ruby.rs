@@ -114,6 +114,28 @@ fn snapshot_equals_the_targets_own_backtrace() {
     }
 }
 
+/// The words a Ruby counts its allocations in (what the allocation tracker reads from its
+/// signal handler) sum to the target's own `GC.stat(:total_allocated_objects)`, plus the
+/// few objects it allocated writing that number down.
+#[test]
+fn the_allocation_counters_read_the_targets_own_count() {
+    let target = Target::spawn("allocated.rb", &[]);
+    let own: u64 = std::fs::read_to_string(&target.ready)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut spy = Spy::attach(target.pid()).unwrap();
+    let view = spy.target_view();
+    let counters = rbspy_ext_core::census::AllocatedCounters::find(&view).unwrap();
+    let read = counters.read(view.mem()).unwrap();
+    assert!(own > 100_000, "{own}");
+    assert!(
+        (own..own + 1_000).contains(&read),
+        "read {read}, the target said {own}"
+    );
+}
+
 /// An image captured from a live Ruby (the `memory_image` and `heap_image` fuzz targets'
 /// seeds) holds all a walk and a census need: a spy over it reads the stack the live
 /// process had and counts the heap it has (parked, it allocates nothing), and any cut of

@@ -294,6 +294,7 @@ heap_layout_of() {
     gc_mode_sweeping: ${v[gc_mode_sweeping]},
     compact_count: ${v[compact_count]},
     during_compacting: $(flag during_compacting),
+    allocated: Allocated { at: ${v[allocated_at]}, stride: ${v[allocated_stride]}, count: ${v[allocated_count]}, batched: $([ -n "${v[allocated_batched]+x}" ] && echo true || echo false) },
     str_shared: 0x$(printf %x "${v[str_shared]}"),
     str_nofree: 0x$(printf %x "${v[str_nofree]}"),
     rstring_capa: ${v[rstring_capa]},

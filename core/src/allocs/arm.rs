@@ -37,6 +37,12 @@ pub const SHORTEST_LONGEST_US: u64 = 2_000;
 /// was on 7 % of the time instead of 2 %, for the same CPU, and misses bill other code.
 pub const AIM: f64 = 0.8;
 
+/// The longest the timer waits, for draws at a mean of `mean` bytes (see
+/// [`BURST_BYTES_PER_US`]).
+pub fn longest_wait_us(mean: u64) -> u64 {
+    ((mean as f64 / BURST_BYTES_PER_US) as u64).clamp(SHORTEST_LONGEST_US, MAX_DELAY_US)
+}
+
 /// The timer's period for a job wanted within `wanted_us`, when the period now is
 /// `period_us` (0: none set); None keeps it. The period is a power of two times
 /// [`MIN_DELAY_US`], set again only when it is longer than wanted or less than a quarter of
@@ -153,6 +159,29 @@ impl Arm {
         self.on
     }
 
+    /// Objects allocated a µs, lately.
+    pub fn per_us(&self) -> f64 {
+        self.per_us
+    }
+
+    /// The job, after `observe`: the rate the timer's ticks saw since (`super::gate`), which
+    /// the job's own average over a longer interval may hide.
+    pub fn heard(&mut self, per_us: f64) {
+        self.per_us = self.per_us.max(per_us);
+    }
+
+    /// The job, after `decide`, for [`super::gate::Gate::open_at`]: how many objects from
+    /// now the next point falls (at the size the hook last saw), and the margin in µs
+    /// within which it turns the hook on; None while the hook is on, when every tick has
+    /// work.
+    pub fn until_point(&self, until_sample: i64) -> Option<(u64, f64)> {
+        if self.on || self.always {
+            return None;
+        }
+        let objects = until_sample.max(0) as f64 / self.bytes_per_allocation.max(1.0);
+        Some(((objects as u64).max(1), self.ahead_us))
+    }
+
     /// The job, then: `missed` points passed while the hook was off (they are owed to the
     /// next allocation); points are drawn at a mean of `mean` bytes. Returns whether to turn
     /// the hook on (Some(true)) or off, and the µs the next job is wanted within.
@@ -188,8 +217,7 @@ impl Arm {
         if let Some(on) = change {
             self.on = on;
         }
-        let longest =
-            ((mean as f64 / BURST_BYTES_PER_US) as u64).clamp(SHORTEST_LONGEST_US, MAX_DELAY_US);
+        let longest = longest_wait_us(mean);
         let delay = if self.on {
             longest
         } else {
@@ -201,6 +229,7 @@ impl Arm {
 
 #[cfg(test)]
 mod tests {
+    use super::super::gate::{Gate, Tick};
     use super::super::points::Points;
     use super::*;
 
@@ -209,29 +238,52 @@ mod tests {
     struct Run {
         samples: u64,
         missed: u64,
+        /// The timer's ticks, and the jobs they (or the hook) posted.
         wakes: u64,
+        jobs: u64,
         /// Allocations while the hook was on: each took Ruby's slow path.
         slow: u64,
         objects: u64,
     }
 
+    /// `bytes(t)` of a process waiting on IO: it allocates nothing, and Ruby runs jobs.
+    const IDLE: u64 = u64::MAX;
+
     /// A process allocating `bytes(t)` bytes in µs `t`, in objects of 40 (none: a GC, when
-    /// Ruby runs no job), tracked at `rate` with at most `cap` samples a second for
-    /// `seconds`: the hook, the job and the periodic timer as the extension runs them.
+    /// Ruby runs no job; [`IDLE`]: waiting, when it does), tracked at `rate` with at most `cap` samples a second for
+    /// `seconds`: the hook, the job and the periodic timer as the extension runs them, the
+    /// handler reading the count of allocations (`Gate`) as it does where it can.
     fn simulate(rate: u64, cap: u64, seconds: u64, bytes: impl Fn(u64) -> u64) -> Run {
+        simulate_with(true, rate, cap, seconds, bytes)
+    }
+
+    /// As `simulate`; `gated: false` as where the handler cannot read the count (4.0), and
+    /// every tick posts the job.
+    fn simulate_with(
+        gated: bool,
+        rate: u64,
+        cap: u64,
+        seconds: u64,
+        bytes: impl Fn(u64) -> u64,
+    ) -> Run {
         let mut points = Points::new(rate, cap, 7);
         let mut arm = Arm::new(false, 0, 0);
+        let gate = Gate::new();
         let mut run = Run {
             samples: 0,
             missed: 0,
             wakes: 0,
+            jobs: 0,
             slow: 0,
             objects: 0,
         };
         let (mut period, mut next_wake) = (0, u64::MAX);
         let (mut job_wanted, mut due) = (true, 0);
         for t in 0..seconds * 1_000_000 {
-            let now = bytes(t);
+            let (now, idle) = match bytes(t) {
+                IDLE => (0, true),
+                b => (b, false),
+            };
             due += now;
             while due >= 40 {
                 due -= 40;
@@ -248,14 +300,26 @@ mod tests {
             }
             if t == next_wake {
                 run.wakes += 1;
-                job_wanted = true;
                 next_wake += period;
+                match gated {
+                    true => match gate.tick(run.objects, t, now == 0 && !idle) {
+                        Tick::Post => job_wanted = true,
+                        Tick::Wait(wanted) => {
+                            if let Some(p) = period_for(period, wanted) {
+                                (period, next_wake) = (p, t + p);
+                            }
+                        }
+                    },
+                    false => job_wanted = true,
+                }
             }
-            if !job_wanted || now == 0 {
+            if !job_wanted || (now == 0 && !idle) {
                 continue;
             }
             job_wanted = false;
+            run.jobs += 1;
             let unseen = arm.observe(run.objects, t);
+            arm.heard(gate.per_us());
             points.advance(unseen);
             points.budget(arm.bytes_per_second(), arm.interval_us() as f64 / 1e6);
             let missed = points.replay_missed();
@@ -264,8 +328,44 @@ mod tests {
             if let Some(p) = period_for(period, wanted) {
                 (period, next_wake) = (p, t + p);
             }
+            if gated {
+                let point = arm.until_point(points.until());
+                let longest = longest_wait_us(points.mean());
+                gate.open_at(point, run.objects, t, arm.per_us(), longest);
+            }
         }
         run
+    }
+
+    /// Rack-like: 5 ms at 60 bytes a µs, then 3.5 ms waiting for the next request.
+    fn rack(t: u64) -> u64 {
+        if t % 8_500 < 5_000 {
+            60
+        } else {
+            IDLE
+        }
+    }
+
+    #[test]
+    fn reading_the_count_in_the_handler_spares_most_jobs_and_misses_no_more() {
+        // Rack-like; 2 ms GCs every 15 ms at 200 MB/s; steady at 100 MB/s.
+        let gc = |t: u64| if t % 15_000 < 2_000 { 0 } else { 200 };
+        for (load, bytes) in [
+            ("rack", rack as fn(u64) -> u64),
+            ("gc", gc),
+            ("steady", |_| 100),
+        ] {
+            let gated = simulate(512 * 1024, 100, 4, bytes);
+            let every = simulate_with(false, 512 * 1024, 100, 4, bytes);
+            let jobs = |run: &Run| run.jobs as f64 / run.samples as f64;
+            let also = format!("{load}: {gated:?} against {every:?}");
+            assert!(jobs(&every) > 5.0, "{also}");
+            assert!(jobs(&gated) < 2.5, "{also}");
+            assert!(gated.missed <= every.missed + 2, "{also}");
+            assert!(gated.samples * 10 >= every.samples * 9, "{also}");
+            assert!(gated.slow <= every.slow * 11 / 10, "{also}");
+            assert!(gated.wakes <= every.wakes * 12 / 10, "{also}");
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - `render.rs`: a census as text, a diff as text, and pprof in Go's heap profile shape.
 use serde::{Deserialize, Serialize};
 
+mod allocated;
 mod classes;
 mod heaps;
 mod pages;
@@ -19,6 +20,7 @@ pub mod render;
 mod shapes;
 mod singletons;
 mod walk;
+pub use allocated::AllocatedCounters;
 pub use walk::{take, CensusOptions};
 
 // The built-in types the census tells apart (enum ruby_value_type: the same on every Ruby).

@@ -103,6 +103,15 @@ struct Heap<'a, M: Memory> {
     h: &'static HeapLayout,
 }
 
+/// The target's heap layout, measured from its release's gc.c.
+pub(super) fn heap_layout<M: Memory>(target: &TargetView<'_, M>) -> Result<&'static HeapLayout> {
+    heap_layout_for_version(target.version()).ok_or_else(|| Error::UnsupportedVersion {
+        pid: target.pid(),
+        version: target.version().to_string(),
+        detail: "no heap layout measured for this series".into(),
+    })
+}
+
 /// Counts the target's live objects by class and type, reading its heap pages while it
 /// runs. A page that does not read, or reads as nonsense (freed or changed meanwhile), is
 /// counted as unreadable and skipped; nothing is followed beyond a page but the class names,
@@ -113,11 +122,7 @@ struct Heap<'a, M: Memory> {
 /// then says how many in its last pass, `unreadable_pages`).
 pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Result<Census> {
     let began = Instant::now();
-    let h = heap_layout_for_version(target.version()).ok_or_else(|| Error::UnsupportedVersion {
-        pid: target.pid(),
-        version: target.version().to_string(),
-        detail: "no heap layout measured for this series".into(),
-    })?;
+    let h = heap_layout(&target)?;
     let mut heap = Heap { t: target, h };
     let mut spaces = objspaces(&heap.t, h)?;
     let (mut passes, mut compactions) = (0, 0);

@@ -9,7 +9,13 @@
 //! hundred µs (more after points were missed), when the hook goes on. The hook then counts
 //! every byte exactly up to the point, samples, and asks for a job that turns it off again
 //! when the next point is far. The job sets the timer's period to most of the time it
-//! expects the next point to take, so a point costs a few jobs.
+//! expects the next point to take, so a point costs a few wake-ups.
+//!
+//! Where the bindings know where the objspace counts allocations (every Ruby but 4.0, see
+//! `read_counters` in mod.rs), the signal handler reads that count itself, with the GC's
+//! flags, and posts the job only when it has work (`rbspy_ext_core::allocs::gate`): about 2
+//! jobs a sample instead of one a wake-up, each a Ruby interrupt and a `GC.stat` with the
+//! GVL. The other wake-ups only set the timer again.
 //!
 //! Why a timer's signal and not a thread of ours: on a busy machine a thread that sleeps
 //! between polls is woken late, by many points, while the Ruby thread it watches runs on
@@ -28,8 +34,11 @@
 //! (3.0 to 3.2) may be called from any thread; 2.7's needs a Ruby thread, so on 2.7 the hook
 //! stays on.
 use rbspy_ext_core::allocs::arm::{period_for, MIN_DELAY_US};
+use rbspy_ext_core::allocs::gate::{Gate, Tick};
+use rbspy_ext_core::census::AllocatedCounters;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -112,14 +121,79 @@ pub(super) fn post() {
     }
 }
 
-/// The timer's signal: posts the job. Only async-signal-safe calls: an atomic load, and
-/// Ruby's posting, which sets a flag and an interrupt.
+/// Where this process counts its allocations (`rbspy_ext_core::census::AllocatedCounters`):
+/// the first `COUNTERS_LEN` addresses; 0 where they are not read (not found, behind on 4.0,
+/// or not yet looked for).
+static COUNTERS: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
+static COUNTERS_LEN: AtomicUsize = AtomicUsize::new(0);
+/// Between the handler and the job: whether a tick has work for the job (see `Gate`).
+pub(super) static GATE: Gate = Gate::new();
+
+/// The objspace's GC flags (a 32-bit word) and the bit set while a GC runs.
+static GC_FLAGS: AtomicU64 = AtomicU64::new(0);
+static DURING_GC: AtomicU32 = AtomicU32::new(0);
+
+/// Keeps the words to read the count from (with the GVL); none: the count is not read.
+pub(super) fn set_counters(counters: Option<&AllocatedCounters>) {
+    COUNTERS_LEN.store(0, Ordering::Release);
+    let Some(c) = counters else { return };
+    let n = c.addresses.len().min(COUNTERS.len());
+    for (slot, &at) in COUNTERS.iter().zip(&c.addresses[..n]) {
+        slot.store(at, Ordering::Relaxed);
+    }
+    GC_FLAGS.store(c.gc_flags, Ordering::Relaxed);
+    DURING_GC.store(1 << c.during_gc_bit, Ordering::Relaxed);
+    COUNTERS_LEN.store(n, Ordering::Release);
+}
+
+/// Ticks that found a GC running (the count read), and that posted no job.
+pub(super) static GC_TICKS: AtomicU64 = AtomicU64::new(0);
+pub(super) static QUIET_TICKS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a GC runs now (where the count is read).
+fn in_gc() -> bool {
+    // SAFETY: the flags word of the objspace whose counters `set_counters` kept.
+    let flags = unsafe { std::ptr::read_volatile(GC_FLAGS.load(Ordering::Relaxed) as *const u32) };
+    let running = flags & DURING_GC.load(Ordering::Relaxed) != 0;
+    if running {
+        GC_TICKS.fetch_add(1, Ordering::Relaxed);
+    }
+    running
+}
+
+/// The process's count of allocations, read from its objspace (None where not known). No
+/// call into Ruby, so a signal handler may call it.
+pub(super) fn read_count() -> Option<u64> {
+    let n = COUNTERS_LEN.load(Ordering::Acquire);
+    (n > 0).then(|| {
+        COUNTERS[..n].iter().fold(0u64, |sum, at| {
+            // SAFETY: words of this process's objspace, which lives as long as the VM;
+            // `set_counters` checked their sum against `GC.stat`. A torn read is impossible
+            // for an aligned word on x86-64, and a stale one only delays a tick.
+            let word = unsafe { std::ptr::read_volatile(at.load(Ordering::Relaxed) as *const u64) };
+            sum.wrapping_add(word)
+        })
+    })
+}
+
+/// The timer's signal: reads the count of allocations where it can, and posts the job only
+/// when the job has work (`Gate`), else sets the timer for the next look; elsewhere posts
+/// the job at every tick. Only async-signal-safe calls: atomics, word reads of the
+/// objspace, the monotonic clock, `timer_settime`, and Ruby's posting, which sets a flag
+/// and an interrupt.
 extern "C" fn on_signal(_signal: libc::c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
     // SAFETY: errno of this thread, saved and restored around the handler.
     let errno = unsafe { *libc::__errno_location() };
     if ACTIVE.load(Ordering::Relaxed) {
         super::stats::STATS.wakes.fetch_add(1, Ordering::Relaxed);
-        post();
+        // `now_us` was first called before the timer started: only a clock read here.
+        match read_count().map(|count| GATE.tick(count, now_us(), in_gc())) {
+            Some(Tick::Wait(us)) => {
+                QUIET_TICKS.fetch_add(1, Ordering::Relaxed);
+                set_delay(us)
+            }
+            Some(Tick::Post) | None => post(),
+        }
     }
     // SAFETY: as above.
     unsafe { *libc::__errno_location() = errno };
@@ -181,6 +255,9 @@ pub(super) fn set_delay(us: u64) {
 /// real-time signal), and the hook must then stay on.
 pub(super) fn start_timer() -> bool {
     stop_timer();
+    // The clock's origin is set here, not first in the handler (a OnceLock's first call
+    // from a signal could wait on itself).
+    now_us();
     let Some(signal) = signal() else {
         return false;
     };

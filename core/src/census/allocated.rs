@@ -1,0 +1,53 @@
+//! Where a Ruby keeps its count of the objects it allocated (`GC.stat`'s
+//! `total_allocated_objects`): words in its objspace, private to gc.c and measured per
+//! release (`rbspy_ext_bindings::Allocated`). The allocation tracker reads them in its own
+//! process, from its timer's signal handler, to see a sample point coming without running
+//! a job (ext/rbspy_ext/src/tracker/arming.rs); read from outside, they give the count that
+//! core/tests/live_ruby.rs compares with the target's own `GC.stat`.
+use super::heaps::objspaces;
+use super::walk::heap_layout;
+use crate::error::{Error, MemoryError, Result};
+use crate::memory::{field, Memory};
+use crate::spy::TargetView;
+
+/// The words whose sum is the count of objects allocated, in the VM's objspace (or, where
+/// each Ractor owns its heap, the main Ractor's: the first the GC lists).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocatedCounters {
+    pub addresses: Vec<u64>,
+    /// 4.0: a Ractor adds its allocations to the words only every 1,024 of a heap, so
+    /// they run behind what `GC.stat` (which adds the caller's first) says.
+    pub batched: bool,
+    /// The same objspace's GC flags (a 32-bit word), and the bit set while a GC runs: no
+    /// allocation then, which a reader of the count must not take for a slow process.
+    pub gc_flags: u64,
+    pub during_gc_bit: u32,
+}
+
+impl AllocatedCounters {
+    /// The words of the target's heap.
+    pub fn find<M: Memory>(t: &TargetView<'_, M>) -> Result<Self> {
+        let h = heap_layout(t)?;
+        let first = objspaces(t, h)?.into_iter().next().ok_or(Error::Corrupt {
+            pid: t.pid(),
+            what: "objspace list (empty)",
+            addr: t.vm(),
+        })?;
+        let a = h.allocated;
+        Ok(AllocatedCounters {
+            addresses: (0..a.count)
+                .map(|i| field(first.address, a.at + i * a.stride))
+                .collect(),
+            batched: a.batched,
+            gc_flags: field(first.address, t.layout().objspace_flags),
+            during_gc_bit: t.layout().objspace_during_gc_bit,
+        })
+    }
+
+    /// Their sum, read through `mem`.
+    pub fn read<M: Memory>(&self, mem: &M) -> std::result::Result<u64, MemoryError> {
+        self.addresses
+            .iter()
+            .try_fold(0u64, |sum, &at| Ok(sum.wrapping_add(mem.read_u64(at)?)))
+    }
+}
