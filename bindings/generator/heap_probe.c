@@ -74,9 +74,9 @@ VALUE_OF(compact_count, offsetof(rb_objspace_t, profile.compact_count))
 /* Objects allocated so far (GC.stat's total_allocated_objects): one counter before 3.3, then
  * one per size pool (3.3) or heap (3.4+), summed. The allocation tracker reads them in its own
  * process, with no call into Ruby, to see a sample point coming
- * (ext/rbspy_ext/src/tracker/watch.rs). 4.0 adds a Ractor's allocations to them only in steps of
- * ALLOCATED_COUNT_STEP (a static const, so not measurable here): `allocated_batched` marks the
- * counters as behind, and the tracker does not rely on them there. */
+ * (ext/rbspy_ext/src/tracker/arming.rs). 4.0 adds a Ractor's allocations to them only every
+ * ALLOCATED_COUNT_STEP of a heap, and keeps the rest in the Ractor's newobj cache
+ * (`r->newobj_cache`, per heap), which GC.stat adds first: those are measured too. */
 #if API >= 304
 VALUE_OF(allocated_at, offsetof(rb_objspace_t, heaps) + offsetof(rb_heap_t, total_allocated_objects))
 VALUE_OF(allocated_stride, sizeof(rb_heap_t))
@@ -92,7 +92,10 @@ VALUE_OF(allocated_stride, 0)
 VALUE_OF(allocated_count, 1)
 #endif
 #if API == 400
-VALUE_OF(allocated_batched, 1)
+VALUE_OF(pending_cache, offsetof(rb_ractor_t, newobj_cache))
+VALUE_OF(pending_at, offsetof(rb_ractor_newobj_cache_t, heap_caches) +
+                         offsetof(rb_ractor_newobj_heap_cache_t, allocated_objects_count))
+VALUE_OF(pending_stride, sizeof(rb_ractor_newobj_heap_cache_t))
 #endif
 
 /* Bytes outside the slot (what ObjectSpace.memsize_of adds to the slot). */

@@ -86,14 +86,24 @@ pub struct HeapLayout {
 
 /// `GC.stat(:total_allocated_objects)`: the sum of `count` words, the first at `at` from the
 /// objspace's start, each `stride` bytes after the one before (one counter before 3.3; one
-/// per size pool or heap after). Where `batched` (4.0), a Ractor adds its allocations to them
-/// only every 1,024 of a heap, so they run behind by up to that many per heap.
+/// per size pool or heap after), plus, on 4.0, what each Ractor's cache holds back
+/// (`pending`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocated {
     pub at: usize,
     pub stride: usize,
     pub count: usize,
-    pub batched: bool,
+    pub pending: Option<Pending>,
+}
+
+/// 4.0: a Ractor adds its allocations to the objspace's counters only every 1,024 of a heap;
+/// the rest are counted in its newobj cache, at `r->newobj_cache` (`cache`, a pointer), one
+/// word per heap, the first at `at` in the cache, each `stride` bytes after the one before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pending {
+    pub cache: usize,
+    pub at: usize,
+    pub stride: usize,
 }
 
 /// The objspaces of a VM whose Ractors each own one (`rb_gc_vm_each_objspace`'s list): each

@@ -259,7 +259,9 @@ heap_layout_of() {
     od -An -tu1 -v -w1 "$scratch/$1.bin" | awk '$1 != 0 { printf "(%d, 0x%02x)", NR - 1, $1; exit }'
   }
   opt() { if [ -n "${v[$1]+x}" ]; then echo "Some(${v[$1]})"; else echo None; fi; }
-  local darray=None tomb=None
+  local darray=None tomb=None pending=None
+  [ -n "${v[pending_cache]+x}" ] &&
+    pending="Some(crate::heap::Pending { cache: ${v[pending_cache]}, at: ${v[pending_at]}, stride: ${v[pending_stride]} })"
   [ -n "${v[darray_data]+x}" ] && darray="Some((${v[darray_size]}, ${v[darray_data]}))"
   objdump -h "$scratch/heap_probe.o" | grep -q '\.rbspy_in_tomb' && tomb="Some($(flag in_tomb))"
   local robject=None
@@ -294,7 +296,7 @@ heap_layout_of() {
     gc_mode_sweeping: ${v[gc_mode_sweeping]},
     compact_count: ${v[compact_count]},
     during_compacting: $(flag during_compacting),
-    allocated: Allocated { at: ${v[allocated_at]}, stride: ${v[allocated_stride]}, count: ${v[allocated_count]}, batched: $([ -n "${v[allocated_batched]+x}" ] && echo true || echo false) },
+    allocated: Allocated { at: ${v[allocated_at]}, stride: ${v[allocated_stride]}, count: ${v[allocated_count]}, pending: $pending },
     str_shared: 0x$(printf %x "${v[str_shared]}"),
     str_nofree: 0x$(printf %x "${v[str_nofree]}"),
     rstring_capa: ${v[rstring_capa]},

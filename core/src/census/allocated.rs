@@ -11,13 +11,12 @@ use crate::memory::{field, Memory};
 use crate::spy::TargetView;
 
 /// The words whose sum is the count of objects allocated, in the VM's objspace (or, where
-/// each Ractor owns its heap, the main Ractor's: the first the GC lists).
+/// each Ractor owns its heap, the main Ractor's: the first the GC lists), and on 4.0 in the
+/// main Ractor's newobj cache, which holds back up to 1,023 a heap (another Ractor's cache
+/// is not read: its allocations show in steps).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocatedCounters {
     pub addresses: Vec<u64>,
-    /// 4.0: a Ractor adds its allocations to the words only every 1,024 of a heap, so
-    /// they run behind what `GC.stat` (which adds the caller's first) says.
-    pub batched: bool,
     /// The same objspace's GC flags (a 32-bit word), and the bit set while a GC runs: no
     /// allocation then, which a reader of the count must not take for a slow process.
     pub gc_flags: u64,
@@ -34,11 +33,15 @@ impl AllocatedCounters {
             addr: t.vm(),
         })?;
         let a = h.allocated;
+        let mut addresses: Vec<u64> = (0..a.count)
+            .map(|i| field(first.address, a.at + i * a.stride))
+            .collect();
+        if let Some(p) = a.pending {
+            let cache = main_ractor_cache(t, p.cache)?;
+            addresses.extend((0..a.count).map(|i| field(cache, p.at + i * p.stride)));
+        }
         Ok(AllocatedCounters {
-            addresses: (0..a.count)
-                .map(|i| field(first.address, a.at + i * a.stride))
-                .collect(),
-            batched: a.batched,
+            addresses,
             gc_flags: field(first.address, t.layout().objspace_flags),
             during_gc_bit: t.layout().objspace_during_gc_bit,
         })
@@ -49,5 +52,27 @@ impl AllocatedCounters {
         self.addresses
             .iter()
             .try_fold(0u64, |sum, &at| Ok(sum.wrapping_add(mem.read_u64(at)?)))
+    }
+}
+
+/// The main Ractor's newobj cache (`vm->ractor.main_ractor->newobj_cache`, at `cache` in
+/// the Ractor), which lives as long as the process.
+fn main_ractor_cache<M: Memory>(t: &TargetView<'_, M>, cache: usize) -> Result<u64> {
+    let unsupported = || Error::UnsupportedVersion {
+        pid: t.pid(),
+        version: t.version().to_string(),
+        detail: "where the main Ractor is was not measured".into(),
+    };
+    let at = t.layout().vm_main_ractor.ok_or_else(unsupported)?;
+    let memory = |e| t.memory_error("reading the main Ractor's newobj cache", e);
+    let ractor = t.mem().read_u64(field(t.vm(), at)).map_err(memory)?;
+    let cache = t.mem().read_u64(field(ractor, cache)).map_err(memory)?;
+    match cache {
+        0 => Err(Error::Corrupt {
+            pid: t.pid(),
+            what: "main Ractor's newobj cache (none)",
+            addr: ractor,
+        }),
+        cache => Ok(cache),
     }
 }

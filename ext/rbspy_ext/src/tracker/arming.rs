@@ -11,7 +11,7 @@
 //! when the next point is far. The job sets the timer's period to most of the time it
 //! expects the next point to take, so a point costs a few wake-ups.
 //!
-//! Where the bindings know where the objspace counts allocations (every Ruby but 4.0, see
+//! Where the bindings know where the objspace counts allocations (every Ruby from 3.0, see
 //! `read_counters` in mod.rs), the signal handler reads that count itself, with the GC's
 //! flags, and posts the job only when it has work (`rbspy_ext_core::allocs::gate`): about 2
 //! jobs a sample instead of one a wake-up, each a Ruby interrupt and a `GC.stat` with the
@@ -122,8 +122,8 @@ pub(super) fn post() {
 }
 
 /// Where this process counts its allocations (`rbspy_ext_core::census::AllocatedCounters`):
-/// the first `COUNTERS_LEN` addresses; 0 where they are not read (not found, behind on 4.0,
-/// or not yet looked for).
+/// the first `COUNTERS_LEN` addresses; none where they are not read (not found, or not yet
+/// looked for).
 static COUNTERS: [AtomicU64; 16] = [const { AtomicU64::new(0) }; 16];
 static COUNTERS_LEN: AtomicUsize = AtomicUsize::new(0);
 /// Between the handler and the job: whether a tick has work for the job (see `Gate`).

@@ -391,8 +391,8 @@ pub(crate) fn start(rate_bytes: u64, max_per_second: u64, version: &str) {
 /// Has the timer's handler read the words this process counts its allocations in
 /// (arming.rs): found once by a spy on this very process (the census's wing knows them per
 /// release), and kept only if their sum is `total`, what `GC.stat` said just before with the
-/// GVL held. None on 4.0, which adds to them only every 1,024 allocations of a heap, nor
-/// where another Ractor allocated meanwhile (the job then runs at every tick, as before).
+/// GVL held: not where another Ractor allocated meanwhile (the job then runs at every tick,
+/// as before).
 fn read_counters(total: u64) {
     static FOUND: OnceLock<Option<AllocatedCounters>> = OnceLock::new();
     let found = FOUND.get_or_init(|| {
@@ -402,7 +402,7 @@ fn read_counters(total: u64) {
         // Checked first through the spy's reads, which fail where a plain load would crash.
         let c = AllocatedCounters::find(&view).ok()?;
         let flags = view.mem().read(c.gc_flags, &mut [0u8; 4]).is_ok();
-        (!c.batched && flags && c.read(view.mem()).ok() == Some(total)).then_some(c)
+        (flags && c.read(view.mem()).ok() == Some(total)).then_some(c)
     });
     arming::set_counters(found.as_ref());
     if arming::read_count() != Some(total) {
