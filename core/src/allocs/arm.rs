@@ -37,6 +37,13 @@ pub const SHORTEST_LONGEST_US: u64 = 2_000;
 /// was on 7 % of the time instead of 2 %, for the same CPU, and misses bill other code.
 pub const AIM: f64 = 0.8;
 
+/// The allocation rate after one that was `per_us` saw `rate` (both objects a µs): rises at
+/// once, so a burst is met by arming early, and falls slowly. The job's rule, and the
+/// signal handler's (`super::gate`).
+pub fn next_rate(per_us: f64, rate: f64) -> f64 {
+    rate.max(per_us * 0.75 + rate * 0.25)
+}
+
 /// The longest the timer waits, for draws at a mean of `mean` bytes (see
 /// [`BURST_BYTES_PER_US`]).
 pub fn longest_wait_us(mean: u64) -> u64 {
@@ -129,9 +136,7 @@ impl Arm {
         let allocated = total.saturating_sub(self.total);
         self.total = total;
         if us > 0.0 {
-            // Rises at once, falls slowly: a burst is met by arming early.
-            let rate = allocated as f64 / us;
-            self.per_us = rate.max(self.per_us * 0.75 + rate * 0.25);
+            self.per_us = next_rate(self.per_us, allocated as f64 / us);
         }
         if self.seen >= 64 {
             let seen = self.seen_bytes as f64 / self.seen as f64;

@@ -16,7 +16,7 @@
 //! thread holding the GVL, and two handlers may overlap. A race costs at most one tick's
 //! rate estimate or one needless job, never a missed gate: the gate and the count are only
 //! compared, never derived from one another here.
-use super::arm::{AIM, MIN_DELAY_US};
+use super::arm::{next_rate, AIM, MIN_DELAY_US};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// Longest the handler holds the job back: the job also refills the sample budget,
@@ -136,14 +136,14 @@ impl Gate {
         Tick::Wait(((due_us * AIM) as u64).min(longest))
     }
 
-    /// The rate after `objects` were allocated in `us`, as the job reckons it
-    /// (`Arm::observe`): rises at once, so a burst is met early, and falls slowly.
+    /// The rate after `objects` were allocated in `us`, by the job's rule
+    /// ([`super::arm::next_rate`]).
     fn learn(&self, per_us: f64, objects: u64, us: u64) -> f64 {
         if us == 0 {
             return per_us;
         }
         let rate = objects as f64 / us as f64;
-        let per_us = rate.max(per_us * 0.75 + rate * 0.25);
+        let per_us = next_rate(per_us, rate);
         self.per_us.store(per_us.to_bits(), Relaxed);
         per_us
     }
