@@ -144,7 +144,8 @@ RSpec.describe "sampled allocations" do
       n = result["samples"].fetch(site)
       bound = 4.5 * calls / Math.sqrt([n, 1].max)
       expect((estimate - calls).abs).to be < bound,
-                                        "#{site}: #{estimate} for #{calls} from #{n} samples (#{result['notes']})"
+                                        "#{site}: #{estimate} for #{calls} from #{n} samples (#{result['notes']})" +
+                                        result.slice("all_samples", "objects", "seconds", "stats").to_s
     end
   end
 

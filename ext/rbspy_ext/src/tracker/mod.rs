@@ -5,11 +5,10 @@
 //! scaled, is `rbspy_ext_core::allocs`; naming the frames and classes is allocs.rs.
 //!
 //! The hook is on only near a sample point (arming.rs): any NEWOBJ hook costs Ruby about
-//! 100 ns on every allocation. The GC_END_MARK hook, once per GC, keeps the live set (live.rs);
-//! from 3.3 it costs allocations nothing, but before 3.3 any GC hook sends every allocation
-//! down Ruby's slow path (+16 % on bench/allocs.rb). It stays on there all the same: checking
-//! only some GCs would mistake a dead sampled object for the live one of the same type that
-//! reused its slot.
+//! 100 ns on every allocation. Which samples are alive (live.rs): when sampling, a weak map
+//! filled by the job, with no GC hook on (before 3.3 any GC hook sends every allocation down
+//! Ruby's slow path, +16 % on bench/allocs.rb); at rate 1, where the NEWOBJ hook is on anyway,
+//! the GC_END_MARK hook reads the mark bits once per GC.
 //!
 //! What a hook may do: Ruby calls them inside the allocator and the GC, where it forbids any
 //! Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
