@@ -14,6 +14,9 @@ module RubySpy
     # At the default rate, samples a second at most: a heavy allocator's samples then stand
     # for more bytes each (and weigh what they stand for), so its cost stays bounded.
     DEFAULT_MAX_SAMPLES_PER_SECOND = 100
+    # At the default rate and cap, the share of one core tracking may spend: fewer samples
+    # a second where each costs more (the tracker measures its wake-ups, jobs and hook).
+    DEFAULT_MAX_CPU = 0.005
     # "1" tracks allocations from the moment the gem loads ({RubySpy.track_allocations_from_env}).
     ENV_ALLOCATIONS = "RUBYSPY_ALLOCATIONS"
     # The rate for {ENV_ALLOCATIONS}, in bytes (default {DEFAULT_RATE}).
@@ -133,18 +136,33 @@ module RubySpy
     # {Allocations::DEFAULT_MAX_SAMPLES_PER_SECOND} a second: past it, each sample stands for
     # more bytes (and weighs what it stood for), so the estimates stay unbiased and a heavy
     # allocator pays no more; what is given up is precision on small sites. A rate given
-    # explicitly is kept unless +max_samples_per_second+ is given too.
+    # explicitly is kept unless +max_samples_per_second+ is given too. At the default rate and
+    # cap the cap is lower where samples cost more than {Allocations::DEFAULT_MAX_CPU} of a
+    # core (+max_cpu:+); the allocations' notes say when it was.
     # @param rate [Integer] mean bytes between samples; 1 samples every allocation
     # @param max_samples_per_second [Integer, nil] the cap (0: none); nil: the default cap at
     #   the default rate, none at a rate given
+    # @param max_cpu [Numeric, nil] the share of one core samples may cost (0.01: 1 %), which
+    #   lowers the cap as the tracker measures what a sample costs (0: no budget); nil: the
+    #   default share with the default rate and cap, none otherwise
     # @return [RubySpy::Allocations, nil] with a block, its allocations; nil without one
-    # @raise [ArgumentError] for a rate below 1 or a negative cap
-    # @raise [TypeError] for a rate or cap that is not an Integer
+    # @raise [ArgumentError] for a rate below 1, a negative cap or a +max_cpu+ outside 0..1
+    # @raise [TypeError] for a rate or cap that is not an Integer, or a +max_cpu+ not a number
     # @example
     #   sites = RubySpy.track_allocations(rate: 1) { import_all }.sites
     #   sites.first(5).each { |s| puts "#{s[:live]} #{s[:class]} at #{s[:frames].first}" }
-    def track_allocations(rate: nil, max_samples_per_second: nil)
+    def track_allocations(rate: nil, max_samples_per_second: nil, max_cpu: nil)
+      defaults = rate.nil? && max_samples_per_second.nil?
       cap = max_samples_per_second || (rate ? 0 : Allocations::DEFAULT_MAX_SAMPLES_PER_SECOND)
+      max_cpu ||= defaults ? Allocations::DEFAULT_MAX_CPU : 0
+      unless max_cpu.is_a?(Numeric) && max_cpu.real?
+        raise TypeError, "max_cpu must be a share of one core (0.01: 1 %), got #{max_cpu.class}"
+      end
+      unless max_cpu.between?(0, 1)
+        raise ArgumentError, "max_cpu must be a share of one core from 0 (no budget) to 1, got #{max_cpu}"
+      end
+      # A budget with no cap asked for: the budget alone caps.
+      cap = 10_000 if cap.is_a?(Integer) && cap.zero? && max_cpu.positive?
       rate ||= Allocations::DEFAULT_RATE
       raise TypeError, "rate must be an Integer number of bytes, got #{rate.class}" unless rate.is_a?(Integer)
       raise ArgumentError, "rate must be at least 1 byte (1: every allocation), got #{rate}" if rate < 1
@@ -153,7 +171,7 @@ module RubySpy
       end
       raise ArgumentError, "max_samples_per_second must be 0 (no cap) or more, got #{cap}" if cap.negative?
 
-      NativeAllocations.start(rate, cap)
+      NativeAllocations.start(rate, cap, max_cpu.to_f)
       Allocations.follow_forks
       return nil unless block_given?
 

@@ -16,6 +16,7 @@
 //! sampled, in proportion to the memory it takes. The bytes are the object's slot, known when
 //! it is allocated; what it allocates outside the heap later (a long String's buffer) is not.
 pub mod arm;
+pub mod budget;
 pub mod gate;
 pub mod live;
 pub mod marks;

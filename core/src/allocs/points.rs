@@ -157,6 +157,13 @@ impl Points {
         missed
     }
 
+    /// The cap, now `per_second` (from the CPU budget, `super::budget`): the bucket holds
+    /// no more than a second of it.
+    pub fn set_cap(&mut self, per_second: u64) {
+        self.max_per_second = per_second;
+        self.tokens = self.tokens.min(per_second as f64);
+    }
+
     /// The job, `seconds` after the last one: the process allocates about
     /// `bytes_per_second`; under a cap, the bucket refills and the next draws' mean follows
     /// what it holds.

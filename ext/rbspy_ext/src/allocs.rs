@@ -17,16 +17,23 @@ use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// `NativeAllocations.start(rate_bytes, max_per_second)`: starts tracking anew (what an
-/// earlier run counted is dropped), at most `max_per_second` samples a second (0: no cap).
-fn start(ruby: &Ruby, rate_bytes: u64, max_per_second: u64) -> Result<(), Error> {
+/// `NativeAllocations.start(rate_bytes, max_per_second, max_cpu)`: starts tracking anew (what
+/// an earlier run counted is dropped), at most `max_per_second` samples a second (0: no cap),
+/// and fewer when they would cost more than `max_cpu` of a core (0: no such budget).
+fn start(ruby: &Ruby, rate_bytes: u64, max_per_second: u64, max_cpu: f64) -> Result<(), Error> {
     if rate_bytes == 0 {
         return Err(Error::new(
             ruby.exception_arg_error(),
             "rate must be at least 1 byte (1: every allocation)",
         ));
     }
-    tracker::start(rate_bytes, max_per_second, ruby_version());
+    if !(0.0..=1.0).contains(&max_cpu) {
+        return Err(Error::new(
+            ruby.exception_arg_error(),
+            format!("max_cpu is a share of one core, from 0 (no budget) to 1, got {max_cpu}"),
+        ));
+    }
+    tracker::start(rate_bytes, max_per_second, max_cpu, ruby_version());
     Ok(())
 }
 
@@ -237,7 +244,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     provide_allocations(serve);
     let module = ruby.define_module("RubySpy")?;
     let native = module.define_module("NativeAllocations")?;
-    native.define_singleton_method("start", function!(start, 2))?;
+    native.define_singleton_method("start", function!(start, 3))?;
     native.define_singleton_method("stop", function!(tracker::stop, 0))?;
     native.define_singleton_method("tracking?", function!(tracker::tracking, 0))?;
     native.define_singleton_method("collect", function!(tracker::collect, 0))?;

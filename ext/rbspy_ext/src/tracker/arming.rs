@@ -34,6 +34,7 @@
 //! (3.0 to 3.2) may be called from any thread; 2.7's needs a Ruby thread, so on 2.7 the hook
 //! stays on.
 use rbspy_ext_core::allocs::arm::{period_for, MIN_DELAY_US};
+use rbspy_ext_core::allocs::budget::SIGNAL_PER_RAISE;
 use rbspy_ext_core::allocs::gate::{Gate, Tick};
 use rbspy_ext_core::census::AllocatedCounters;
 use std::ffi::c_void;
@@ -229,6 +230,28 @@ fn signal() -> Option<libc::c_int> {
     None
 }
 
+/// What a wake-up costs, for the CPU budget (`rbspy_ext_core::allocs::budget`): a `raise`
+/// of the timer's signal, timed once per process (the fastest of 8 rounds of 8, so that a
+/// preemption does not count), times `SIGNAL_PER_RAISE`; 0 with no signal. Only while no
+/// timer is active: the handler then returns at once.
+pub(super) fn signal_ns() -> f64 {
+    static NS: OnceLock<f64> = OnceLock::new();
+    *NS.get_or_init(|| {
+        let Some(signal) = signal() else { return 0.0 };
+        let fastest = (0..8)
+            .map(|_| {
+                let at = Instant::now();
+                for _ in 0..8 {
+                    // SAFETY: our own signal, whose handler is installed and inactive.
+                    unsafe { libc::raise(signal) };
+                }
+                at.elapsed().as_nanos() as f64 / 8.0
+            })
+            .fold(f64::MAX, f64::min);
+        fastest * SIGNAL_PER_RAISE
+    })
+}
+
 /// Wants the next job within `us`: the period `period_for` gives, when it must change.
 pub(super) fn set_delay(us: u64) {
     let timer = TIMER.load(Ordering::Acquire);
@@ -261,6 +284,8 @@ pub(super) fn start_timer() -> bool {
     let Some(signal) = signal() else {
         return false;
     };
+    // Timed now, while the handler is inactive (`ACTIVE` is false since `stop_timer`).
+    signal_ns();
     // SAFETY: a zeroed sigevent filled for a signal to the process; glibc writes the id.
     let made = unsafe {
         let mut event: libc::sigevent = std::mem::zeroed();

@@ -33,6 +33,7 @@ mod weak;
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
 use rbspy_ext_core::allocs::arm::{longest_wait_us, Arm};
+use rbspy_ext_core::allocs::budget::Budget;
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use rbspy_ext_core::census::AllocatedCounters;
@@ -182,6 +183,7 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             let unseen = t.arm.observe(total, now);
             t.arm.heard(arming::GATE.per_us());
             t.points.advance(unseen);
+            t.follow_budget(stats::spent());
             t.points
                 .budget(t.arm.bytes_per_second(), t.arm.interval_us() as f64 / 1e6);
             let missed = t.points.replay_missed();
@@ -348,9 +350,10 @@ unsafe extern "C" fn at_exit(_data: VALUE) {
     arming::stop_timer();
 }
 
-/// Starts tracking anew at `rate_bytes` (at least 1) in Ruby `version`: what an earlier run
-/// counted is dropped.
-pub(crate) fn start(rate_bytes: u64, max_per_second: u64, version: &str) {
+/// Starts tracking anew at `rate_bytes` (at least 1) in Ruby `version`, at most
+/// `max_per_second` samples a second (0: no cap), fewer when they cost more than `max_cpu`
+/// of a core (0: no budget): what an earlier run counted is dropped.
+pub(crate) fn start(rate_bytes: u64, max_per_second: u64, max_cpu: f64, version: &str) {
     stop();
     let (new, end_mark) = tracepoints();
     // With no timer (2.7 cannot post from a signal on any thread; no free signal) the hook
@@ -375,7 +378,11 @@ pub(crate) fn start(rate_bytes: u64, max_per_second: u64, version: &str) {
         false => read_counters(total),
     }
     let arm = Arm::new(always, total, arming::now_us());
-    let t = Tracker::new(rate_bytes, max_per_second, marks, arm, !always);
+    // A budget only where samples are capped and the timer arms the hook: at rate 1, or
+    // with the hook always on, a sample costs nothing the cap could save.
+    let budget = (max_cpu > 0.0 && max_per_second > 0 && !always)
+        .then(|| Budget::new(max_cpu, arming::signal_ns()));
+    let t = Tracker::new(rate_bytes, max_per_second, marks, arm, !always, budget);
     *tracker() = Some(t);
     publish::reset();
     STATS.reset();
@@ -522,9 +529,18 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
         ));
     }
     if t.points.highest_rate() > t.rate_bytes {
+        let why = match &t.budget {
+            Some(b) if t.lowest_cap < t.max_per_second => format!(
+                " (fewer than {}: each cost about {:.0} µs, and tracking may spend {:.2} % of a core)",
+                t.max_per_second,
+                b.per_sample_ns() / 1e3,
+                b.share() * 100.0
+            ),
+            _ => String::new(),
+        };
         notes.push(format!(
-            "samples were capped near {} a second: at times one sample stood for up to {} bytes (each weighs what it stood for)",
-            t.max_per_second,
+            "samples were capped near {} a second{why}: at times one sample stood for up to {} bytes (each weighs what it stood for)",
+            t.lowest_cap,
             t.points.highest_rate()
         ));
     }

@@ -6,6 +6,7 @@ use super::debug;
 use super::live;
 use rb_sys::VALUE;
 use rbspy_ext_core::allocs::arm::Arm;
+use rbspy_ext_core::allocs::budget::{Budget, Spent};
 use rbspy_ext_core::allocs::live::{Entry, LiveObjects};
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::points::{Points, Take};
@@ -50,6 +51,9 @@ pub(super) struct Tracker {
     /// `max_per_second` samples a second (0: no cap).
     pub points: Points,
     pub max_per_second: u64,
+    /// What samples may cost (core's `allocs::budget`), and the lowest cap it set.
+    pub budget: Option<Budget>,
+    pub lowest_cap: u64,
     /// (frame VALUE, line) of each distinct frame, and its index.
     pub frames: Vec<(VALUE, i32)>,
     pub frame_ids: HashMap<(VALUE, i32), u32>,
@@ -89,6 +93,7 @@ impl Tracker {
         marks: Option<MarkBits>,
         arm: Arm,
         weak: bool,
+        budget: Option<Budget>,
     ) -> Self {
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -98,6 +103,8 @@ impl Tracker {
             rate_bytes: rate_bytes.max(1),
             points: Points::new(rate_bytes, max_per_second, seed),
             max_per_second,
+            budget,
+            lowest_cap: max_per_second,
             frames: Vec::new(),
             frame_ids: HashMap::default(),
             sites: Vec::new(),
@@ -124,6 +131,17 @@ impl Tracker {
             next_id: 0,
             checked_len: 0,
         }
+    }
+
+    /// The job: the cap follows what samples cost, as `spent` says (never above the cap
+    /// asked for).
+    pub fn follow_budget(&mut self, spent: Spent) {
+        let Some(per_second) = self.budget.as_mut().and_then(|b| b.observe(spent)) else {
+            return;
+        };
+        let cap = (per_second as u64).clamp(1, self.max_per_second);
+        self.points.set_cap(cap);
+        self.lowest_cap = self.lowest_cap.min(cap);
     }
 
     pub fn size_of(&self, object: VALUE) -> u64 {

@@ -59,6 +59,16 @@ pub(super) static STATS: Stats = Stats {
     publish_ns: AtomicU64::new(0),
 };
 
+/// The totals the CPU budget prices (core's `allocs::budget`).
+pub(super) fn spent() -> rbspy_ext_core::allocs::budget::Spent {
+    rbspy_ext_core::allocs::budget::Spent {
+        samples: STATS.samples.load(Relaxed),
+        wakes: STATS.wakes.load(Relaxed),
+        work_ns: STATS.job_ns.load(Relaxed) + STATS.hook_ns.load(Relaxed),
+        slow_calls: STATS.hook_calls.load(Relaxed),
+    }
+}
+
 /// When the hook was last turned on (None while it is off), and when tracking started.
 static ARMED_AT: Mutex<Option<Instant>> = Mutex::new(None);
 static STARTED: Mutex<Option<Instant>> = Mutex::new(None);
