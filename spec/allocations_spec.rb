@@ -208,10 +208,10 @@ RSpec.describe "sampled allocations" do
     samples = result["samples"].values.sum
     note = result["notes"].grep(/samples were capped near/).first
     warn "#{target_ruby}: max_cpu 0.05 %: #{samples} samples in #{format('%.1f', result['seconds'])} s; #{note}"
-    # The first samples come before a sample's cost is known (32 of them), at the cap; then
+    # The first samples come before a sample's cost is known (8 of them), at the cap; then
     # the bucket holds a second of the budget's cap, refilled at 25 a second (with the
     # default cap's slack: points drawn before the budget knew).
-    expect(samples).to be < (32 + 25 + (25 * result["seconds"])) * 1.2
+    expect(samples).to be < (8 + 25 + (25 * result["seconds"])) * 1.2
     expect(note).to match(/near 25 a second \(fewer than 100: each cost about \d+ µs, and tracking may spend 0\.05 % of a core\)/)
     expect(result["sites"].keys).to match_array((0..9).map { |i| "Sites.site#{i}" })
   end

@@ -28,8 +28,11 @@ pub const SIGNAL_PER_RAISE: f64 = 3.0;
 pub const SLOW_PATH_NS: f64 = 60.0;
 /// The budget never caps below this many samples a second.
 pub const MIN_PER_SECOND: f64 = 25.0;
-/// Samples a cost estimate is made from: fewer are too noisy (a job's µs vary tenfold).
+/// Samples a cost estimate is made from: fewer are too noisy (a job's µs vary tenfold)...
 const SAMPLES_PER_LOOK: u64 = 32;
+/// ...but the first is made sooner: until then the cap asked for holds, and a run of a few
+/// seconds would take most of its samples at it.
+const SAMPLES_FIRST_LOOK: u64 = 8;
 
 /// Totals of what the tracker's machinery did since tracking started.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -77,7 +80,7 @@ impl Budget {
             + spent.slow_calls as f64 * SLOW_PATH_NS
     }
 
-    /// ns a sample costs lately (0 until [`SAMPLES_PER_LOOK`] samples were taken).
+    /// ns a sample costs lately (0 until [`SAMPLES_FIRST_LOOK`] samples were taken).
     pub fn per_sample_ns(&self) -> f64 {
         self.per_sample_ns
     }
@@ -88,7 +91,11 @@ impl Budget {
     /// then takes fewer than the cap allows, and spends no more.
     pub fn observe(&mut self, now: Spent) -> Option<f64> {
         let samples = now.samples.saturating_sub(self.last.samples);
-        if samples >= SAMPLES_PER_LOOK {
+        let needed = match self.per_sample_ns > 0.0 {
+            true => SAMPLES_PER_LOOK,
+            false => SAMPLES_FIRST_LOOK,
+        };
+        if samples >= needed {
             let window = Spent {
                 samples,
                 wakes: now.wakes.saturating_sub(self.last.wakes),
@@ -125,7 +132,7 @@ mod tests {
     #[test]
     fn nothing_is_said_before_enough_samples_were_costed() {
         let mut b = Budget::new(0.005, 13_000.0);
-        assert_eq!(b.observe(spent(10, 60, 300, 3_000)), None);
+        assert_eq!(b.observe(spent(5, 60, 300, 3_000)), None);
         assert_eq!(b.per_sample_ns(), 0.0);
     }
 
@@ -160,10 +167,10 @@ mod tests {
         let mut b = Budget::new(0.005, 10_000.0);
         b.observe(spent(40, 200, 0, 0));
         assert_eq!(b.per_sample_ns(), 50_000.0);
-        // 1,000 idle wake-ups, no sample: no new estimate yet...
-        b.observe(spent(40, 1_200, 0, 0));
+        // 1,000 wake-ups, mostly idle, over the next 20 samples: too few for an estimate...
+        b.observe(spent(60, 1_200, 0, 0));
         assert_eq!(b.per_sample_ns(), 50_000.0);
-        // ...then they are priced into the next 40 samples.
+        // ...then they are priced into the 40 samples since the last one.
         b.observe(spent(80, 1_400, 0, 0));
         assert_eq!(b.per_sample_ns(), 0.5 * 50_000.0 + 0.5 * 300_000.0);
     }
