@@ -80,6 +80,8 @@ pub struct Arm {
     pub seen: u64,
     pub seen_bytes: u64,
     bytes_per_allocation: f64,
+    /// Whether `bytes_per_allocation` is measured yet (not the first guess).
+    learned: bool,
     /// Objects allocated per µs, lately.
     per_us: f64,
     /// `total_allocated_objects`, and the time in µs, at the last job.
@@ -107,6 +109,7 @@ impl Arm {
             seen_bytes: 0,
             // A slot before Ruby 3.2; what the hook sees replaces it.
             bytes_per_allocation: 40.0,
+            learned: false,
             per_us: 0.0,
             total,
             at_us: now_us,
@@ -138,11 +141,20 @@ impl Arm {
         if us > 0.0 {
             self.per_us = next_rate(self.per_us, allocated as f64 / us);
         }
+        // What the hook saw, once it saw enough: kept from job to job until then. A starved
+        // process's hook may see a few dozen allocations between two jobs (25 an arming in
+        // ci-35, on 3.3): reset at every job, the first guess (a 40-byte slot) stood for
+        // 640-byte ones for the whole run, and 94 % of the points never came. The first
+        // measure replaces the guess outright.
         if self.seen >= 64 {
             let seen = self.seen_bytes as f64 / self.seen as f64;
-            self.bytes_per_allocation = self.bytes_per_allocation * 0.5 + seen * 0.5;
+            self.bytes_per_allocation = match self.learned {
+                true => self.bytes_per_allocation * 0.5 + seen * 0.5,
+                false => seen,
+            };
+            self.learned = true;
+            (self.seen, self.seen_bytes) = (0, 0);
         }
-        (self.seen, self.seen_bytes) = (0, 0);
         match self.on {
             true => 0,
             false => (allocated as f64 * self.bytes_per_allocation) as i64,
@@ -465,6 +477,22 @@ mod tests {
         assert!(run.slow * 100 < run.objects, "{run:?}");
         // A wake-up per longest period (12.8 ms), no more.
         assert!(run.wakes <= 2_000_000 / 12_800 + 2, "{run:?}");
+    }
+
+    #[test]
+    fn the_size_of_an_allocation_is_learned_from_few_allocations_a_job() {
+        // A starved process: the hook sees 25 allocations of 640 bytes between two jobs.
+        let mut arm = Arm::new(false, 0, 0);
+        for job in 1..=3 {
+            arm.seen += 25;
+            arm.seen_bytes += 25 * 640;
+            arm.observe(job * 1_000, job * 1_000);
+        }
+        // 75 seen over three jobs: 640 bytes, not the first guess of 40 (nor half way).
+        assert_eq!(arm.bytes_per_allocation, 640.0);
+        // With the hook off, 1,000 objects since the last job are 640,000 bytes.
+        arm.on = false;
+        assert_eq!(arm.observe(4_000, 4_000), 640_000);
     }
 
     #[test]
