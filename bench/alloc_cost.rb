@@ -174,12 +174,9 @@ puts format("  wake-ups %.0f/s; timer set %.0f/s; jobs %.0f/s at %.1f µs each; 
             each_us.("job_ns", "jobs"), per_s.("missed"), per_s.("publishes"), each_us.("publish_ns", "publishes"))
 puts format("  inside the NEWOBJ hook %.0f µs/s; GC_END_MARK %.1f calls/s at %.1f µs each",
             per_s.("hook_ns") / 1000, per_s.("marks"), each_us.("mark_ns", "marks"))
-# What the CPU budget (core/src/allocs/budget.rs) prices: the jobs' and hook's own time, 60 ns
-# a slow-path allocation, a wake-up at what the tracker timed for its signal.
-priced = lambda do |w|
-  ns = stat.(w, "job_ns") + stat.(w, "hook_ns") + (stat.(w, "hook_calls") * 60) + (stat.(w, "wakes") * stat.(w, "signal_ns"))
-  100.0 * ns / (stat.(w, "seconds") * 1e9)
-end
+# What the tracker spent as the CPU budget (core/src/allocs/budget.rs) prices it: the jobs'
+# and hook's own time, the slow path, a wake-up at what the tracker timed for its signal.
+priced = ->(w) { 100.0 * stat.(w, "priced_ns") / (stat.(w, "seconds") * 1e9) }
 puts format("  the tracker's own measure: %.2f %% of a core (spread %s); a sample %.0f µs, a wake-up %.1f µs",
             median.(tracked.map(&priced)), spread.(tracked.map(&priced)).delete("+"),
             median.(tracked.map { |w| stat.(w, "sample_ns") / 1000 }), median.(tracked.map { |w| stat.(w, "signal_ns") / 1000 }))

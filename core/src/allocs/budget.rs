@@ -46,6 +46,12 @@ pub struct Spent {
     pub slow_calls: u64,
 }
 
+/// ns `spent` cost, a wake-up priced at `signal_ns` (also for a tracker with no budget: its
+/// stats say what it spent).
+pub fn price(spent: &Spent, signal_ns: f64) -> f64 {
+    spent.work_ns as f64 + spent.wakes as f64 * signal_ns + spent.slow_calls as f64 * SLOW_PATH_NS
+}
+
 /// The share of a core tracking may spend, and what a sample was found to cost.
 #[derive(Debug, Clone)]
 pub struct Budget {
@@ -75,9 +81,7 @@ impl Budget {
 
     /// ns `spent` cost, priced.
     pub fn price(&self, spent: &Spent) -> f64 {
-        spent.work_ns as f64
-            + spent.wakes as f64 * self.signal_ns
-            + spent.slow_calls as f64 * SLOW_PATH_NS
+        price(spent, self.signal_ns)
     }
 
     /// ns a sample costs lately (0 until [`SAMPLES_FIRST_LOOK`] samples were taken).

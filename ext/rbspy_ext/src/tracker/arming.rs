@@ -230,14 +230,19 @@ fn signal() -> Option<libc::c_int> {
     None
 }
 
-/// What a wake-up costs, for the CPU budget (`rbspy_ext_core::allocs::budget`): a `raise`
-/// of the timer's signal, timed once per process (the fastest of 8 rounds of 8, so that a
-/// preemption does not count), times `SIGNAL_PER_RAISE`; 0 with no signal. Only while no
-/// timer is active: the handler then returns at once.
+/// What a wake-up costs, for the CPU budget (`rbspy_ext_core::allocs::budget`), once
+/// `start_timer` has timed it; 0 before.
+static SIGNAL_NS: OnceLock<f64> = OnceLock::new();
+
 pub(super) fn signal_ns() -> f64 {
-    static NS: OnceLock<f64> = OnceLock::new();
-    *NS.get_or_init(|| {
-        let Some(signal) = signal() else { return 0.0 };
+    SIGNAL_NS.get().copied().unwrap_or(0.0)
+}
+
+/// Times a `raise` of our `signal` once per process (the fastest of 8 rounds of 8, so that a
+/// preemption does not count), times `SIGNAL_PER_RAISE`. Only while no timer is active: the
+/// handler then returns at once.
+fn time_signal(signal: libc::c_int) {
+    SIGNAL_NS.get_or_init(|| {
         let fastest = (0..8)
             .map(|_| {
                 let at = Instant::now();
@@ -249,7 +254,7 @@ pub(super) fn signal_ns() -> f64 {
             })
             .fold(f64::MAX, f64::min);
         fastest * SIGNAL_PER_RAISE
-    })
+    });
 }
 
 /// Wants the next job within `us`: the period `period_for` gives, when it must change.
@@ -285,7 +290,7 @@ pub(super) fn start_timer() -> bool {
         return false;
     };
     // Timed now, while the handler is inactive (`ACTIVE` is false since `stop_timer`).
-    signal_ns();
+    time_signal(signal);
     // SAFETY: a zeroed sigevent filled for a signal to the process; glibc writes the id.
     let made = unsafe {
         let mut event: libc::sigevent = std::mem::zeroed();

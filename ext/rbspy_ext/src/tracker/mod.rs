@@ -476,8 +476,11 @@ pub(crate) fn stats() -> Vec<(&'static str, f64)> {
     // Of the wakes: those that found a GC running, and those that posted no job.
     stats.push(("gc_wakes", arming::GC_TICKS.load(Relaxed) as f64));
     stats.push(("quiet_wakes", arming::QUIET_TICKS.load(Relaxed) as f64));
-    // The CPU budget's prices (allocs::budget): a wake-up, and a sample lately (0: no budget).
+    // The CPU budget's prices (allocs::budget): a wake-up, all the tracker spent as the
+    // budget prices it, and a sample lately (0: no budget).
     stats.push(("signal_ns", arming::signal_ns()));
+    let spent = rbspy_ext_core::allocs::budget::price(&stats::spent(), arming::signal_ns());
+    stats.push(("priced_ns", spent));
     let sample_ns = tracker()
         .as_ref()
         .and_then(|t| t.budget.as_ref().map(|b| b.per_sample_ns()));
