@@ -137,8 +137,9 @@ RSpec.describe "Ractors" do
         spinners.each do |t|
           # Under one process-wide GVL reading, the second spinner would be "no_gvl".
           expect(on_cpu(t)).to be >= 0.9 * t[:states].values.sum, "#{t[:name]}: #{t[:states]}"
-          # About half the samples each: the scheduler shares the CPUs evenly between them.
-          expect(t[:states].values.sum).to be >= 0.25 * profile.samples, profile.threads.inspect
+          # Each spinner has its share. Not half each: with other work on the machine the
+          # scheduler is not even, and one had 106 of 455 (23 %, sid inside, CI's two lanes).
+          expect(t[:states].values.sum).to be >= 0.1 * profile.samples, profile.threads.inspect
         end
       end
     end
