@@ -17,11 +17,19 @@
 #
 #   rake compile && ruby bench/alloc_cost.rb [loop|request] [ROUNDS] [WINDOW_SECONDS]
 #   TARGET_RUBY="/opt/srcrubies/4.0/bin/ruby --yjit" ruby bench/alloc_cost.rb request
+#   PEERS=stackprof,stackprof:10000,memory_profiler ruby bench/alloc_cost.rb request 7 3
 #
 # Defaults: request, 7 rounds, 1 s windows, tracking as `RubySpy.track_allocations` does
 # (512 KiB, at most 100 samples a second). RATE=524288 tracks at a rate given (no cap),
 # CAP=0 or CAP=1000 sets the cap. Each figure is the median over rounds, with the spread
 # (lowest and highest) beside it.
+#
+# PEERS adds the tools people use today to the same rounds, each a window of its own in the
+# shuffled order, priced against the same untracked windows: `stackprof` (object mode, its
+# default interval of 1: every allocation), `stackprof:N` (every Nth allocation), and
+# `memory_profiler` (MemoryProfiler.start/stop; the window times the work, not the report
+# that `stop` then builds). They must load in the target's Ruby (host: script/setup installs
+# ruby-stackprof and ruby-memory-profiler).
 require "json"
 require "open3"
 require_relative "support"
@@ -39,6 +47,9 @@ RUN = <<~'RUBY'
   options = ENV["RATE"].to_s.empty? ? {} : { rate: Integer(ENV["RATE"]) }
   options[:max_samples_per_second] = Integer(ENV["CAP"]) unless ENV["CAP"].to_s.empty?
   rounds = Integer(ENV.fetch("ROUNDS"))
+  peers = ENV.fetch("PEERS").split(",")
+  require "stackprof" if peers.any? { |p| p.start_with?("stackprof") }
+  require "memory_profiler" if peers.include?("memory_profiler")
   window = Float(ENV.fetch("WINDOW"))
 
   $LOAD_PATH.unshift(ENV.fetch("RACK_LIB"))
@@ -112,13 +123,21 @@ RUN = <<~'RUBY'
   end
   windows = []
   rounds.times do
-    %w[none tracked].shuffle.each do |tool|
+    (%w[none tracked] + peers).shuffle.each do |tool|
       GC.start
-      RubySpy.track_allocations(**options) if tool == "tracked"
+      case tool
+      when "tracked" then RubySpy.track_allocations(**options)
+      when /\Astackprof(?::(\d+))?\z/ then StackProf.start(mode: :object, interval: Integer(Regexp.last_match(1) || 1))
+      when "memory_profiler" then MemoryProfiler.start
+      end
       before_jit = jit.()
       t = cpu.()
       n.times { unit.() }
       t = cpu.() - t
+      case tool
+      when /\Astackprof/ then StackProf.stop && StackProf.results
+      when "memory_profiler" then MemoryProfiler.stop
+      end
       row = { "tool" => tool, "cpu" => t, "jit" => jit.().to_h { |k, v| [k, v - before_jit.fetch(k, 0)] } }
       if tool == "tracked"
         row["stats"] = RubySpy::NativeAllocations.stats.transform_keys(&:to_s)
@@ -133,7 +152,11 @@ RUBY
 RACK_LIB = ENV.fetch("RACK_LIB") { Dir["/usr/share/rubygems-integration/all/gems/rack-2*/lib"].max }
 abort "no rack 2: apt install ruby-rack (script/setup does), or RACK_LIB=dir" unless RACK_LIB
 
+peers = ENV.fetch("PEERS", "").split(",")
+unknown = peers.grep_v(/\A(?:stackprof(?::[1-9]\d*)?|memory_profiler)\z/)
+abort "PEERS: #{unknown.join(', ')}: stackprof, stackprof:N or memory_profiler" if unknown.any?
 env = { "ROOT" => File.expand_path("..", __dir__), "RATE" => ENV.fetch("RATE", ""), "CAP" => ENV.fetch("CAP", ""),
+        "PEERS" => peers.join(","),
         "RACK_LIB" => RACK_LIB,
         "ROUNDS" => rounds.to_s, "WINDOW" => window.to_s, "WORKLOAD" => workload }
 out, err, status = Open3.capture3(env, *target_ruby, "-e", RUN)
@@ -180,6 +203,12 @@ priced = ->(w) { 100.0 * stat.(w, "priced_ns") / (stat.(w, "seconds") * 1e9) }
 puts format("  the tracker's own measure: %.2f %% of a core (spread %s); a sample %.0f µs, a wake-up %.1f µs",
             median.(tracked.map(&priced)), spread.(tracked.map(&priced)).delete("+"),
             median.(tracked.map { |w| stat.(w, "sample_ns") / 1000 }), median.(tracked.map { |w| stat.(w, "signal_ns") / 1000 }))
+# The peers, against the same untracked windows.
+peers.each do |peer|
+  cost = by_tool.fetch(peer).map { |w| 100.0 * (w["cpu"] / median.(none) - 1) }
+  puts format("  %s: CPU a window %.3f s: %+.1f %% (spread %s)", peer, median.(by_tool[peer].map { |w| w["cpu"] }),
+              median.(cost), spread.(cost))
+end
 jit_keys = result["windows"].flat_map { |w| w["jit"].keys }.uniq
 jit_keys.each do |k|
   puts format("  %s a window: untracked %s, tracked %s", k, median.(by_tool["none"].map { |w| w["jit"][k] }),
