@@ -113,6 +113,12 @@ module RubySpy
       figures.fetch(:heaps_changed, false)
     end
 
+    # @return [Boolean] true when every pass read the page list while the GC freed pages:
+    #   pages at its end, and their objects, may then be missing from the counts
+    def pages_changed?
+      figures.fetch(:pages_changed, false)
+    end
+
     # @return [Integer] the process the census is of
     def pid
       figures[:pid]

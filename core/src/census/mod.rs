@@ -161,6 +161,10 @@ pub struct Census {
     /// through every pass): a heap may then be missing or counted twice.
     #[serde(default)]
     pub heaps_changed: bool,
+    /// The page list the last pass read was caught while the GC freed pages, through every
+    /// pass: pages at its end may have been missed (see walk.rs, `pass`).
+    #[serde(default)]
+    pub pages_changed: bool,
 }
 
 /// One Ractor's heap (its objspace) and what the census counted in it.

@@ -78,6 +78,12 @@ pub fn text(census: &Census, limit: usize) -> String {
             "  compactions kept moving objects while they were read: counts are approximate"
         );
     }
+    if census.pages_changed {
+        let _ = writeln!(
+            out,
+            "  the GC freed pages while the page list was read: counts are approximate"
+        );
+    }
     if census.heaps_changed {
         let _ = writeln!(
             out,

@@ -12,7 +12,7 @@
 //! layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
 use super::classes;
 use super::heaps::{addresses, gc_state, objspaces, Objspace};
-use super::pages::{self, page_list, read_headers, Page, Reread};
+use super::pages::{self, page_list_read, read_headers, Page, Reread};
 use super::shapes::{shape_source, Ivars, ShapeSource};
 use super::singletons::{self, ClassSlot};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
@@ -150,7 +150,8 @@ pub fn take<M: Memory>(target: TargetView<'_, M>, options: CensusOptions) -> Res
         // kept pages above are still to be moved down): the pass missed as many pages at
         // the top (on a compacting 3.3, 1,050 and 2,425 of 20,000 live objects).
         let freed = census.unreadable_pages > 0;
-        if !(census.moving || no_page || freed || census.heaps_changed) || passes >= ATTEMPTS {
+        let changed = census.heaps_changed || census.pages_changed;
+        if !(census.moving || no_page || freed || changed) || passes >= ATTEMPTS {
             break census;
         }
         compactions += u64::from(census.moving);
@@ -189,8 +190,9 @@ impl<M: Memory> Heap<'_, M> {
                 .read_u64(field(space.address, l.objspace_flags))
                 .map_err(memory("reading the GC's flags"))
                 .and_then(|flags| {
-                    let pages = page_list(mem, h, space.address)
+                    let (pages, consistent) = page_list_read(mem, h, space.address)
                         .map_err(memory("reading the heap's page list"))?;
+                    count.census.pages_changed |= !consistent;
                     Ok((flags, pages))
                 });
             let (flags, pages) = match read {
@@ -218,6 +220,7 @@ impl<M: Memory> Heap<'_, M> {
                     break 'heaps;
                 }
             }
+            count.census.pages_changed |= pages::freed_since(mem, h, space.address, &pages);
         }
         count.read_tables(mem);
         match (h.shapes, &shapes) {

@@ -40,7 +40,8 @@ impl NativeCensus {
     }
 
     /// Every figure but the rows: the counts, `ruby_version`, `partial`, `sweeping`,
-    /// `moving` and `not_counted`, under Symbol keys as saved.
+    /// `moving`, `heaps_changed`, `pages_changed` and `not_counted`, under Symbol keys as
+    /// saved.
     fn figures(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
         let c = &rb_self.0;
         let hash = ruby.hash_new();
@@ -52,6 +53,7 @@ impl NativeCensus {
         hash.aset(ruby.to_symbol("sweeping"), c.sweeping)?;
         hash.aset(ruby.to_symbol("moving"), c.moving)?;
         hash.aset(ruby.to_symbol("heaps_changed"), c.heaps_changed)?;
+        hash.aset(ruby.to_symbol("pages_changed"), c.pages_changed)?;
         hash.aset(ruby.to_symbol("not_counted"), c.not_counted.as_str())?;
         Ok(hash)
     }
