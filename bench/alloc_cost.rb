@@ -56,7 +56,13 @@ RUN = <<~'RUBY'
   require "rack"
   require "rack/mock"
   ROWS = Array.new(50) { |i| { id: i, name: "item #{i}", price: i * 1.5, tags: %w[a b c] } }
-  PAGE = ERB.new(<<~HTML)
+  # Compiled once into a method, as Rails compiles its templates: `result_with_hash` evals
+  # the template's source at every call, so each request made a new iseq, and with a JIT on
+  # compiling them was most of the work (601 requests a second under YJIT, 4,717 without).
+  module Page
+    extend self
+  end
+  ERB.new(<<~HTML).def_method(Page, "render(rows)")
     <ul><% rows.each do |r| %><li id="<%= r[:id] %>"><%= r[:name] %> <%= format("%.2f", r[:price]) %>
     <%= r[:tags].join(",") %></li><% end %></ul>
   HTML
@@ -86,7 +92,7 @@ RUN = <<~'RUBY'
                request = Rack::Request.new(env)
                limit = Integer(request.params.fetch("limit", "50"))
                rows = ROWS.first(limit).map { |r| r.merge(seen: true) }
-               html = PAGE.result_with_hash(rows: rows)
+               html = Page.render(rows)
                [200, { "content-type" => "text/html", "x-json" => JSON.generate(rows).size.to_s }, [html]]
              end)
            end.to_app
