@@ -152,9 +152,9 @@ RSpec.describe "sampled allocations" do
   # Every site is drawn: each sample falls on one of the ten sites as the churn interleaves
   # them, so with n samples a site is left with none about 0.9^n of the time (10 sites:
   # 1 run in 4,000 at n = 95). Measured on 3.2 over 20 runs of 95 samples, the counts a site
-  # got spread a little wider than independent draws (variance 1.15 times theirs idle, up
-  # to 1.7 with a core busy; 2 samples at one site in 2 runs), and a CI run left one site
-  # with none. So the bound takes half the samples as independent, and allows as many
+  # got spread a little wider than independent draws (variance 1.15 times theirs with a core
+  # busy, up to 1.7 with both busy; 2 samples at one site in 2 runs), and a CI run left one
+  # site with none. So the bound takes half the samples as independent, and allows as many
   # empty sites as such draws leave 1 time in 100,000 (union bound: k empty sites at most
   # C(10, k) (1 - k/10)^n): 2 at 95 samples, 1 from 140, none from 270.
   def expect_every_site_drawn(result)
