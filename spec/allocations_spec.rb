@@ -151,7 +151,7 @@ RSpec.describe "sampled allocations" do
 
   # Every site is drawn: each sample falls on one of the ten sites as the churn interleaves
   # them, so with n samples a site is left with none about 0.9^n of the time (10 sites:
-  # 1 run in 4,000 at n = 95). Measured on 3.2 over 20 runs of 95 samples, the counts a site
+  # 1 run in 2,200 at n = 95). Measured on 3.2 over 20 runs of 95 samples, the counts a site
   # got spread a little wider than independent draws (variance 1.15 times theirs with a core
   # busy, up to 1.7 with both busy; 2 samples at one site in 2 runs), and a CI run left one
   # site with none. So the bound takes half the samples as independent, and allows as many
