@@ -122,7 +122,10 @@ RUN = <<~'RUBY'
       { "yjit invalidations" => s[:invalidation_count].to_i, "yjit iseqs compiled" => s[:compiled_iseq_count].to_i }
     elsif defined?(RubyVM::ZJIT) && RubyVM::ZJIT.enabled?
       s = RubyVM::ZJIT.stats
-      { "zjit invalidation ms" => s[:invalidation_time_ns].to_i / 1e6, "zjit iseqs compiled" => s[:compiled_iseq_count].to_i }
+      # Side exits are counted only under --zjit-stats (TARGET_RUBY="... --zjit --zjit-stats").
+      { "zjit invalidation ms" => s[:invalidation_time_ns].to_i / 1e6, "zjit iseqs compiled" => s[:compiled_iseq_count].to_i,
+        "zjit side exits" => s[:side_exit_count].to_i,
+        "zjit exits at the NEWOBJ patch point" => s[:exit_patchpoint_no_newobj_hook].to_i }
     else
       {}
     end
@@ -206,6 +209,8 @@ puts format("  inside the NEWOBJ hook %.0f µs/s; GC_END_MARK %.1f calls/s at %.
 # What the tracker spent as the CPU budget (core/src/allocs/budget.rs) prices it: the jobs'
 # and hook's own time, the slow path, a wake-up at what the tracker timed for its signal.
 priced = ->(w) { 100.0 * stat.(w, "priced_ns") / (stat.(w, "seconds") * 1e9) }
+puts format("  holds of the hook while ZJIT compiles: %.0f a window, %.0f ms", median.(tracked.map { |w| stat.(w, "holds") }),
+            median.(tracked.map { |w| stat.(w, "held_ms") }))
 puts format("  the tracker's own measure: %.2f %% of a core (spread %s); a sample %.0f µs, a wake-up %.1f µs",
             median.(tracked.map(&priced)), spread.(tracked.map(&priced)).delete("+"),
             median.(tracked.map { |w| stat.(w, "sample_ns") / 1000 }), median.(tracked.map { |w| stat.(w, "signal_ns") / 1000 }))

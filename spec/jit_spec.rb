@@ -1,6 +1,8 @@
 # frozen_string_literal: true
 
 require_relative "spec_helper"
+require "json"
+require "open3"
 require "rbspy_ext"
 
 # A CPU-bound recording of a target whose hot method a JIT has compiled (run with
@@ -168,5 +170,42 @@ RSpec.describe "recording a JIT-compiled CPU-bound target" do
     lines = report(target, jit, in_work, other)
     loop_body = (fixture_line(fixture, "WORK_LOOP") + 1)...fixture_line(fixture, "WORK_LAST")
     expect(lines.keys.count { |l| loop_body.cover?(l) }).to be >= 2, lines.inspect
+  end
+  # Sampled allocation tracking turns its NEWOBJ hook on around each sample. Under ZJIT (Ruby
+  # 4.1) turning it on throws away every method compiled with an inline allocation; armed 25
+  # times a second, a method called a few thousand times a second ran out of recompilations
+  # and left compiled code at each allocation for good (35,000 such side exits in 3 s of this
+  # fixture before the tracker held the hook on while ZJIT compiles: core/src/allocs/arm.rs,
+  # `Hold`). YJIT compiles no allocation inline, and must throw nothing away either.
+  it "tracks allocations in compiled code without throwing the code away" do
+    skip "#{ruby} runs no JIT: see the JIT runs" unless ruby.jit
+    skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?
+
+    flags = ruby.jit == "zjit" ? ["--zjit-stats-quiet"] : []
+    command = ruby.command(*flags, File.join(RubySpyTest::FIXTURES, "alloc_rates.rb"), "jit", "-", "3")
+    out, err, status = Open3.capture3(*command)
+    raise "alloc_rates.rb jit failed: #{err}" unless status.success?
+
+    result = JSON.parse(out.lines.last)
+    skip "#{ruby} was asked for --#{ruby.jit} but the JIT is not on" unless result["jit"]
+    if result["thrown"].nil?
+      skip "#{ruby}'s ZJIT compiles no allocation inline (no NEWOBJ patch point)" if result["jit"] == "zjit"
+      skip "#{ruby}'s YJIT counts invalidations only under --yjit-stats"
+    end
+
+    armed = result["stats"]["arms"] - result["settled"]["arms"]
+    warn format("%s: %d armings in %.0f s of spaced calls; %d thrown away (%s); %d methods compiled; " \
+                "holds %d (%.0f ms)", ruby, armed, result["seconds"] - 1, result["thrown"], result["jit"],
+                result["compiled"], result["stats"].fetch("holds", 0), result["stats"].fetch("held_ms", 0))
+    # The hook went on and off again and again while the sites' methods were compiled and ran.
+    expect(armed).to be >= 20, result.slice("settled", "stats").inspect
+    # A few exits may come from code on the stack when an arming throws it away; methods
+    # that ran out of recompilations gave tens of thousands.
+    expect(result["thrown"]).to be < 100, result.inspect
+    # Allocations made by compiled code are all sampled: the estimates add up to what
+    # GC.stat counted, within the error the samples allow (Poisson, 4.5 standard errors).
+    n = result["all_samples"]
+    expect((result["estimated"] - result["objects"]).abs).to be < 4.5 * result["objects"] / Math.sqrt(n),
+                                                              result.slice("estimated", "objects", "all_samples").inspect
   end
 end

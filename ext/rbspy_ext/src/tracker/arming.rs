@@ -74,7 +74,7 @@ pub(super) fn now_us() -> u64 {
     ORIGIN.get_or_init(Instant::now).elapsed().as_micros() as u64
 }
 
-fn symbol(name: &std::ffi::CStr) -> *mut c_void {
+pub(super) fn symbol(name: &std::ffi::CStr) -> *mut c_void {
     // SAFETY: dlsym on the global namespace with a NUL-terminated name.
     unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }
 }

@@ -29,6 +29,7 @@ mod publish;
 mod sites;
 mod stats;
 mod weak;
+mod zjit;
 
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
@@ -174,6 +175,7 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: with the GVL; the key is a static Symbol.
         let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
+        let compiled = zjit::compiled();
         let (change, changes) = {
             let mut guard = tracker();
             let Some(t) = guard.as_mut().filter(|t| t.running) else {
@@ -182,6 +184,7 @@ unsafe extern "C" fn poll(_data: *mut c_void) {
             let now = arming::now_us();
             let unseen = t.arm.observe(total, now);
             t.arm.heard(arming::GATE.per_us());
+            t.arm.compiled(compiled);
             t.points.advance(unseen);
             t.follow_budget(stats::spent());
             t.points
@@ -372,6 +375,7 @@ pub(crate) fn start(rate_bytes: u64, max_per_second: u64, max_cpu: f64, version:
     }
     // SAFETY: with the GVL; the key is made before any job needs it.
     let total = unsafe { rb_sys::rb_gc_stat(total_allocated_key()) } as u64;
+    zjit::find();
     arming::GATE.close();
     match always {
         true => arming::set_counters(None),
@@ -485,6 +489,13 @@ pub(crate) fn stats() -> Vec<(&'static str, f64)> {
         .as_ref()
         .and_then(|t| t.budget.as_ref().map(|b| b.per_sample_ns()));
     stats.push(("sample_ns", sample_ns.unwrap_or(0.0)));
+    // Holds of the hook while ZJIT compiles (allocs::arm::Hold): begun, and the ms of those
+    // that ended.
+    let (holds, held_us) = tracker()
+        .as_ref()
+        .map_or((0, 0), |t| (t.arm.hold.holds, t.arm.hold.held_us));
+    stats.push(("holds", holds as f64));
+    stats.push(("held_ms", held_us as f64 / 1000.0));
     stats
 }
 
