@@ -23,8 +23,12 @@ fn main() {
         .file("src/profiler_state.c")
         .flag_if_supported("-std=c11")
         .compile("rbspy_ext_profiler_state");
-    let dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={dir}/exports.map");
+    // The linker reads a copy in OUT_DIR: a shared target directory (~/.cache/rbspy_ext)
+    // keeps this script's output from one checkout for another, and a path into a clone
+    // that was since deleted (a CI run's) failed the link.
+    let out = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
+    std::fs::copy("exports.map", format!("{out}/exports.map")).expect("copy exports.map");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,--version-script={out}/exports.map");
     println!("cargo:rerun-if-changed=src/profiler_state.c");
     println!("cargo:rerun-if-changed=exports.map");
 }
