@@ -86,6 +86,7 @@ LOOP = <<~'RUBY'
   times = Hash.new { |h, k| h[k] = [] }
   samples = Hash.new(0)
   missed = Hash.new(0)
+  stats = Hash.new { |h, k| h[k] = [] }
   rounds.times do
     tools.shuffle.each do |tool|
       GC.start
@@ -94,6 +95,7 @@ LOOP = <<~'RUBY'
       when /\Arubyspy:(\d+|default)\z/
         $1 == "default" ? RubySpy.track_allocations : RubySpy.track_allocations(rate: Integer($1))
         times[tool] << timed.(requests)
+        stats[tool] << RubySpy::NativeAllocations.stats
         result = RubySpy.stop_tracking_allocations
         samples[tool] += result.sites.sum { |s| s[:samples] }
         missed[tool] += result.notes.grep(/sample points passed/).sum { |n| n[/\d+/].to_i }
@@ -120,7 +122,22 @@ LOOP = <<~'RUBY'
             else
               ""
             end
+    # Each round's window against the same round's untracked one: a drift of the machine's
+    # speed over the run moves both.
+    paired = list.zip(times["none"]).map { |t, n| 100 * (t / n - 1) }
+    extra = format("  (paired %+.1f%%, %+.1f..%+.1f)%s", median.(paired), paired.min, paired.max, extra) if tool != "none"
     puts format("  %-18s %8.3f ms CPU a request  %+7.1f%%%s", tool, m * 1000 / requests, 100 * (m / base - 1), extra)
+    next if stats[tool].empty?
+
+    # What the tracker's machinery did (RubySpy::NativeAllocations.stats, as bench/alloc_cost.rb
+    # prints it): medians over the windows.
+    per_s = ->(key) { median.(stats[tool].map { |s| s.fetch(key, 0) / s[:seconds] }) }
+    each_us = ->(ns, n) { median.(stats[tool].map { |s| s[n].positive? ? s[ns] / s[n] / 1000 : 0 }) }
+    puts format("  %-18s own measure %.2f %% of a core; hook calls %.0f/s, armed %.1f %% of the time, " \
+                "%.0f turns/s at %.1f µs; wake-ups %.0f/s; jobs %.0f/s at %.1f µs; hook %.0f µs/s; " \
+                "publications %.1f/s at %.0f µs", "", per_s.(:priced_ns) / 1e7, per_s.(:hook_calls),
+                per_s.(:armed_ns) / 1e7, per_s.(:arms), each_us.(:switch_ns, :arms), per_s.(:wakes), per_s.(:jobs),
+                each_us.(:job_ns, :jobs), per_s.(:hook_ns) / 1000, per_s.(:publishes), each_us.(:publish_ns, :publishes))
   end
 RUBY
 

@@ -175,8 +175,8 @@ RSpec.describe "recording a JIT-compiled CPU-bound target" do
   # 4.1) turning it on throws away every method compiled with an inline allocation; armed 25
   # times a second, a method called a few thousand times a second ran out of recompilations
   # and left compiled code at each allocation for good (35,000 such side exits in 3 s of this
-  # fixture before the tracker held the hook on while ZJIT compiles: core/src/allocs/arm.rs,
-  # `Hold`). YJIT compiles no allocation inline, and must throw nothing away either.
+  # fixture before the tracker held the hook on while ZJIT compiles: core/src/allocs/hold.rs).
+  # YJIT compiles no allocation inline, and must throw nothing away either.
   it "tracks allocations in compiled code without throwing the code away" do
     skip "#{ruby} runs no JIT: see the JIT runs" unless ruby.jit
     skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?

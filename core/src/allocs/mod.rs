@@ -18,6 +18,7 @@
 pub mod arm;
 pub mod budget;
 pub mod gate;
+pub mod hold;
 pub mod live;
 pub mod marks;
 pub mod points;

@@ -489,7 +489,7 @@ pub(crate) fn stats() -> Vec<(&'static str, f64)> {
         .as_ref()
         .and_then(|t| t.budget.as_ref().map(|b| b.per_sample_ns()));
     stats.push(("sample_ns", sample_ns.unwrap_or(0.0)));
-    // Holds of the hook while ZJIT compiles (allocs::arm::Hold): begun, and the ms of those
+    // Holds of the hook while ZJIT compiles (allocs::hold::Hold): begun, and the ms of those
     // that ended.
     let (holds, held_us) = tracker()
         .as_ref()

@@ -1,5 +1,5 @@
 //! How many methods ZJIT has compiled, where arming the hook throws its compiled code away
-//! (`rbspy_ext_core::allocs::arm::Hold` says why the job wants to know).
+//! (`rbspy_ext_core::allocs::hold::Hold` says why the job wants to know).
 //!
 //! Ruby 4.1 declares `rb_zjit_invalidate_newobj_hook`, which enabling a NEWOBJ hook calls;
 //! 4.0's ZJIT compiles no inline allocation and has none. The count is
