@@ -40,6 +40,14 @@ pub const SHORTEST_LONGEST_US: u64 = 2_000;
 /// points are missed when the rate rises, and each miss widens the margin: at 0.95 the hook
 /// was on 7 % of the time instead of 2 %, for the same CPU, and misses bill other code.
 pub const AIM: f64 = 0.8;
+/// At this rate or below the hook stays on, as at rate 1. A point then falls every few
+/// hundred allocations, sooner than the shortest margin at the speed Ruby allocates (some
+/// 150 MB/s here), so the hook was off only between bursts, and a burst that began then
+/// went unseen until the job ran: an RSpec example's 10,000 allocations at 4 KiB, about 100
+/// samples' worth, got none in 1 run of 50 with a core busy (bench/alloc_load), and their
+/// points were paid by other code's. While the process allocates, the hook was on anyway
+/// (100 % of the time on bench/alloc_cost.rb's loop at 4 KiB).
+pub const STEADY_RATE_BYTES: u64 = 16 * 1024;
 
 /// The allocation rate after one that was `per_us` saw `rate` (both objects a µs): rises at
 /// once, so a burst is met by arming early, and falls slowly. The job's rule, and the

@@ -7,8 +7,8 @@
 //! The hook is on only near a sample point (arming.rs): any NEWOBJ hook costs Ruby about
 //! 100 ns on every allocation. Which samples are alive (live.rs): when sampling, a weak map
 //! filled by the job, with no GC hook on (before 3.3 any GC hook sends every allocation down
-//! Ruby's slow path, +16 % on bench/allocs.rb); at rate 1, where the NEWOBJ hook is on anyway,
-//! the GC_END_MARK hook reads the mark bits once per GC.
+//! Ruby's slow path, +16 % on bench/allocs.rb); at rate 1 and at rates of 16 KiB or less,
+//! where the NEWOBJ hook is on anyway, the GC_END_MARK hook reads the mark bits once per GC.
 //!
 //! What a hook may do: Ruby calls them inside the allocator and the GC, where it forbids any
 //! Ruby API that allocates, raises or runs Ruby code. These hooks read the object's header
@@ -33,7 +33,7 @@ mod zjit;
 
 pub(crate) use publish::{published_at_ms, set_publisher, store};
 use rb_sys::VALUE;
-use rbspy_ext_core::allocs::arm::{longest_wait_us, Arm};
+use rbspy_ext_core::allocs::arm::{longest_wait_us, Arm, STEADY_RATE_BYTES};
 use rbspy_ext_core::allocs::budget::Budget;
 use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
@@ -360,9 +360,10 @@ pub(crate) fn start(rate_bytes: u64, max_per_second: u64, max_cpu: f64, version:
     stop();
     let (new, end_mark) = tracepoints();
     // With no timer (2.7 cannot post from a signal on any thread; no free signal) the hook
-    // stays on. At rate 1 it stays on anyway, and the timer's jobs publish the live set.
+    // stays on. At rate 1 it stays on anyway, and the timer's jobs publish the live set; so
+    // at small rates, where turning it off only loses the start of a burst (STEADY_RATE_BYTES).
     let timed = arming::prepare(poll) && arming::start_timer();
-    let always = rate_bytes <= 1 || !timed;
+    let always = rate_bytes <= STEADY_RATE_BYTES || !timed;
     // Sampling: liveness from the weak map, and no GC hook; every allocation: from the
     // mark bits at the end of each marking (live.rs).
     let marks = if always {
