@@ -14,6 +14,7 @@ pub const HOLD_QUIET_US: u64 = 100_000;
 /// between holds: spaced 19 times a hold's length, the holds a newly hot method needed were
 /// refused, and it left compiled code 12,000 times a second as before).
 pub const MAX_HOLD_US: u64 = 2_000_000;
+/// See [`MAX_HOLD_US`].
 pub const HOLD_SHARE: f64 = 0.05;
 
 /// Keeping the hook on while a JIT compiles, so that what it compiles is never thrown away.
@@ -23,8 +24,8 @@ pub const HOLD_SHARE: f64 = 0.05;
 /// one on throws away every method compiled that way (`rb_zjit_invalidate_newobj_hook`). A
 /// thrown-away method is compiled again after 30 more calls, at most 4 times; after that,
 /// each of its allocations leaves compiled code (a side exit) for good. Arming the hook 25
-/// times a second did just that to a Rack app's hot methods in a second: 17,000 side exits
-/// a second, and +3.8 to +5.4 % of CPU.
+/// times a second did that to a Rack app's per-request methods within a second: 17,000
+/// side exits a second, and +3.8 to +5.4 % of CPU.
 ///
 /// What ZJIT compiles while a NEWOBJ hook is on calls Ruby's allocator instead, which sees
 /// the hook, and is never thrown away. So when the JIT compiled code while the hook was off
