@@ -40,7 +40,7 @@ pub struct Spent {
     pub samples: u64,
     /// Timer signals.
     pub wakes: u64,
-    /// ns measured inside the postponed jobs and the hook.
+    /// ns measured inside the postponed jobs, the hook and the signal handler.
     pub work_ns: u64,
     /// Hook calls: allocations that took Ruby's slow path.
     pub slow_calls: u64,

@@ -13,6 +13,9 @@ pub(super) struct Stats {
     pub wakes: AtomicU64,
     /// Times the timer was set (`timer_settime`, about 10 µs each in this project's VM).
     pub timer_sets: AtomicU64,
+    /// ns inside the signal handler (reading the count, setting the timer, posting): the
+    /// kernel's delivery is priced apart, from a `raise` (`signal_ns`).
+    pub handler_ns: AtomicU64,
     /// Sample points that passed while the hook was off (paid by the points after them).
     pub missed: AtomicU64,
     /// Postponed jobs run, and the ns they took.
@@ -44,6 +47,7 @@ pub(super) const HOOK_TIMED_EVERY: u64 = 16;
 pub(super) static STATS: Stats = Stats {
     wakes: AtomicU64::new(0),
     timer_sets: AtomicU64::new(0),
+    handler_ns: AtomicU64::new(0),
     missed: AtomicU64::new(0),
     jobs: AtomicU64::new(0),
     job_ns: AtomicU64::new(0),
@@ -64,7 +68,9 @@ pub(super) fn spent() -> rbspy_ext_core::allocs::budget::Spent {
     rbspy_ext_core::allocs::budget::Spent {
         samples: STATS.samples.load(Relaxed),
         wakes: STATS.wakes.load(Relaxed),
-        work_ns: STATS.job_ns.load(Relaxed) + STATS.hook_ns.load(Relaxed),
+        work_ns: STATS.job_ns.load(Relaxed)
+            + STATS.hook_ns.load(Relaxed)
+            + STATS.handler_ns.load(Relaxed),
         slow_calls: STATS.hook_calls.load(Relaxed),
     }
 }
@@ -82,10 +88,11 @@ impl Stats {
         *ARMED_AT.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
-    fn counters(&self) -> [&AtomicU64; 15] {
+    fn counters(&self) -> [&AtomicU64; 16] {
         [
             &self.wakes,
             &self.timer_sets,
+            &self.handler_ns,
             &self.missed,
             &self.jobs,
             &self.job_ns,
@@ -122,9 +129,10 @@ impl Stats {
     /// (name, value) pairs: the counters, the armed time including a current stretch, and
     /// the seconds since tracking started.
     pub fn snapshot(&self) -> Vec<(&'static str, f64)> {
-        const NAMES: [&str; 15] = [
+        const NAMES: [&str; 16] = [
             "wakes",
             "timer_sets",
+            "handler_ns",
             "missed",
             "jobs",
             "job_ns",
