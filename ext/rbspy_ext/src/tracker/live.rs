@@ -2,16 +2,17 @@
 //! memory; their bookkeeping (by address, never marked) is core's `allocs::live`.
 //!
 //! Two ways to know which are alive, by how the tracker samples (mod.rs):
-//! - Sampling (a rate above `STEADY_RATE_BYTES`, 16 KiB, with a timer): each sampled object is put in an
-//!   `ObjectSpace::WeakMap` under its sample's id by the postponed job right after the
-//!   sample, and looked up there when a snapshot is made (weak.rs). No GC hook is on: before
-//!   Ruby 3.3 any internal GC hook sends every allocation down the slow path (+6 % of CPU on
-//!   a request loop on 3.1), and one per sample is all this costs.
+//! - Sampling (a rate above `STEADY_RATE_BYTES`, 16 KiB, with a timer): each sampled
+//!   object is put in an `ObjectSpace::WeakMap` under its sample's id by the postponed job
+//!   right after the sample, and looked up there when a snapshot is made (weak.rs). No GC
+//!   hook is on: before Ruby 3.3 any internal GC hook sends every allocation down the slow
+//!   path (+6 % of CPU on a request loop on 3.1), and one per sample is all this costs.
 //! - The hook always on (rate 1, a rate of 16 KiB or less, or 2.7 with no timer): a million
 //!   weak-map entries would cost more than the allocations, so liveness is read from the
 //!   GC's mark bits at the end of each marking (the GC_END_MARK hook), before the sweep
-//!   frees anything: a sampled object is alive when it is marked. A FREEOBJ hook would tell the same, but any FREEOBJ hook
-//!   costs Ruby a call on every object it frees (+42 % on bench/allocs.rb).
+//!   frees anything: a sampled object is alive when it is marked. A FREEOBJ hook would tell
+//!   the same, but any FREEOBJ hook costs Ruby a call on every object it frees (+42 % on
+//!   bench/allocs.rb).
 //!
 //! The check reads this process's memory directly while it can be sure every tracked
 //! address is in a heap page: when it saw the end of every GC's marking since the objects

@@ -7,15 +7,27 @@
 //! `--zjit-stats`: about 0.6 µs a call, allocating nothing, nil while ZJIT is off.
 use rb_sys::VALUE;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::OnceLock;
 
 /// `RubyVM::ZJIT`, where its compiled code is thrown away by a NEWOBJ hook; 0 elsewhere.
 /// A module constant, never freed.
 static MODULE: AtomicUsize = AtomicUsize::new(0);
+/// The method's ID and the key's Symbol (static, never freed), interned once rather than
+/// at every job.
+static CALL: OnceLock<(usize, usize)> = OnceLock::new();
 
 /// Finds `RubyVM::ZJIT` where it matters (once per start, with the GVL).
 pub(super) fn find() {
     let invalidates = !super::arming::symbol(c"rb_zjit_invalidate_newobj_hook").is_null();
     let module = invalidates.then(constant).flatten().unwrap_or(0);
+    if module != 0 {
+        // SAFETY: interns static names with the GVL.
+        CALL.get_or_init(|| unsafe {
+            let stats = rb_sys::rb_intern(c"stats".as_ptr());
+            let key = rb_sys::rb_id2sym(rb_sys::rb_intern(c"compiled_iseq_count".as_ptr()));
+            (stats as usize, key as usize)
+        });
+    }
     MODULE.store(module, Relaxed);
 }
 
@@ -34,12 +46,12 @@ fn constant() -> Option<usize> {
 }
 
 unsafe extern "C" fn compiled_count(module: VALUE) -> VALUE {
+    // `find` set CALL before it set MODULE, which `compiled` checks first.
+    let Some(&(stats, key)) = CALL.get() else {
+        return rb_sys::Qnil as VALUE;
+    };
     // SAFETY: called through rb_protect with the GVL.
-    unsafe {
-        let stats = rb_sys::rb_intern(c"stats".as_ptr());
-        let key = rb_sys::rb_id2sym(rb_sys::rb_intern(c"compiled_iseq_count".as_ptr()));
-        rb_sys::rb_funcall(module, stats, 1, key)
-    }
+    unsafe { rb_sys::rb_funcall(module, stats as rb_sys::ID, 1, key as VALUE) }
 }
 
 /// The methods ZJIT has compiled so far; None where the hook throws nothing away, or while
