@@ -3,26 +3,23 @@
 //! share of one core (Datadog's budget, in CPU rather than in samples).
 //!
 //! A sample costs the same whatever the process does: the timer's wake-ups that bring the
-//! hook near its point (5 to 7 a sample; a signal is about 13 µs of CPU in this project's
-//! VM, 1 to 3 on bare metal), the two postponed jobs that turn the hook on and off, the
-//! allocations the armed hook sends down Ruby's slow path, and the hook itself. The
-//! extension's stats count each of these; the job hands their totals to [`Budget::observe`],
-//! which prices them and says how many samples a second the share pays for. The cap is
-//! then the lower of that and the cap asked for ([`super::points::Points::set_cap`]).
+//! hook near its point (4 to 5 a sample; in this project's VM a tick costs the process 25
+//! to 35 µs of CPU, on bare metal a few), the two postponed jobs that turn the hook on and
+//! off, the allocations the armed hook sends down Ruby's slow path, and the hook itself.
+//! The extension's stats count each of these; the job hands their totals to
+//! [`Budget::observe`], which prices them and says how many samples a second the share pays
+//! for. The cap is then the lower of that and the cap asked for
+//! ([`super::points::Points::set_cap`]).
 //!
-//! What cannot be measured from inside is priced: a wake-up at [`SIGNAL_PER_RAISE`] times a
-//! `raise` of the same signal, timed once per process (`raise` returns after the handler,
-//! so its cost is the kernel's delivery and return, less the timer's interrupt), and an
-//! allocation on the slow path at [`SLOW_PATH_NS`] beside the time inside the hook.
+//! What cannot be measured from inside is priced: a wake-up at what a tick of the timer was
+//! timed to cost once per process (`signal_ns`, ext/rbspy_ext/src/tracker/arming.rs: the
+//! clock's interrupt and the signal's delivery and return), beside the handler's own time,
+//! and an allocation on the slow path at [`SLOW_PATH_NS`] beside the time inside the hook.
 //!
 //! Each sample keeps the rate it was drawn with, so a lower cap costs precision, never
 //! bias; [`MIN_PER_SECOND`] keeps the estimates of a heavy allocator's main sites usable
 //! on a machine whose signals are slow.
 
-/// A wake-up by the timer costs this many times a synchronous `raise` of its signal: 10 to
-/// 13 µs against 3.5 to 4.5 µs in this project's VM (a C program spinning under a 100 µs
-/// timer, against 100,000 raises).
-pub const SIGNAL_PER_RAISE: f64 = 3.0;
 /// Ruby's slow path for an allocation while a NEWOBJ hook is on, outside the hook: about
 /// 100 ns a call here with an empty hook, of which some 40 are the hook call.
 pub const SLOW_PATH_NS: f64 = 60.0;

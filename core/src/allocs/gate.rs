@@ -96,6 +96,11 @@ impl Gate {
         self.point.store(0, Relaxed);
     }
 
+    /// The longest the timer waits, as the job last said (0: no job yet).
+    pub fn longest_us(&self) -> u64 {
+        self.longest_us.load(Relaxed)
+    }
+
     /// The rate the ticks saw lately, in objects a µs.
     pub fn per_us(&self) -> f64 {
         f64::from_bits(self.per_us.load(Relaxed))

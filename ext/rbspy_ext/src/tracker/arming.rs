@@ -8,7 +8,7 @@
 //! tested with a simulated allocator) whether the next sample point is due within a few
 //! hundred µs (more after points were missed), when the hook goes on. The hook then counts
 //! every byte exactly up to the point, samples, and asks for a job that turns it off again
-//! when the next point is far. The job sets the timer's period to most of the time it
+//! when the next point is far. The job sets the timer to tick once, at most of the time it
 //! expects the next point to take, so a point costs a few wake-ups.
 //!
 //! Where the bindings know where the objspace counts allocations (every Ruby from 3.0, see
@@ -33,8 +33,7 @@
 //! Which Rubies: `rb_postponed_job_trigger` (3.3+) and `rb_postponed_job_register_one`
 //! (3.0 to 3.2) may be called from any thread; 2.7's needs a Ruby thread, so on 2.7 the hook
 //! stays on.
-use rbspy_ext_core::allocs::arm::{period_for, MIN_DELAY_US};
-use rbspy_ext_core::allocs::budget::SIGNAL_PER_RAISE;
+use rbspy_ext_core::allocs::arm::{delay_for, MIN_DELAY_US, SHORTEST_LONGEST_US};
 use rbspy_ext_core::allocs::gate::{Gate, Tick};
 use rbspy_ext_core::census::AllocatedCounters;
 use std::ffi::c_void;
@@ -64,8 +63,8 @@ static TIMER: AtomicI64 = AtomicI64::new(-1);
 static SIGNAL: AtomicI32 = AtomicI32::new(0);
 /// Whether a signal posts the job: false once tracking stops, for a signal still pending.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
-/// The timer's period (0: not set).
-static PERIOD_US: AtomicU64 = AtomicU64::new(0);
+/// Ticks that came while no tracking was active: `time_wakeup`'s.
+static IDLE_TICKS: AtomicU64 = AtomicU64::new(0);
 
 /// µs on a monotonic clock, from the first call: the time `rbspy_ext_core::allocs::arm`
 /// reckons in.
@@ -200,11 +199,18 @@ extern "C" fn on_signal(_signal: libc::c_int, _info: *mut libc::siginfo_t, _cont
                 QUIET_TICKS.fetch_add(1, Ordering::Relaxed);
                 set_delay(us)
             }
-            Some(Tick::Post) | None => post(),
+            Some(Tick::Post) | None => {
+                post();
+                // The job sets the next tick; this one comes only if the job is late (a
+                // long C call with no interrupt check), to post it again.
+                set_delay(GATE.longest_us().max(SHORTEST_LONGEST_US));
+            }
         }
         // Timed for the budget: `timer_settime` alone took 10 µs on some days in this VM.
         let ns = ((now_us_f() - at) * 1000.0) as u64;
         stats.handler_ns.fetch_add(ns, Ordering::Relaxed);
+    } else {
+        IDLE_TICKS.fetch_add(1, Ordering::Relaxed);
     }
     // SAFETY: as above.
     unsafe { *libc::__errno_location() = errno };
@@ -248,45 +254,63 @@ pub(super) fn signal_ns() -> f64 {
     SIGNAL_NS.get().copied().unwrap_or(0.0)
 }
 
-/// Times a `raise` of our `signal` once per process (the fastest of 8 rounds of 8, so that a
-/// preemption does not count), times `SIGNAL_PER_RAISE`. Only while no timer is active: the
-/// handler then returns at once.
-fn time_signal(signal: libc::c_int) {
+/// Times what a tick of `timer` costs the process, once per process, before the timer is
+/// started (the handler, inactive, only counts it): the fastest of 4 rounds of 16 ticks set
+/// 1 µs ahead, each waited for, so that a preemption does not count. A round trip is
+/// `timer_settime`, the clock's interrupt, the kernel's delivery of the signal and its
+/// return, less the µs waited: 23 to 24 µs in this project's VM, against 25 to 35 µs of
+/// process CPU a tick costs a Rack-like workload there (the caches' share). A synchronous
+/// `raise`, timed before, took 1 µs: it has no interrupt, and the budget priced a tick at a
+/// tenth of its cost. 0 (ticks unpriced) when a tick did not come within 5 ms.
+fn time_wakeup(timer: libc::timer_t) {
     SIGNAL_NS.get_or_init(|| {
-        let fastest = (0..8)
-            .map(|_| {
-                let at = Instant::now();
-                for _ in 0..8 {
-                    // SAFETY: our own signal, whose handler is installed and inactive.
-                    unsafe { libc::raise(signal) };
+        let mut fastest = f64::MAX;
+        for _ in 0..4 {
+            let at = Instant::now();
+            for _ in 0..16 {
+                let before = IDLE_TICKS.load(Ordering::Acquire);
+                arm_once(timer, 1);
+                let waited = Instant::now();
+                while IDLE_TICKS.load(Ordering::Acquire) == before {
+                    if waited.elapsed().as_micros() > 5_000 {
+                        arm_once(timer, 0);
+                        return 0.0;
+                    }
+                    std::hint::spin_loop();
                 }
-                at.elapsed().as_nanos() as f64 / 8.0
-            })
-            .fold(f64::MAX, f64::min);
-        fastest * SIGNAL_PER_RAISE
+            }
+            fastest = fastest.min(at.elapsed().as_nanos() as f64 / 16.0 - 1_000.0);
+        }
+        fastest.max(0.0)
     });
 }
 
-/// Wants the next job within `us`: the period `period_for` gives, when it must change.
+/// Sets `timer` to tick once in `us` (0: disarms it).
+fn arm_once(timer: libc::timer_t, us: u64) {
+    let value = libc::itimerspec {
+        it_interval: libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        },
+        it_value: libc::timespec {
+            tv_sec: (us / 1_000_000) as libc::time_t,
+            tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
+        },
+    };
+    // SAFETY: our timer, a filled itimerspec.
+    unsafe { libc::timer_settime(timer, 0, &value, std::ptr::null_mut()) };
+}
+
+/// Wants the next job within `us`: the timer ticks once then (`delay_for`).
 pub(super) fn set_delay(us: u64) {
     let timer = TIMER.load(Ordering::Acquire);
-    let Some(us) = period_for(PERIOD_US.load(Ordering::Relaxed), us).filter(|_| timer >= 0) else {
+    if timer < 0 {
         return;
-    };
-    PERIOD_US.store(us, Ordering::Relaxed);
+    }
     super::stats::STATS
         .timer_sets
         .fetch_add(1, Ordering::Relaxed);
-    let span = libc::timespec {
-        tv_sec: (us / 1_000_000) as libc::time_t,
-        tv_nsec: ((us % 1_000_000) * 1000) as libc::c_long,
-    };
-    let value = libc::itimerspec {
-        it_interval: span,
-        it_value: span,
-    };
-    // SAFETY: our timer, a filled itimerspec.
-    unsafe { libc::timer_settime(timer as libc::timer_t, 0, &value, std::ptr::null_mut()) };
+    arm_once(timer as libc::timer_t, delay_for(us));
 }
 
 /// Starts the timer (deleting any earlier one first); false when none could be made (no free
@@ -299,8 +323,6 @@ pub(super) fn start_timer() -> bool {
     let Some(signal) = signal() else {
         return false;
     };
-    // Timed now, while the handler is inactive (`ACTIVE` is false since `stop_timer`).
-    time_signal(signal);
     // SAFETY: a zeroed sigevent filled for a signal to the process; glibc writes the id.
     let made = unsafe {
         let mut event: libc::sigevent = std::mem::zeroed();
@@ -313,8 +335,9 @@ pub(super) fn start_timer() -> bool {
     let Some(timer) = made else {
         return false;
     };
+    // Timed now, while the handler is inactive (`ACTIVE` is false since `stop_timer`).
+    time_wakeup(timer as libc::timer_t);
     TIMER.store(timer, Ordering::Release);
-    PERIOD_US.store(0, Ordering::Relaxed);
     ACTIVE.store(true, Ordering::Release);
     // The first job, soon, measures the rate.
     set_delay(MIN_DELAY_US);

@@ -11,10 +11,11 @@ use std::time::Instant;
 pub(super) struct Stats {
     /// Wake-ups of whatever asks for the job (the timer's signals).
     pub wakes: AtomicU64,
-    /// Times the timer was set (`timer_settime`, about 10 µs each in this project's VM).
+    /// Times the timer was set (`timer_settime`): at each tick and each job, one-shot.
     pub timer_sets: AtomicU64,
     /// ns inside the signal handler (reading the count, setting the timer, posting): the
-    /// kernel's delivery is priced apart, from a `raise` (`signal_ns`).
+    /// clock's interrupt and the kernel's delivery are priced apart, from ticks timed once
+    /// (`signal_ns`).
     pub handler_ns: AtomicU64,
     /// Sample points that passed while the hook was off (paid by the points after them).
     pub missed: AtomicU64,
