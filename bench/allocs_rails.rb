@@ -135,9 +135,10 @@ LOOP = <<~'RUBY'
     each_us = ->(ns, n) { median.(stats[tool].map { |s| s[n].positive? ? s[ns] / s[n] / 1000 : 0 }) }
     puts format("  %-18s own measure %.2f %% of a core; hook calls %.0f/s, armed %.1f %% of the time, " \
                 "%.0f turns/s at %.1f µs; wake-ups %.0f/s; jobs %.0f/s at %.1f µs; hook %.0f µs/s; " \
-                "publications %.1f/s at %.0f µs", "", per_s.(:priced_ns) / 1e7, per_s.(:hook_calls),
+                "publications %.1f/s at %.0f µs; margin at the end %.0f µs", "", per_s.(:priced_ns) / 1e7, per_s.(:hook_calls),
                 per_s.(:armed_ns) / 1e7, per_s.(:arms), each_us.(:switch_ns, :arms), per_s.(:wakes), per_s.(:jobs),
-                each_us.(:job_ns, :jobs), per_s.(:hook_ns) / 1000, per_s.(:publishes), each_us.(:publish_ns, :publishes))
+                each_us.(:job_ns, :jobs), per_s.(:hook_ns) / 1000, per_s.(:publishes), each_us.(:publish_ns, :publishes),
+                median.(stats[tool].map { |s| s.fetch(:ahead_us, 0) }))
   end
 RUBY
 

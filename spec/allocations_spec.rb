@@ -184,7 +184,7 @@ RSpec.describe "sampled allocations" do
     skip_unless_fixture_runs(target_ruby, timer: true)
     # 3 s of allocation, however fast this Ruby allocates (10 a call: about 30 million a
     # second on 3.1, 3 million on 3.2+ with their 640-byte slots): some 100 to 400 samples
-    # at the cap (100 a second, or the CPU budget's 25 or more where a sample costs more
+    # at the cap (100 a second, or the CPU budget's 10 or more where a sample costs more
     # than 50 µs), 10 to 40 a site, and the bound is the error those allow.
     result = run_rates(target_ruby, "capped", "-", 3)
     calls = result["calls"]
@@ -219,9 +219,9 @@ RSpec.describe "sampled allocations" do
     expect(stats["jobs"]).to be < 4 * samples, stats.inspect
   end
 
-  # The budget: a sample here costs 100 to 200 µs of CPU (5 to 7 of the timer's signals at
-  # about 13 µs in this VM, two postponed jobs, the armed hook's slow path), so 0.1 % of a
-  # core pays for 2 or 3 a second, and the floor (25) caps. The note says why, and what a
+  # The budget: a sample here costs 250 to 500 µs of CPU (4 to 7 of the timer's wake-ups
+  # at 25 to 35 µs in this VM, two postponed jobs, the armed hook's slow path), so 0.05 % of
+  # a core pays for 1 or 2 a second, and the floor (10) caps. The note says why, and what a
   # sample cost.
   it "takes fewer samples a second when they would cost more than max_cpu of a core (#{target_ruby})" do
     skip_unless_fixture_runs(target_ruby, timer: true)
@@ -230,10 +230,10 @@ RSpec.describe "sampled allocations" do
     note = result["notes"].grep(/samples were capped near/).first
     warn "#{target_ruby}: max_cpu 0.05 %: #{samples} samples in #{format('%.1f', result['seconds'])} s; #{note}"
     # The first samples come before a sample's cost is known (8 of them), at the cap; then
-    # the bucket holds a second of the budget's cap, refilled at 25 a second (with the
+    # the bucket holds a second of the budget's cap, refilled at 10 a second (with the
     # default cap's slack: points drawn before the budget knew).
-    expect(samples).to be < (8 + 25 + (25 * result["seconds"])) * 1.2
-    expect(note).to match(/near 25 a second \(fewer than 100: each cost about \d+ µs, and tracking may spend 0\.05 % of a core\)/)
+    expect(samples).to be < (8 + 10 + (10 * result["seconds"])) * 1.2
+    expect(note).to match(/near 10 a second \(fewer than 100: each cost about \d+ µs, and tracking may spend 0\.05 % of a core\)/)
     expect_every_site_drawn(result)
   end
 

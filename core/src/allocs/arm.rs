@@ -27,7 +27,7 @@ pub const MAX_AHEAD_US: f64 = 5_000.0;
 pub const MIN_DELAY_US: u64 = 100;
 /// The first job after the start looks this soon: the hook is on until then.
 pub const FIRST_LOOK_US: u64 = 1_000;
-pub const MAX_DELAY_US: u64 = 20_000;
+pub const MAX_DELAY_US: u64 = 50_000;
 /// The longest wait is the time a burst of this many bytes a µs (50 MB/s) takes to pass one
 /// point at the current mean, from 2 ms to [`MAX_DELAY_US`]: each wake-up costs the process
 /// about 30 µs of CPU here (the VM's timer interrupt and the signal), so waking every 2 ms
@@ -191,6 +191,11 @@ impl Arm {
     /// Whether the hook is on.
     pub fn is_on(&self) -> bool {
         self.on
+    }
+
+    /// The margin, in µs: a point due within it turns the hook on.
+    pub fn ahead_us(&self) -> f64 {
+        self.ahead_us
     }
 
     /// Objects allocated a µs, lately.

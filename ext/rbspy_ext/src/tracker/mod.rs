@@ -495,6 +495,10 @@ pub(crate) fn stats() -> Vec<(&'static str, f64)> {
     let (holds, held_us) = tracker()
         .as_ref()
         .map_or((0, 0), |t| (t.arm.hold.holds, t.arm.hold.held_us));
+    // The margin within which a point turns the hook on, now (µs).
+    let ahead_us = tracker().as_ref().map_or(0.0, |t| t.arm.ahead_us());
+    stats.push(("ahead_us", ahead_us));
+
     stats.push(("holds", holds as f64));
     stats.push(("held_ms", held_us as f64 / 1000.0));
     stats
