@@ -30,6 +30,10 @@ pub const SLOW_PATH_NS: f64 = 60.0;
 /// not the budget setting what tracking spent. On bare metal, where a wake-up costs a few
 /// µs, the budget's share pays for more.
 pub const MIN_PER_SECOND: f64 = 10.0;
+/// ...unless the floor would cost more than this many times the share: a sample under 4.1's
+/// ZJIT costs 0.7 to 2 ms here (each arming throws compiled code away, and finishes the
+/// GC's sweeping), and 10 a second cost 2 % of a core.
+pub const FLOOR_AT_MOST: f64 = 2.0;
 /// Samples a cost estimate is made from: fewer are too noisy (a job's µs vary tenfold)...
 const SAMPLES_PER_LOOK: u64 = 32;
 /// ...but the first is made sooner: until then the cap asked for holds, and a run of a few
@@ -117,8 +121,10 @@ impl Budget {
             };
             self.last = now;
         }
-        (self.per_sample_ns > 0.0)
-            .then(|| (self.share * 1e9 / self.per_sample_ns).max(MIN_PER_SECOND))
+        (self.per_sample_ns > 0.0).then(|| {
+            let pays = self.share * 1e9 / self.per_sample_ns;
+            pays.max(MIN_PER_SECOND.min(pays * FLOOR_AT_MOST))
+        })
     }
 }
 
@@ -163,9 +169,15 @@ mod tests {
         // The next 100 samples cost twice as much: the estimate moves half way.
         b.observe(spent(200, 1_800, 12_000, 120_000));
         assert!((b.per_sample_ns() - before * 1.5).abs() < 1.0);
-        // A very slow stretch: the cap stays at the floor.
-        let cap = b.observe(spent(300, 100_000, 12_000, 120_000)).unwrap();
+        // A slow stretch: the cap stays at the floor...
+        let cap = b.observe(spent(400, 21_000, 12_000, 120_000)).unwrap();
+        assert!(b.share() * 1e9 / b.per_sample_ns() < MIN_PER_SECOND);
         assert_eq!(cap, MIN_PER_SECOND);
+        // ...until the floor would cost more than twice the share: then twice the share.
+        let cap = b.observe(spent(500, 100_000, 12_000, 120_000)).unwrap();
+        let pays = b.share() * 1e9 / b.per_sample_ns();
+        assert!(pays * FLOOR_AT_MOST < MIN_PER_SECOND);
+        assert!((cap - pays * FLOOR_AT_MOST).abs() < 1e-9);
     }
 
     #[test]
