@@ -511,7 +511,7 @@ mod tests {
         assert_eq!(run.samples, 0, "{run:?}");
         // The first look only (1 ms; it was every allocation).
         assert!(run.slow * 100 < run.objects, "{run:?}");
-        // A wake-up per longest wait (20 ms), no more.
+        // A wake-up per longest wait (MAX_DELAY_US), no more.
         assert!(run.wakes <= 2_000_000 / MAX_DELAY_US + 2, "{run:?}");
     }
 

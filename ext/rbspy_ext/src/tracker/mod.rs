@@ -486,21 +486,17 @@ pub(crate) fn stats() -> Vec<(&'static str, f64)> {
     stats.push(("signal_ns", arming::signal_ns()));
     let spent = rbspy_ext_core::allocs::budget::price(&stats::spent(), arming::signal_ns());
     stats.push(("priced_ns", spent));
-    let sample_ns = tracker()
-        .as_ref()
-        .and_then(|t| t.budget.as_ref().map(|b| b.per_sample_ns()));
+    let guard = tracker();
+    let t = guard.as_ref();
+    let sample_ns = t.and_then(|t| t.budget.as_ref().map(|b| b.per_sample_ns()));
     stats.push(("sample_ns", sample_ns.unwrap_or(0.0)));
     // Holds of the hook while ZJIT compiles (allocs::hold::Hold): begun, and the ms of those
     // that ended.
-    let (holds, held_us) = tracker()
-        .as_ref()
-        .map_or((0, 0), |t| (t.arm.hold.holds, t.arm.hold.held_us));
-    // The margin within which a point turns the hook on, now (µs).
-    let ahead_us = tracker().as_ref().map_or(0.0, |t| t.arm.ahead_us());
-    stats.push(("ahead_us", ahead_us));
-
+    let (holds, held_us) = t.map_or((0, 0), |t| (t.arm.hold.holds, t.arm.hold.held_us));
     stats.push(("holds", holds as f64));
     stats.push(("held_ms", held_us as f64 / 1000.0));
+    // The margin within which a point turns the hook on, now (µs).
+    stats.push(("ahead_us", t.map_or(0.0, |t| t.arm.ahead_us())));
     stats
 }
 
