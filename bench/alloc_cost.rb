@@ -22,7 +22,10 @@
 # Defaults: request, 7 rounds, 1 s windows, tracking as `RubySpy.track_allocations` does
 # (512 KiB, at most 100 samples a second). RATE=524288 tracks at a rate given (no cap),
 # CAP=0 or CAP=1000 sets the cap. Each figure is the median over rounds, with the spread
-# (lowest and highest) beside it.
+# (lowest and highest) beside it; the round-by-round cost also with a 95 % interval for its
+# median, which narrows with rounds (30 rounds make it about ±1 % here). Every window first
+# runs WARMUP seconds (default 1) untimed: tracking's first second, before the budget has
+# priced a sample, is not what it costs when left on.
 #
 # PEERS adds the tools people use today to the same rounds, each a window of its own in the
 # shuffled order, priced against the same untracked windows: `stackprof` (object mode, its
@@ -115,6 +118,7 @@ RUN = <<~'RUBY'
   objects = GC.stat(:total_allocated_objects)
   n.times { unit.() }
   per_unit = (GC.stat(:total_allocated_objects) - objects).fdiv(n)
+  warm = (n * Float(ENV.fetch("WARMUP")) / window).round
 
   jit = lambda do
     if defined?(RubyVM::YJIT) && RubyVM::YJIT.enabled?
@@ -139,6 +143,11 @@ RUN = <<~'RUBY'
       when /\Astackprof(?::(\d+))?\z/ then StackProf.start(mode: :object, interval: Integer(Regexp.last_match(1) || 1))
       when "memory_profiler" then MemoryProfiler.start
       end
+      # Tracking is measured as it runs when left on: its first second takes samples at the
+      # cap until the budget has priced a sample (SAMPLES_FIRST_LOOK), then settles. The
+      # warm-up, the same in every window, is not timed, and the stats count from its end.
+      warm.times { unit.() }
+      warm_stats = tool == "tracked" ? RubySpy::NativeAllocations.stats : {}
       before_jit = jit.()
       t = cpu.()
       n.times { unit.() }
@@ -149,7 +158,11 @@ RUN = <<~'RUBY'
       end
       row = { "tool" => tool, "cpu" => t, "jit" => jit.().to_h { |k, v| [k, v - before_jit.fetch(k, 0)] } }
       if tool == "tracked"
-        row["stats"] = RubySpy::NativeAllocations.stats.transform_keys(&:to_s)
+        # Counters since the warm-up; levels (a price, a margin, a flag) as they are now.
+        levels = %i[reads_count signal_ns sample_ns ahead_us]
+        row["stats"] = RubySpy::NativeAllocations.stats.to_h do |k, v|
+          [k.to_s, levels.include?(k) ? v : v - warm_stats.fetch(k, 0)]
+        end
         RubySpy.stop_tracking_allocations
       end
       windows << row
@@ -167,7 +180,7 @@ abort "PEERS: #{unknown.join(', ')}: stackprof, stackprof:N or memory_profiler" 
 env = { "ROOT" => File.expand_path("..", __dir__), "RATE" => ENV.fetch("RATE", ""), "CAP" => ENV.fetch("CAP", ""),
         "PEERS" => peers.join(","),
         "RACK_LIB" => RACK_LIB,
-        "ROUNDS" => rounds.to_s, "WINDOW" => window.to_s, "WORKLOAD" => workload }
+        "WARMUP" => ENV.fetch("WARMUP", "1"), "ROUNDS" => rounds.to_s, "WINDOW" => window.to_s, "WORKLOAD" => workload }
 out, err, status = Open3.capture3(env, *target_ruby, "-e", RUN)
 abort "the workload failed: #{err}" unless status.success?
 result = JSON.parse(out.lines.last)
@@ -180,11 +193,16 @@ tracked = by_tool["tracked"]
 # Each round's tracked window against the median untracked one.
 cost = tracked.map { |w| 100.0 * (w["cpu"] / median.(none) - 1) }
 puts result["ruby"]
-puts format("%s: %d units a window (%.0f objects each), rate %s, cap %s, %d rounds", workload, result["units"],
-            result["per_unit"], env["RATE"].empty? ? "default" : env["RATE"],
+puts format("%s: %d units a window (%.0f objects each) after %s s of warm-up, rate %s, cap %s, %d rounds", workload,
+            result["units"], result["per_unit"], env["WARMUP"], env["RATE"].empty? ? "default" : env["RATE"],
             env["CAP"].empty? ? "default" : env["CAP"], rounds)
 puts format("  CPU a window: untracked %.3f s, tracked %.3f s: %+.1f %% (spread %s)", median.(none),
             median.(tracked.map { |w| w["cpu"] }), median.(cost), spread.(cost))
+# Each round's tracked window against the same round's untracked one, so that a drift of the
+# machine's speed moves both; with many rounds the interval says what the noise still allows.
+paired_cost = tracked.zip(by_tool["none"]).map { |t, u| 100.0 * (t["cpu"] / u["cpu"] - 1) }
+puts format("  paired, round by round: %+.2f %% (95 %% interval for the median %+.2f..%+.2f, %d pairs)",
+            *median_ci(paired_cost), paired_cost.size)
 # This VM's noise only adds CPU time (steal, interrupts): the quietest window of each kind is
 # the steadier estimate of what the work costs, and the quietest tenth of each the check on it.
 lowest = ->(a, share) { a.sort.first([(a.size * share).ceil, 1].max).sum / [(a.size * share).ceil, 1].max }

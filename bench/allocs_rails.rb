@@ -15,7 +15,8 @@
 #   script/rubies ext trixie && ruby bench/allocs_rails.rb --in trixie [ROUNDS] [REQUESTS]
 #                                                                        # Rails 7.2, Ruby 3.3
 # Defaults: 15 rounds of 300 requests. TOOLS=none,rubyspy:default,rubyspy:4096 picks the
-# windows.
+# windows. The untracked windows and ours first serve WARMUP seconds' worth of requests
+# (default 1), untimed: what tracking costs when left on, not in its first second.
 require "fileutils"
 require "open3"
 require "rbconfig"
@@ -48,6 +49,7 @@ requests = Integer(ARGV.fetch(1, "300"))
 LOOP = <<~'RUBY'
   require File.expand_path("config/environment", Dir.pwd)
   require "rack/mock"
+  require ENV.fetch("BENCH_SUPPORT")
   rounds, requests = ENV.fetch("ROUNDS").to_i, ENV.fetch("REQUESTS").to_i
   tools = ENV["TOOLS"] ? ENV["TOOLS"].split(",") : %w[none rubyspy:default rubyspy:524288 rubyspy:32768]
   if File.directory?(ENV.fetch("STACKPROF_DIR"))
@@ -83,6 +85,10 @@ LOOP = <<~'RUBY'
   objects = GC.stat(:total_allocated_objects)
   serve.(50)
   per_request = (GC.stat(:total_allocated_objects) - objects) / 50
+  # Tracking is measured as it runs when left on (bench/alloc_cost.rb says why): each window
+  # of ours and the untracked ones first serve WARMUP seconds' worth of requests, untimed.
+  warm = (Float(ENV.fetch("WARMUP")) / (timed.(50) / 50)).ceil
+  levels = %i[reads_count signal_ns sample_ns ahead_us]
   times = Hash.new { |h, k| h[k] = [] }
   samples = Hash.new(0)
   missed = Hash.new(0)
@@ -91,14 +97,19 @@ LOOP = <<~'RUBY'
     tools.shuffle.each do |tool|
       GC.start
       case tool
-      when "none" then times[tool] << timed.(requests)
+      when "none"
+        serve.(warm)
+        times[tool] << timed.(requests)
       when /\Arubyspy:(\d+|default)\z/
         $1 == "default" ? RubySpy.track_allocations : RubySpy.track_allocations(rate: Integer($1))
+        serve.(warm)
+        warmed = RubySpy::NativeAllocations.stats
         times[tool] << timed.(requests)
-        stats[tool] << RubySpy::NativeAllocations.stats
-        result = RubySpy.stop_tracking_allocations
-        samples[tool] += result.sites.sum { |s| s[:samples] }
-        missed[tool] += result.notes.grep(/sample points passed/).sum { |n| n[/\d+/].to_i }
+        # Counters since the warm-up; levels (a price, a margin, a flag) as they are now.
+        stats[tool] << RubySpy::NativeAllocations.stats.to_h { |k, v| [k, levels.include?(k) ? v : v - warmed.fetch(k, 0)] }
+        samples[tool] += stats[tool].last[:samples]
+        missed[tool] += stats[tool].last[:missed]
+        RubySpy.stop_tracking_allocations
       when /\Astackprof:(\d+)\z/
         t = nil
         StackProf.run(mode: :object, interval: Integer($1)) { t = timed.(requests) }
@@ -125,7 +136,10 @@ LOOP = <<~'RUBY'
     # Each round's window against the same round's untracked one: a drift of the machine's
     # speed over the run moves both.
     paired = list.zip(times["none"]).map { |t, n| 100 * (t / n - 1) }
-    extra = format("  (paired %+.1f%%, %+.1f..%+.1f)%s", median.(paired), paired.min, paired.max, extra) if tool != "none"
+    if tool != "none"
+      extra = format("  (paired %+.1f%%, %+.1f..%+.1f; 95%% interval for its median %+.1f..%+.1f)%s", median.(paired),
+                     paired.min, paired.max, *median_ci(paired)[1..], extra)
+    end
     puts format("  %-18s %8.3f ms CPU a request  %+7.1f%%%s", tool, m * 1000 / requests, 100 * (m / base - 1), extra)
     next if stats[tool].empty?
 
@@ -147,7 +161,8 @@ Dir.mktmpdir("rbspy-allocs-rails") do |dir|
   system(RbConfig.ruby, File.join(ROOT, "spec/fixtures/rails_app/generate"), app, exception: true)
   env = { "BUNDLE_GEMFILE" => File.join(app, "Gemfile"), "RAILS_ENV" => "production", "ROUNDS" => rounds.to_s,
           "REQUESTS" => requests.to_s, "STACKPROF_DIR" => STACKPROF, "MEMORY_PROFILER" => MEMORY_PROFILER,
-          "SECRET_KEY_BASE" => "bench" * 8, "TOOLS" => ENV.fetch("TOOLS", nil) }
+          "SECRET_KEY_BASE" => "bench" * 8, "TOOLS" => ENV.fetch("TOOLS", nil), "WARMUP" => ENV.fetch("WARMUP", "1"),
+          "BENCH_SUPPORT" => File.join(__dir__, "support.rb") }
   out, status = Open3.capture2e(env, RbConfig.ruby, "-rbundler/setup", "-e", LOOP, chdir: app)
   puts out
   exit(status.exitstatus || 1)

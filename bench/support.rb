@@ -50,6 +50,25 @@ def run_target(seconds)
   end
 end
 
+# The median of +values+ and a distribution-free 95 % confidence interval for it: the order
+# statistics k and n + 1 - k, k the largest with P(Binomial(n, 1/2) < k) <= 2.5 %. It assumes
+# nothing of the noise's shape, which on this VM is skewed (steal only ever adds time). Below
+# 6 values no such k exists, and the interval is the whole range. Returns [median, low, high].
+def median_ci(values)
+  a = values.sort
+  n = a.size
+  below = 0 # P(B <= j - 1), times 2**n
+  k = 0
+  (0..n).each do |j|
+    below += (1..n).reduce(1) { |c, i| i <= j ? c * (n - i + 1) / i : c }
+    break if below * 40 > 2**n
+
+    k = j + 1
+  end
+  low, high = k.zero? ? [a.first, a.last] : [a[k - 1], a[n - k]]
+  [a[n / 2], low, high]
+end
+
 def children_cpu
   t = Process.times
   t.cutime + t.cstime

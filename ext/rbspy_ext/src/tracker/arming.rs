@@ -258,8 +258,9 @@ pub(super) fn signal_ns() -> f64 {
 /// started (the handler, inactive, only counts it): the fastest of 4 rounds of 16 ticks set
 /// 1 µs ahead, each waited for, so that a preemption does not count. A round trip is
 /// `timer_settime`, the clock's interrupt, the kernel's delivery of the signal and its
-/// return, less the µs waited: 23 to 24 µs in this project's VM, against 25 to 35 µs of
-/// process CPU a tick costs a Rack-like workload there (the caches' share). A synchronous
+/// return, less the µs waited: 23 to 24 µs in this project's VM, against 25 to 95 µs of
+/// process CPU a tick costs a Rack-like workload there (the caches' share: the budget
+/// prices a wake-up at `WAKE_PER_ROUND_TRIP` round trips). A synchronous
 /// `raise`, timed before, took 1 µs: it has no interrupt, and the budget priced a tick at a
 /// tenth of its cost. 0 (ticks unpriced) when a tick did not come within 5 ms.
 fn time_wakeup(timer: libc::timer_t) {
