@@ -45,6 +45,7 @@ abort "workload: loop or request" unless %w[loop request].include?(workload)
 RUN = <<~'RUBY'
   $LOAD_PATH.unshift(File.join(ENV.fetch("ROOT"), "lib"))
   require "rbspy_ext"
+  require File.join(ENV.fetch("ROOT"), "bench", "support")
   require "erb"
   require "json"
   options = ENV["RATE"].to_s.empty? ? {} : { rate: Integer(ENV["RATE"]) }
@@ -158,11 +159,7 @@ RUN = <<~'RUBY'
       end
       row = { "tool" => tool, "cpu" => t, "jit" => jit.().to_h { |k, v| [k, v - before_jit.fetch(k, 0)] } }
       if tool == "tracked"
-        # Counters since the warm-up; levels (a price, a margin, a flag) as they are now.
-        levels = %i[reads_count signal_ns sample_ns ahead_us]
-        row["stats"] = RubySpy::NativeAllocations.stats.to_h do |k, v|
-          [k.to_s, levels.include?(k) ? v : v - warm_stats.fetch(k, 0)]
-        end
+        row["stats"] = tracker_stats_since(warm_stats).transform_keys(&:to_s)
         RubySpy.stop_tracking_allocations
       end
       windows << row

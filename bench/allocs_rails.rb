@@ -91,7 +91,6 @@ LOOP = <<~'RUBY'
   # Tracking is measured as it runs when left on (bench/alloc_cost.rb says why): each window
   # of ours and the untracked ones first serve WARMUP seconds' worth of requests, untimed.
   warm = (Float(ENV.fetch("WARMUP")) / (timed.(50) / 50)).ceil
-  levels = %i[reads_count signal_ns sample_ns ahead_us]
   times = Hash.new { |h, k| h[k] = [] }
   samples = Hash.new(0)
   missed = Hash.new(0)
@@ -108,8 +107,7 @@ LOOP = <<~'RUBY'
         serve.(warm)
         warmed = RubySpy::NativeAllocations.stats
         times[tool] << timed.(requests)
-        # Counters since the warm-up; levels (a price, a margin, a flag) as they are now.
-        stats[tool] << RubySpy::NativeAllocations.stats.to_h { |k, v| [k, levels.include?(k) ? v : v - warmed.fetch(k, 0)] }
+        stats[tool] << tracker_stats_since(warmed)
         samples[tool] += stats[tool].last[:samples]
         missed[tool] += stats[tool].last[:missed]
         RubySpy.stop_tracking_allocations

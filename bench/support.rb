@@ -69,6 +69,14 @@ def median_ci(values)
   [a[n / 2], low, high]
 end
 
+# The tracker's stats (`RubySpy::NativeAllocations.stats`) since +before+, an earlier call's:
+# counters as differences, levels (a price, a margin, a flag) as they are now. Loaded in the
+# tracked process itself by bench/alloc_cost.rb and bench/allocs_rails.rb.
+STATS_LEVELS = %i[reads_count signal_ns sample_ns ahead_us].freeze
+def tracker_stats_since(before)
+  RubySpy::NativeAllocations.stats.to_h { |k, v| [k, STATS_LEVELS.include?(k) ? v : v - before.fetch(k, 0)] }
+end
+
 def children_cpu
   t = Process.times
   t.cutime + t.cstime

@@ -22,7 +22,7 @@
 //! A floor of 10 samples a second (600 a minute), kept while it cost at most twice the
 //! share, bound on every workload here once wake-ups were priced at their cost: tracking
 //! then spent 0.75 to 1 % of a core by its own measure, and 0.4 to 1.7 % end to end. In
-//! this project's VM the share pays for 5 to 8 samples a second; on bare metal, where a
+//! this project's VM the share pays for 6 to 15 samples a second; on bare metal, where a
 //! wake-up costs a few µs, for several times that.
 
 /// Ruby's slow path for an allocation while a NEWOBJ hook is on, outside the hook: about
