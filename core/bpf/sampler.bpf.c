@@ -69,6 +69,10 @@ const volatile __u64 ec_thread_ptr = 0;
  * thread whose table the native thread's pointer holds. Under M:N it lags a switch until the
  * resumed thread's hook runs; a table whose owner is not the sampled thread is not copied. */
 const volatile __s64 tag_owner_offset = 0;
+/* The table's layout, set by user space from core/src/context/profiler_state.rs (its one
+ * home): bytes of the header (size, capacity) and of a slot (ID, VALUE). */
+const volatile __u64 tag_header_len = 16;
+const volatile __u64 tag_pair_len = 16;
 
 /* Thread pointer (glibc's pthread_t) -> rb_thread_t *, filled by user space from the thread
  * list. Keyed by thread pointer rather than tid: every Ruby from 2.7 on keeps the pthread_t
@@ -249,14 +253,13 @@ int rbspy_sample(void *ctx)
         h->tag_table = table;
         __u64 hdr[2] = {0, 0};
         if (table && bpf_probe_read_user(hdr, sizeof hdr, (void *)table) == 0) {
-            __u64 words = 2 + 2 * hdr[1];
             if (hdr[1] > MAX_TAG_SLOTS || hdr[0] > hdr[1]) {
                 h->flags |= FLAG_TAGS_CUT;
             } else {
                 __u64 t = at + h->value_bytes;
                 if (t > MAX_FRAME_BYTES + MAX_VALUE_BYTES)
                     t = MAX_FRAME_BYTES + MAX_VALUE_BYTES;
-                __u64 bytes = words * 8;
+                __u64 bytes = tag_header_len + tag_pair_len * hdr[1];
                 if (bytes > MAX_TAG_BYTES)
                     bytes = MAX_TAG_BYTES;
                 if (bytes && bpf_probe_read_user(r->data + t, bytes, (void *)table) == 0)

@@ -10,7 +10,9 @@
 /* Bytes of value stack copied, from just above the innermost frame's environment down: 512
  * frames of up to 32 words (receiver, arguments, locals, environment). */
 #define MAX_VALUE_BYTES (128 * 1024)
-/* Slots of a tag table copied (a table of 64 slots holds up to 32 tags). */
+/* Slots of a tag table copied (a table of 64 slots holds up to 32 tags), and the room the
+ * record keeps for one: a header and 64 slots of two words each, as
+ * core/src/context/profiler_state.rs lays a table out (a unit test there checks this). */
 #define MAX_TAG_SLOTS 64
 #define MAX_TAG_BYTES ((2 + 2 * MAX_TAG_SLOTS) * 8)
 #define MAX_THREADS 8192

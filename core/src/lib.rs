@@ -19,6 +19,7 @@ pub mod allocs;
 #[cfg(feature = "bpf")]
 pub mod bpf;
 pub mod census;
+pub mod context;
 pub mod cost;
 pub mod error;
 pub mod heap_sites;

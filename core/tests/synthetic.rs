@@ -4,6 +4,7 @@
 //! control frames, iseqs with labels and line tables, method entries, classes and the
 //! symbol table. The walk must name every frame as Ruby would.
 use rbspy_ext_bindings::{Layout, LAYOUTS};
+use rbspy_ext_core::context::profiler_state;
 use rbspy_ext_core::memory::{Memory, MemoryImage};
 use rbspy_ext_core::spy::ThreadSelection;
 use rbspy_ext_core::vm::VmRoots;
@@ -151,9 +152,8 @@ impl Image {
         id
     }
 
-    /// A `Ruby_Profiler_State` table holding `TAGS` (docs/profiler-state.md): size, capacity
-    /// (a power of two, twice the tags), then (ID, VALUE) pairs placed by linear probing from
-    /// `key & (capacity - 1)`. Before `symbol_table`, which must list its keys.
+    /// A `Ruby_Profiler_State` table holding `TAGS`, as the extension writes one
+    /// (`profiler_state::encode`). Before `symbol_table`, which must list its keys.
     fn tag_table(&mut self) -> u64 {
         let l = self.l;
         let values = [
@@ -164,18 +164,13 @@ impl Image {
             (self.id(TAGS[4].1) << l.special_shift) | l.symbol_flag,
             self.dynamic_symbol(TAGS[5].1),
         ];
-        let capacity = 16u64;
-        let table = self.alloc(16 + 16 * capacity as usize);
-        self.put(table, TAGS.len() as u64);
-        self.put(table + 8, capacity);
-        for ((name, _), value) in TAGS.iter().zip(values) {
-            let key = self.id(name);
-            let mut slot = key & (capacity - 1);
-            while self.get(table + 16 + 16 * slot) != 0 {
-                slot = (slot + 1) & (capacity - 1);
-            }
-            self.put(table + 16 + 16 * slot, key);
-            self.put(table + 24 + 16 * slot, value);
+        let pairs: Vec<(u64, u64)> = (TAGS.iter().zip(values))
+            .map(|((name, _), value)| (self.id(name), value))
+            .collect();
+        let words = profiler_state::encode(&pairs);
+        let table = self.alloc(words.len() * 8);
+        for (i, w) in words.iter().enumerate() {
+            self.put(table + 8 * i as u64, *w);
         }
         table
     }
@@ -188,11 +183,6 @@ impl Image {
         self.put(v, l.t_symbol);
         self.put(v + l.rsymbol_fstr as u64, fstr);
         v
-    }
-
-    fn get(&self, addr: u64) -> u64 {
-        let o = (addr - HEAP) as usize;
-        u64::from_le_bytes(self.bytes[o..o + 8].try_into().expect("8 bytes"))
     }
 
     /// `rb_symbols_t`: `ids` is an array of chunks of `id_entry_unit` entries of

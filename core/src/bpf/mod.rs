@@ -265,6 +265,7 @@ fn privileged() -> bool {
 
 /// Writes the read-only globals (`const volatile` in sampler.bpf.c) before load.
 fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
+    use crate::context::profiler_state;
     type Rodata = crate::bpf::skel::types::rodata;
     if data.len() < std::mem::size_of::<Rodata>() {
         return Err(unavailable(
@@ -303,6 +304,8 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         } else {
             0
         };
+        r.tag_header_len = profiler_state::HEADER_LEN as u64;
+        r.tag_pair_len = profiler_state::PAIR_LEN as u64;
         let (ec_tls_offset, ec_thread_ptr) = l.ec_tls.unwrap_or((0, 0));
         r.ec_tls_offset = ec_tls_offset;
         r.ec_thread_ptr = ec_thread_ptr;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 /// How often the thread map follows the thread list when nothing says it changed.
 const REFRESH_EVERY: Duration = Duration::from_millis(500);
 /// The drain period while tags are being lost to later drains: within the 8 ms in which a
-/// copied table's objects are sure to be alive (spy/tags.rs, `TABLE_WINDOW`).
+/// copied table's objects are sure to be alive (`crate::context::ownership::TABLE_WINDOW`).
 const DRAIN_FOR_TAGS: Duration = Duration::from_millis(6);
 /// How long the short period lasts after the last drain that lost tags.
 const KEEP_DRAINING_FOR_TAGS: Duration = Duration::from_secs(2);

@@ -455,7 +455,7 @@ pub(super) struct Batch {
     /// The stack fields of each thread's context (`vm_stack`, its size, `cfp`): from the
     /// sample's call for the context it had last time, refreshed for one that changed.
     pub(super) heads: Vec<[u8; 24]>,
-    /// When the one call began (see spy/tags.rs, TABLE_WINDOW).
+    /// When the one call began (see crate::context::ownership::TABLE_WINDOW).
     pub(super) called: Instant,
 }
 

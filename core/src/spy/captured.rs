@@ -7,9 +7,11 @@
 //! A child module of `spy` so that it shares the walker's private machinery; the sampler
 //! reaches it through [`Spy::capture`].
 use super::batch::gc_state;
-use super::tags::{Decoder, TABLE_WINDOW};
+use super::tags::Decoder;
 use super::walker::Plan;
 use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
+use crate::context::ownership::copy_trusted;
+use crate::context::profiler_state;
 use crate::error::Result;
 use crate::model::{ThreadInfo, ThreadState};
 use crate::objects::is_heap_object;
@@ -331,19 +333,17 @@ impl<M: Memory> Capture<'_, M> {
     /// as the stack, but what an object value says (a String's text) is read now, up to a
     /// drain period later. The extension keeps a table's values alive only while it is
     /// published and 10 ms after: so a table with object values is decoded only within
-    /// `TABLE_WINDOW` of its copy, or while its thread still publishes it; otherwise the
+    /// `crate::context::ownership::TABLE_WINDOW` of its copy, or while its thread still publishes it; otherwise the
     /// sample gets no tags (counted), never the text of whatever took the freed object's
     /// place. Immediates (Integers, static Symbols, true, false, nil) need no such care.
     fn tags(&mut self, c: &Captured) -> super::Tags {
         // One empty set for every sample without tags (a new Arc would be an allocation).
         static NONE: std::sync::LazyLock<super::Tags> = std::sync::LazyLock::new(Default::default);
-        if c.tag_table == 0 || c.tag_words.len() < 16 {
+        let Some(pairs) = profiler_state::pairs(c.tag_words).filter(|_| c.tag_table != 0) else {
             return NONE.clone();
-        }
-        let objects = c.tag_words[16..]
-            .chunks_exact(16)
-            .any(|p| word(p, 0) != 0 && is_heap_object(word(p, 8)));
-        if objects && c.age > TABLE_WINDOW && !self.still_published(c) {
+        };
+        let objects = pairs.into_iter().any(|(_, value)| is_heap_object(value));
+        if objects && !copy_trusted(c.age) && !self.still_published(c) {
             self.spy.tags.expired += 1;
             return NONE.clone();
         }

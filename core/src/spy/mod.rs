@@ -3,6 +3,7 @@
 //! labels and line tables, method names, class names) is cached in the [`Spy`], so a warm
 //! snapshot costs four `process_vm_readv` calls: thread state, control frames, frame
 //! environments + iseq headers, and method-entry headers.
+use crate::context::ownership::ReadAt;
 use crate::error::ObjectError;
 use crate::error::{Error, Result};
 use crate::memory::word;
@@ -239,7 +240,7 @@ impl<M: Memory> Spy<M> {
             target: &self.target,
             cache: &mut self.cache,
         };
-        d.read_table(table, std::time::Instant::now())
+        d.read_table(table, ReadAt(std::time::Instant::now()))
             .map(|(_, tags)| tags)
             .unwrap_or_default()
     }

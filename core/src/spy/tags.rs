@@ -8,6 +8,8 @@
 use super::attach::Target;
 use super::frames::Cache;
 use super::{word, Memory};
+use crate::context::ownership::{PointerRead, ReadAt};
+use crate::context::profiler_state::{self, Header, HEADER_LEN, PAIR_LEN};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
@@ -16,8 +18,6 @@ use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Most slots read from one table (the extension publishes at most 2048: 1024 tags).
-const MAX_CAPACITY: u64 = 4096;
 /// How often a process without the extension is checked again (it may load it later).
 const RECHECK: Duration = Duration::from_secs(1);
 /// How long a thread's decoded tags are trusted while its table reads the same: a String
@@ -25,20 +25,11 @@ const RECHECK: Duration = Duration::from_secs(1);
 const TAGS_TTL: Duration = Duration::from_millis(100);
 /// Slots read with a table's header on the first try: tables of up to 4 tags in one read.
 const FIRST_SLOTS: usize = 8;
-/// How soon after reading a table's pointer the table must have been read and decoded. The
-/// extension keeps a table it stopped publishing, and the values it holds, alive for at
-/// least 10 ms (docs/profiler-state.md), so a table decoded within this window of reading
-/// its pointer is the one that was published, never freed memory. A sample takes well under
-/// a millisecond; one whose reader was held up longer (descheduled) gets no tags for that
-/// thread rather than doubtful ones.
-pub(super) const TABLE_WINDOW: Duration = Duration::from_millis(8);
 
 /// How many times [`TagReader::thread_tags`] reads a table whose decoding took longer than
-/// `TABLE_WINDOW` (each read is a fresh one, pointer first).
+/// the time a reader may take (`crate::context::ownership::TABLE_WINDOW`; each read is a
+/// fresh one, pointer first).
 const TAG_ATTEMPTS: u32 = 3;
-/// How long the extension keeps a table alive after it stops publishing it, at the least
-/// (docs/profiler-state.md).
-const UNPUBLISHED_ALIVE: Duration = Duration::from_millis(10);
 
 /// Where the target's `ruby_profiler_state` is, once known.
 #[derive(Debug, Default)]
@@ -222,12 +213,12 @@ impl TagReader {
             let words = if table == 0 {
                 Vec::new()
             } else {
-                let capacity = t
-                    .mem
-                    .read_u64(table.wrapping_add(8))
-                    .ok()?
-                    .min(MAX_CAPACITY);
-                t.mem.read_vec(table, 16 + 16 * capacity as usize).ok()?
+                // Not a table's header: kept as read, which no copy of a table equals.
+                let header = t.mem.read_vec(table, HEADER_LEN).ok()?;
+                match Header::parse(&header) {
+                    Some(h) => t.mem.read_vec(table, h.table_len()).ok()?,
+                    None => header,
+                }
             };
             self.published_now.insert(thread, (table, words));
         }
@@ -252,7 +243,7 @@ impl TagReader {
         // class names). A parked thread's snapshot came back untagged in CI, read beside
         // another run with a core kept busy: a snapshot takes 1.5 to 6 ms here when idle.
         for _ in 0..TAG_ATTEMPTS {
-            let pointer_read_at = Instant::now();
+            let pointer_read_at = ReadAt(Instant::now());
             let table = self.owned_table(t, thread, tp, offset);
             if table == 0 {
                 return Tags::default();
@@ -260,7 +251,7 @@ impl TagReader {
             if let Some((_, tags)) = d.read_table(table, pointer_read_at) {
                 return tags;
             }
-            if pointer_read_at.elapsed() <= TABLE_WINDOW {
+            if pointer_read_at.decoded_in_time(Instant::now()) {
                 break; // read in time, and not a table: no later read would differ
             }
         }
@@ -272,16 +263,20 @@ impl TagReader {
     /// profiler_state.c), else 0.
     fn owned_table<M: Memory>(&self, t: &Target<M>, thread: u64, tp: u64, offset: i64) -> u64 {
         let owner_addr = self.owner_offset.map(|o| tp.wrapping_add_signed(o));
-        let owned = |addr: Option<u64>| addr.is_none_or(|a| t.mem.read_u64(a).ok() == Some(thread));
-        if !owned(owner_addr) {
+        // A failed read names no thread (0); a first owner that is not this thread's spares
+        // the other reads.
+        let owner = || owner_addr.map(|a| t.mem.read_u64(a).unwrap_or(0));
+        let owner_before = owner();
+        if owner_before.is_some_and(|o| o != thread) {
             return 0;
         }
-        let table = t.mem.read_u64(tp.wrapping_add_signed(offset)).unwrap_or(0);
-        if owned(owner_addr) {
-            table
-        } else {
-            0
-        }
+        let pointer = t.mem.read_u64(tp.wrapping_add_signed(offset)).unwrap_or(0);
+        let read = PointerRead {
+            owner_before,
+            pointer,
+            owner_after: owner(),
+        };
+        read.table_for(thread)
     }
 
     /// What to read for a thread's tags along with the rest of a sample, given the target's
@@ -347,12 +342,11 @@ impl TagReader {
         reads: &ReadBatch,
         called: Instant,
     ) -> Tags {
-        let mut pointer_read_at = called;
-        let mut table = read.pointer.map_or(0, |p| word(reads.get(p), 0));
-        let owned = |span: Span| span.is_empty() || word(reads.get(span), 0) == thread;
-        if !(owned(read.owner) && owned(read.owner_again)) {
-            table = 0; // the native thread's pointer is another Ruby thread's (M:N threads)
-        }
+        let mut pointer_read_at = ReadAt(called);
+        // 0 when the native thread's pointer is another Ruby thread's (M:N threads).
+        let mut table = read.pointer.map_or(0, |p| {
+            pointer_read(reads, read.owner, p, read.owner_again).table_for(thread)
+        });
         let mut bytes = read.last.map(|(_, span)| reads.get(span));
         if read.read_late(nt, reads) {
             // Another native thread (M:N threads), or another Ruby thread that took this one's
@@ -360,7 +354,7 @@ impl TagReader {
             self.pointers.remove(&thread);
             self.last.remove(&thread);
             bytes = None;
-            pointer_read_at = Instant::now();
+            pointer_read_at = ReadAt(Instant::now());
             table = match self.thread_pointer_on(d.target, thread, nt) {
                 Some(tp) => self.owned_table(d.target, thread, tp, read.offset),
                 None => 0, // waiting for a native thread: its tags are on none
@@ -447,12 +441,7 @@ impl TagReader {
             .zip(spans)
             .map(|(&(thread, table), spans)| {
                 let now = spans.map_or(0, |[before, pointer, after]| {
-                    let owned = |span: Span| span.is_empty() || word(reads.get(span), 0) == thread;
-                    if owned(before) && owned(after) {
-                        word(reads.get(pointer), 0)
-                    } else {
-                        0
-                    }
+                    pointer_read(&reads, before, pointer, after).table_for(thread)
                 });
                 now == table
             })
@@ -474,11 +463,11 @@ impl TagReader {
         nt: u64,
         offset: i64,
         table: u64,
-        first_read_at: Instant,
+        first_read_at: ReadAt,
     ) -> Option<(u64, Vec<u8>, Tags)> {
         let tp = self.thread_pointer_on(d.target, thread, nt)?;
-        let pointer_read_at = Instant::now();
-        if pointer_read_at.duration_since(first_read_at) >= UNPUBLISHED_ALIVE
+        let pointer_read_at = ReadAt(Instant::now());
+        if !first_read_at.still_same_at(pointer_read_at.0)
             || self.owned_table(d.target, thread, tp, offset) != table
         {
             return None;
@@ -509,30 +498,22 @@ impl<M: Memory> Decoder<'_, M> {
     pub(super) fn read_table(
         &mut self,
         table: u64,
-        pointer_read_at: Instant,
+        pointer_read_at: ReadAt,
     ) -> Option<(Vec<u8>, Tags)> {
-        let mut raw = vec![0u8; 16 + 16 * FIRST_SLOTS];
+        let mut raw = vec![0u8; HEADER_LEN + PAIR_LEN * FIRST_SLOTS];
         if self.target.mem.read(table, &mut raw).is_err() {
             // Maybe a small table near the end of a mapping: the header alone.
-            raw.truncate(16);
+            raw.truncate(HEADER_LEN);
             self.target.mem.read(table, &mut raw).ok()?;
         }
-        let (size, capacity) = (word(&raw, 0), word(&raw, 8));
-        if capacity == 0
-            || !capacity.is_power_of_two()
-            || capacity > MAX_CAPACITY
-            || size > capacity
-        {
-            return None;
-        }
-        let len = 16 + 16 * capacity as usize;
+        let len = Header::parse(&raw)?.table_len();
         if raw.len() < len {
             raw = self.target.mem.read_vec(table, len).ok()?;
         } else {
             raw.truncate(len);
         }
         let tags = self.decode(&raw)?;
-        if pointer_read_at.elapsed() > TABLE_WINDOW {
+        if !pointer_read_at.decoded_in_time(Instant::now()) {
             return None; // the table may have been freed and reused meanwhile
         }
         Some((raw, tags))
@@ -542,24 +523,9 @@ impl<M: Memory> Decoder<'_, M> {
     /// sampler's call, or the BPF sampler in the same pass as the stack). None when they do
     /// not make a table, or a key is not an ID or a value cannot be read now.
     pub(super) fn decode(&mut self, raw: &[u8]) -> Option<Tags> {
-        if raw.len() < 16 {
-            return None;
-        }
-        let (size, capacity) = (word(raw, 0), word(raw, 8));
-        if capacity == 0
-            || !capacity.is_power_of_two()
-            || capacity > MAX_CAPACITY
-            || size > capacity
-            || raw.len() != 16 + 16 * capacity as usize
-        {
-            return None;
-        }
+        let size = Header::parse(raw)?.size;
         let mut out = Vec::with_capacity(size as usize);
-        for pair in raw[16..].chunks_exact(16) {
-            let (key, value) = (word(pair, 0), word(pair, 8));
-            if key == 0 {
-                continue;
-            }
+        for (key, value) in profiler_state::pairs(raw)? {
             let Some(name) = self.id_name(key) else {
                 return None; // not an ID of this process: the table changed under us
             };
@@ -580,5 +546,16 @@ impl<M: Memory> Decoder<'_, M> {
         let t = self.target;
         let symbols = self.cache.symbols.as_mut();
         super::values::value_text(&t.mem, t.layout, symbols, &mut self.cache.classes, v)
+    }
+}
+
+/// A [`PointerRead`] from the spans of a batch: the owner before (empty: not published), the
+/// pointer, the owner after.
+fn pointer_read(reads: &ReadBatch, before: Span, pointer: Span, after: Span) -> PointerRead {
+    let owner = |span: Span| (!span.is_empty()).then(|| word(reads.get(span), 0));
+    PointerRead {
+        owner_before: owner(before),
+        pointer: word(reads.get(pointer), 0),
+        owner_after: owner(after),
     }
 }

@@ -19,6 +19,8 @@ use magnus::{
     Ruby, Symbol, TypedData, Value,
 };
 use rb_sys::{ID, VALUE};
+use rbspy_ext_core::context::ownership::UNPUBLISHED_ALIVE;
+use rbspy_ext_core::context::profiler_state;
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,22 +59,9 @@ impl DataTypeFunctions for State {
 }
 
 impl State {
-    /// A table for `pairs` in the published layout: capacity the smallest power of two at
-    /// least twice the pairs (at least 2), first slot `key & (capacity - 1)`, linear probing.
+    /// A table for `pairs` in the published layout (`profiler_state::encode`).
     fn new(pairs: Vec<(ID, VALUE)>) -> State {
-        let capacity = (pairs.len() * 2).next_power_of_two().max(2);
-        let mut table = vec![0u64; 2 + 2 * capacity].into_boxed_slice();
-        table[0] = pairs.len() as u64;
-        table[1] = capacity as u64;
-        let mask = capacity - 1;
-        for (key, value) in &pairs {
-            let mut slot = (*key as usize) & mask;
-            while table[2 + 2 * slot] != 0 {
-                slot = (slot + 1) & mask;
-            }
-            table[2 + 2 * slot] = *key;
-            table[3 + 2 * slot] = *value;
-        }
+        let table = profiler_state::encode(&pairs);
         State {
             table,
             pairs,
@@ -219,8 +208,8 @@ fn now_us() -> u64 {
 
 /// How long, at least, a table that stopped being published stays readable: the promise to
 /// readers in docs/profiler-state.md (a reader needs microseconds; rbspy_ext's own gives up
-/// on a table after 8 ms).
-const READABLE_US: u64 = 10_000;
+/// on a table after `rbspy_ext_core::context::ownership::TABLE_WINDOW`, within it).
+const READABLE_US: u64 = UNPUBLISHED_ALIVE.as_micros() as u64;
 
 /// How long a State is queued after it stops being published: `2 * (READABLE_US + the coarse
 /// clock's resolution)` (set by `init`; 28 ms at the usual 4 ms). A State retired again
