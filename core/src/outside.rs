@@ -1,7 +1,7 @@
 //! Every reader of bytes that come from outside the profiler, as one function each that takes
 //! any bytes and must neither panic, hang nor allocate without bound: the files a user hands
 //! back (raw profiles, saved censuses), what a client sends the listener, what a target
-//! publishes (its allocations blob) and the ELF files and maps text of a target.
+//! publishes (its allocations blob, OpenTelemetry's thread and process context) and the ELF files and maps text of a target.
 //!
 //! The fuzz targets in `fuzz/` are one line each over these, and `tests/outside_inputs.rs`
 //! replays every input a fuzz run found a crash with (`tests/outside_inputs/<target>/`), so
@@ -80,6 +80,35 @@ pub fn live_set(data: &[u8]) {
     }
 }
 
+/// OpenTelemetry's thread context record (`otel_thread_ctx_v1`'s, OTEP 4947) as a target
+/// publishes it: decoded, named through a key map, encoded again. The first byte says how
+/// many names the key map has.
+pub fn otel_thread_record(data: &[u8]) {
+    use crate::context::otel_thread::{Head, Record};
+    let Some((&keys, raw)) = data.split_first() else {
+        return;
+    };
+    let key_map: Vec<String> = (0..keys).map(|k| format!("key {k}")).collect();
+    let _ = Head::parse(raw).map(|h| h.has_trace());
+    if let Ok((record, _)) = Record::decode(raw) {
+        let _ = record.named(&key_map);
+        let (again, left_out) = record.encode();
+        assert!(again.len() <= crate::context::otel_thread::MAX_RECORD_LEN);
+        assert_eq!(left_out, 0, "a record read whole fits when written again");
+    }
+}
+
+/// OpenTelemetry's process context (the `OTEL_CTX` mapping, OTEP 4719): its header, then
+/// its payload, a protobuf Resource.
+pub fn otel_process_context(data: &[u8]) {
+    use crate::context::otel_process::{consistent, decode_resource, Header, HEADER_LEN};
+    if let Ok(header) = Header::parse(data) {
+        let _ = consistent(&header, header.published_at_ns);
+        let _ = decode_resource(data.get(HEADER_LEN..).unwrap_or_default());
+    }
+    let _ = decode_resource(data);
+}
+
 /// A reader of outside bytes.
 pub type Reader = fn(&[u8]);
 
@@ -111,7 +140,7 @@ pub fn heap_image(data: &[u8]) {
 }
 
 /// Every target by name, for the fuzz script and the regression test.
-pub const TARGETS: [(&str, Reader); 8] = [
+pub const TARGETS: [(&str, Reader); 10] = [
     ("raw_profile", raw_profile),
     ("census_file", census_file),
     ("http_request", http_request),
@@ -120,4 +149,6 @@ pub const TARGETS: [(&str, Reader); 8] = [
     ("live_set", live_set),
     ("memory_image", memory_image),
     ("heap_image", heap_image),
+    ("otel_thread_record", otel_thread_record),
+    ("otel_process_context", otel_process_context),
 ];
