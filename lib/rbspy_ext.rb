@@ -25,6 +25,7 @@ require_relative "rbspy_ext/rails" if defined?(Rails::Railtie)
 # changing it. See README.md for the tour and ARCHITECTURE.md for how a snapshot is taken.
 module RubySpy
   autoload :Rack, File.expand_path("rbspy_ext/rack", __dir__)
+  autoload :OTel, File.expand_path("rbspy_ext/otel", __dir__)
 
   class << self
     # The stack of the thread that holds the GVL in process +pid+ (the main thread when no
@@ -108,3 +109,7 @@ RubySpy::Server.start_from_env if ENV[RubySpy::Server::ENV_ADDRESS]
 # RUBYSPY_ALLOCATIONS=1 tracks allocations from now on (RubySpy.track_allocations_from_env),
 # which the listener and the Rack endpoint serve as /debug/pprof/allocs and /heap.
 RubySpy.track_allocations_from_env if ENV[RubySpy::Allocations::ENV_ALLOCATIONS]
+
+# With the OpenTelemetry API loaded first, every thread's and fiber's trace is published for
+# readers outside (RubySpy::OTel); in Rails the Railtie does this after the initializers.
+RubySpy::OTel.install if defined?(OpenTelemetry::Context)

@@ -18,6 +18,12 @@ module RubySpy
     config.rubyspy.tags = true
     config.rubyspy.extra_tags = nil
 
+    # The OpenTelemetry SDK is configured in an initializer, usually: from then on, every
+    # request's trace is published for readers outside (RubySpy::OTel).
+    initializer "rbspy_ext.otel", after: :load_config_initializers do
+      RubySpy::OTel.install if defined?(::OpenTelemetry::Context)
+    end
+
     initializer "rbspy_ext.tags" do |app|
       options = app.config.rubyspy
       next unless options.tags

@@ -71,7 +71,7 @@ const HOOK_SAFE_RAW: u32 = 0x01 | 0x04;
 
 /// Runs on every fiber switch, in the fiber switched to.
 unsafe extern "C" fn on_fiber_switch(_data: VALUE, _trace_arg: *mut c_void) {
-    // Nothing here can panic or raise: a lookup of a fiber-local and `table_of`'s checks.
+    // Nothing here can panic or raise: a lookup of a fiber-local and `state_of`'s checks.
     // SAFETY: with the GVL, in the fiber now running.
     unsafe {
         let thread = rb_sys::rb_thread_current();

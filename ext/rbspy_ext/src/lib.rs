@@ -11,6 +11,7 @@ mod errors;
 mod handle;
 mod hash;
 mod nogvl;
+mod otel;
 mod recorder;
 mod rows;
 mod server;
@@ -73,6 +74,7 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     state::init(ruby)?;
     current::init(ruby)?;
     tag::init(ruby)?;
+    otel::init(ruby)?;
     server::init(ruby)?;
     recorder::init(ruby)
 }

@@ -47,6 +47,21 @@ __attribute__((visibility("default"), tls_model("initial-exec")))
 _Thread_local void *ruby_profiler_state_owner = NULL;
 __attribute__((visibility("default"))) volatile long ruby_profiler_state_owner_tp_offset = 0;
 
+/*
+ * OpenTelemetry's thread context (OTEP 4947): a pointer to the current fiber's context
+ * record (core/src/context/otel_thread.rs: trace-id, span-id, valid, trace-flags,
+ * attrs-data-size, attributes), NULL when its fiber works for no trace and has no tags.
+ * Exported in .dynsym under the name the OTEP gives, for any reader that knows the OTEP.
+ * initial-exec, like ruby_profiler_state: the OTEP lets readers meet any static model, and
+ * rbspy_ext's own reader finds it as `*(thread pointer + otel_thread_ctx_v1_tp_offset)`.
+ * It is switched with ruby_profiler_state, under the same owner word, and a record is
+ * never changed once published: a new context is a new record (the OTEP's "swap the
+ * pointer" way; `valid` is always 1).
+ */
+__attribute__((visibility("default"), tls_model("initial-exec")))
+_Thread_local void *otel_thread_ctx_v1 = NULL;
+__attribute__((visibility("default"))) volatile long otel_thread_ctx_v1_tp_offset = 0;
+
 /* The version of this ABI (the layout above and the reading procedure); bumped only if
  * either ever changes. */
 __attribute__((visibility("default"))) const unsigned long ruby_profiler_state_abi_version = 1;
@@ -64,6 +79,7 @@ static char *thread_pointer(void) {
 }
 
 long rbspy_ext_state_init(void) {
+    otel_thread_ctx_v1_tp_offset = (long)((char *)&otel_thread_ctx_v1 - thread_pointer());
     ruby_profiler_state_owner_tp_offset =
         (long)((char *)&ruby_profiler_state_owner - thread_pointer());
     ruby_profiler_state_tp_offset = (long)((char *)&ruby_profiler_state - thread_pointer());
@@ -78,8 +94,9 @@ long rbspy_ext_state_init(void) {
 __attribute__((tls_model("initial-exec"))) static __thread unsigned long published_object = 0;
 
 /*
- * Publishes `state` (the table of the State object `object`, or NULL and 0) for the Ruby
- * thread `owner`, and returns the State object published here until now.
+ * Publishes `state` and `record` (the table and the OpenTelemetry record of the State object
+ * `object`, or NULL, NULL and 0) for the Ruby thread `owner`, and returns the State object
+ * published here until now.
  *
  * Like a seqlock with the owner as its sequence: the owner is cleared, then the table
  * stored, then the owner set, each store ordered after the one before for any observer. A
@@ -88,19 +105,25 @@ __attribute__((tls_model("initial-exec"))) static __thread unsigned long publish
  * owner first. (Reading the owner once is not enough: it can be the old thread's while
  * the table read after it is already the new thread's.)
  */
-unsigned long rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *owner,
+unsigned long rbspy_ext_state_set(struct Ruby_Profiler_State *state, void *record, void *owner,
                                   unsigned long object) {
     unsigned long previous = published_object;
     /* Already published (a fiber switch between fibers with the same tags, a resumed 1:1
      * thread): no store, so a reader never sees the owner cleared while the table stays. */
-    if (previous == object && ruby_profiler_state == state && ruby_profiler_state_owner == owner)
+    if (previous == object && ruby_profiler_state == state && otel_thread_ctx_v1 == record &&
+        ruby_profiler_state_owner == owner)
         return previous;
     published_object = object;
     __atomic_store_n(&ruby_profiler_state_owner, (void *)0, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n(&ruby_profiler_state, state, __ATOMIC_RELAXED);
+    __atomic_store_n(&otel_thread_ctx_v1, record, __ATOMIC_RELAXED);
     __atomic_store_n(&ruby_profiler_state_owner, owner, __ATOMIC_RELEASE);
     return previous;
+}
+
+void *rbspy_ext_otel_get(void) {
+    return otel_thread_ctx_v1;
 }
 
 struct Ruby_Profiler_State *rbspy_ext_state_get(void) {

@@ -13,6 +13,7 @@
 //! tags). So a table that stops being published stays alive, with its values, for a grace
 //! period (`Published`): readers that read the table within `READABLE_US` of its pointer
 //! read the one that was published (docs/profiler-state.md).
+use crate::otel::Trace;
 use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{
     function, gc, method, prelude::*, value::ReprValue, DataTypeFunctions, Error, RClass, RHash,
@@ -32,7 +33,12 @@ pub const MAX_TAGS: usize = 1024;
 
 extern "C" {
     fn rbspy_ext_state_init() -> std::os::raw::c_long;
-    fn rbspy_ext_state_set(state: *const c_void, owner: *const c_void, object: VALUE) -> VALUE;
+    fn rbspy_ext_state_set(
+        state: *const c_void,
+        record: *const c_void,
+        owner: *const c_void,
+        object: VALUE,
+    ) -> VALUE;
 }
 
 #[derive(TypedData)]
@@ -43,6 +49,13 @@ pub struct State {
     table: Box<[u64]>,
     /// (ID, VALUE) in the order given, for `to_h`; the values are marked (pinned) by `mark`.
     pairs: Vec<(ID, VALUE)>,
+    /// The OpenTelemetry span that was current when this state was made (otel.rs), if any.
+    trace: Option<Arc<Trace>>,
+    /// OTEP 4947's record of this state, what `otel_thread_ctx_v1` points at while it is
+    /// published: its trace, and its tags as attributes. Made only while the OpenTelemetry
+    /// bridge is on (otel.rs), so an app without it pays nothing for it. In u16s: the OTEP
+    /// wants a record 2-byte aligned.
+    record: Option<Box<[u16]>>,
     /// When this state last entered `Published::retired` (`now_us`; 0 never).
     retired_at: AtomicU64,
 }
@@ -59,19 +72,40 @@ impl DataTypeFunctions for State {
 }
 
 impl State {
-    /// A table for `pairs` in the published layout (`profiler_state::encode`).
-    fn new(pairs: Vec<(ID, VALUE)>) -> State {
+    /// A table for `pairs` in the published layout (`profiler_state::encode`), and the
+    /// OpenTelemetry record for them and `trace` when the bridge is on.
+    fn new(pairs: Vec<(ID, VALUE)>, trace: Option<Arc<Trace>>) -> State {
         let table = profiler_state::encode(&pairs);
+        let record = crate::otel::record(&pairs, trace.as_deref());
         State {
             table,
             pairs,
+            trace,
+            record,
             retired_at: AtomicU64::new(0),
         }
+    }
+
+    /// `base`'s tags under `trace` (None: no span current), or None for a state of neither.
+    pub(crate) fn traced(base: Option<&State>, trace: Option<Arc<Trace>>) -> Option<State> {
+        let pairs = base.map_or_else(Vec::new, |b| b.pairs.clone());
+        (!pairs.is_empty() || trace.is_some()).then(|| State::new(pairs, trace))
+    }
+
+    /// The trace this state was made under.
+    pub(crate) fn trace(&self) -> Option<&Arc<Trace>> {
+        self.trace.as_ref()
+    }
+
+    /// The OpenTelemetry record this state publishes, if it has one.
+    pub(crate) fn otel_record(&self) -> Option<&[u16]> {
+        self.record.as_deref()
     }
 
     /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
     pub(crate) fn merged(ruby: &Ruby, base: Option<&State>, hash: RHash) -> Result<State, Error> {
         let entries = crate::hash::hash_entries(hash);
+        let base_trace = base.and_then(|b| b.trace.as_ref());
         let base = base.map_or(&[][..], |b| &b.pairs[..]);
         let mut pairs: Vec<(ID, VALUE)> = Vec::with_capacity(base.len() + entries.len());
         pairs.extend_from_slice(base);
@@ -104,7 +138,7 @@ impl State {
                 ),
             ));
         }
-        Ok(State::new(pairs))
+        Ok(State::new(pairs, base_trace.cloned()))
     }
 
     /// `RubySpy::State.new(hash)` (the keyword form is in Ruby).
@@ -142,18 +176,11 @@ impl State {
     }
 }
 
-/// The table of `state` if it is a `RubySpy::State`, else null. Runs in the fiber-switch hook,
-/// so it checks the object by hand (immediate? T_DATA? our exact data type?) instead of going
-/// through `rb_check_typeddata`: cheaper, and never raises. Anything else (nil, or an object
-/// someone stored under the fiber-local's name with `Thread#[]=`) publishes no table.
-fn table_of(state: VALUE) -> *const c_void {
-    match state_of(state) {
-        Some(s) => s.table.as_ptr().cast(),
-        None => std::ptr::null(),
-    }
-}
-
-/// The `State` inside `state` if it is a `RubySpy::State` (see `table_of`).
+/// The `State` inside `state` if it is a `RubySpy::State`, else None. Runs in the
+/// fiber-switch hook, so it checks the object by hand (immediate? T_DATA? our exact data
+/// type?) instead of going through `rb_check_typeddata`: cheaper, and never raises. Anything
+/// else (nil, or an object someone stored under the fiber-local's name with `Thread#[]=`)
+/// publishes no table.
 pub(crate) fn state_of<'a>(state: VALUE) -> Option<&'a State> {
     if rb_sys::SPECIAL_CONST_P(state) {
         return None;
@@ -178,13 +205,16 @@ pub(crate) fn state_of<'a>(state: VALUE) -> Option<&'a State> {
 /// current state of Ruby thread `thread` (a Thread), and `ruby_profiler_state_owner` at
 /// that thread's `rb_thread_t`, which is what readers outside find in Ruby's thread list.
 pub(crate) fn publish(state: VALUE, thread: VALUE) {
-    let table = table_of(state);
+    let found = state_of(state);
+    let table: *const c_void = found.map_or(std::ptr::null(), |s| s.table.as_ptr().cast());
+    let record =
+        (found.and_then(|s| s.record.as_ref())).map_or(std::ptr::null(), |r| r.as_ptr().cast());
     let object = if table.is_null() { 0 } else { state };
     // SAFETY: a Thread is typed data whose data pointer is its rb_thread_t. This sets this
     // native thread's pointers and learns which State they held until now.
     let previous = unsafe {
         let owner = rb_sys::RTYPEDDATA_GET_DATA(thread) as *const c_void;
-        rbspy_ext_state_set(table, owner, object)
+        rbspy_ext_state_set(table, record, owner, object)
     };
     if previous != object {
         // The common case, a fiber switch between fibers with the same tags, ends above.
@@ -402,6 +432,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
     class.define_method("table_address", method!(State::table_address, 0))?;
+    class.define_method("otel_record", method!(crate::otel::state_record, 0))?;
     crate::classes::resolve::<State>(ruby);
     set_grace();
     root_published();

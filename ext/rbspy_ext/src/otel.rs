@@ -1,0 +1,412 @@
+//! OpenTelemetry's context for readers outside the process: the writer's half.
+//!
+//! - **Thread context (OTEP 4947).** Each `RubySpy::State` (state.rs) carries, while the
+//!   bridge is on, a record in the OTEP's layout (`rbspy_ext_core::context::otel_thread`):
+//!   the trace and span current when it was made, and as attributes the local root span's
+//!   name (`trace endpoint`), its id (`local root span id`) and the state's tags. The
+//!   exported thread-local `otel_thread_ctx_v1` (profiler_state.c) points at the current
+//!   fiber's record, switched with `ruby_profiler_state` on every fiber switch. The bridge
+//!   (lib/rbspy_ext/otel.rb) calls `NativeOTel.trace` when the SDK attaches or detaches a
+//!   context, which makes a State with the new trace and the current tags.
+//! - **Process context (OTEP 4719).** A mapping named `OTEL_CTX` (a memfd, else a named
+//!   anonymous mapping) holds the header and, after it, the payload: the SDK's resource
+//!   attributes, `threadlocal.schema_version` and `threadlocal.attribute_key_map`, the names
+//!   a record's key indexes stand for (`rbspy_ext_core::context::otel_process`). It is
+//!   published again when the resource changes or a tag name joins the key map, and anew in
+//!   a forked child (the mapping is not inherited: `MADV_DONTFORK`).
+use crate::state::{state_of, State};
+use magnus::rb_sys::{AsRawValue, FromRawValue};
+use magnus::{function, prelude::*, Error, IntoValue, RArray, RString, Ruby, Symbol, Value};
+use rb_sys::{ID, VALUE};
+use rbspy_ext_core::context::otel_process::{self, Header};
+use rbspy_ext_core::context::otel_thread::{hex, Record};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The span current when a State was made: what its record says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Trace {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub flags: u8,
+    /// The first span of this trace in this process (the request's), and its name.
+    pub local_root_span_id: Option<[u8; 8]>,
+    pub endpoint: Option<String>,
+}
+
+/// The key map's first entries, the same in every process: the record's own attributes.
+pub const ENDPOINT_KEY: &str = "trace endpoint";
+pub const LOCAL_ROOT_KEY: &str = "local root span id";
+
+/// Whether States carry records: from the bridge's first publication of the process context.
+static ON: AtomicBool = AtomicBool::new(false);
+/// Tags left out of records: their name came after the key map's 256 entries were taken.
+static KEYS_FULL: AtomicU64 = AtomicU64::new(0);
+/// Entries of records that would have taken a record past the OTEP's 640 bytes.
+static LEFT_OUT: AtomicU64 = AtomicU64::new(0);
+
+/// What the process context says, and where it is written.
+struct Published {
+    /// The SDK's resource attributes.
+    resource: Vec<(String, String)>,
+    /// OTEP 4947's `threadlocal.attribute_key_map`: append-only.
+    keys: Vec<String>,
+    mapping: Option<Mapping>,
+    /// The last `published_at_ns` written: each publication's is later.
+    last_ns: u64,
+}
+
+/// The `OTEL_CTX` mapping: a header, then the payload.
+struct Mapping {
+    at: *mut u8,
+    pid: u32,
+}
+
+// SAFETY: the mapping's address is only used under `PUBLISHED`'s lock.
+unsafe impl Send for Mapping {}
+
+/// The mapping's size: a resource and a key map take a few hundred bytes; a payload that
+/// outgrows this is not published (counted in `TOO_LARGE`).
+const MAPPING_LEN: usize = 64 << 10;
+static TOO_LARGE: AtomicU64 = AtomicU64::new(0);
+
+static PUBLISHED: Mutex<Published> = Mutex::new(Published {
+    resource: Vec::new(),
+    keys: Vec::new(),
+    mapping: None,
+    last_ns: 0,
+});
+
+fn published() -> MutexGuard<'static, Published> {
+    PUBLISHED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The OTEP 4947 record of a State holding `pairs` under `trace`, or None while the bridge
+/// is off. With the GVL (tag names and values are read through Ruby).
+pub fn record(pairs: &[(ID, VALUE)], trace: Option<&Trace>) -> Option<Box<[u16]>> {
+    if !ON.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut r = Record::default();
+    if let Some(t) = trace {
+        (r.trace_id, r.span_id, r.trace_flags) = (t.trace_id, t.span_id, t.flags);
+        if let Some(endpoint) = &t.endpoint {
+            r.attrs.push((0, endpoint.clone()));
+        }
+        if let Some(root) = t.local_root_span_id {
+            r.attrs.push((1, hex(&root)));
+        }
+    }
+    let mut p = published();
+    let before = p.keys.len();
+    for &(id, value) in pairs {
+        // SAFETY: IDs of Symbols and VALUEs the State keeps alive, with the GVL.
+        let (name, text) = unsafe { (id_name(id), value_text(value)) };
+        match key_index(&mut p.keys, &name) {
+            Some(key) => r.attrs.push((key, text)),
+            None => _ = KEYS_FULL.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+    if p.keys.len() != before {
+        write(&mut p);
+    }
+    drop(p);
+    let (bytes, left_out) = r.encode();
+    LEFT_OUT.fetch_add(left_out as u64, Ordering::Relaxed);
+    let mut words = vec![0u16; bytes.len().div_ceil(2)].into_boxed_slice();
+    for (i, pair) in bytes.chunks(2).enumerate() {
+        words[i] = u16::from_ne_bytes([pair[0], *pair.get(1).unwrap_or(&0)]);
+    }
+    Some(words)
+}
+
+/// The index of `name` in the key map, appended if new; None once 256 are taken.
+fn key_index(keys: &mut Vec<String>, name: &str) -> Option<u8> {
+    if let Some(i) = keys.iter().position(|k| k == name) {
+        return Some(i as u8);
+    }
+    if keys.len() > u8::MAX as usize {
+        return None;
+    }
+    keys.push(name.to_string());
+    Some((keys.len() - 1) as u8)
+}
+
+/// A tag's name.
+unsafe fn id_name(id: ID) -> String {
+    // SAFETY: an ID of a Symbol the State pinned.
+    let sym = unsafe { Value::from_raw(rb_sys::rb_id2sym(id)) };
+    Symbol::from_value(sym)
+        .and_then(|s| s.name().ok().map(|n| n.into_owned()))
+        .unwrap_or_default()
+}
+
+/// A tag's value as text: Strings, Symbols, numbers, true, false and nil as `to_s` gives
+/// them (none of those can run app code), any other object as its class's name.
+unsafe fn value_text(value: VALUE) -> String {
+    // SAFETY: a VALUE the State keeps alive, with the GVL.
+    let v = unsafe { Value::from_raw(value) };
+    let plain = RString::from_value(v).is_some()
+        || Symbol::from_value(v).is_some()
+        || magnus::Integer::from_value(v).is_some()
+        || magnus::Float::from_value(v).is_some()
+        || v.is_nil()
+        || v.as_raw() == rb_sys::Qtrue as VALUE
+        || v.as_raw() == rb_sys::Qfalse as VALUE;
+    if plain {
+        if let Ok(text) = v.to_s() {
+            return text.into_owned();
+        }
+    }
+    // SAFETY: the class name of a live object.
+    unsafe { v.classname() }.into_owned()
+}
+
+/// `RubySpy::NativeOTel.trace(trace_id, span_id, flags, root_span_id, endpoint)`: makes the
+/// current fiber's state one with this trace (trace_id nil: none) and the current tags.
+fn trace(
+    ruby: &Ruby,
+    trace_id: Option<RString>,
+    span_id: Option<RString>,
+    flags: u8,
+    root: Option<RString>,
+    endpoint: Option<RString>,
+) -> Result<(), Error> {
+    let bytes = |s: Option<RString>, what: &str| -> Result<Option<Vec<u8>>, Error> {
+        // SAFETY: copied at once, with no Ruby call in between.
+        Ok(s.map(|s| unsafe { s.as_slice() }.to_vec())).and_then(|b| match b {
+            Some(b) if b.len() != if what == "trace" { 16 } else { 8 } => Err(Error::new(
+                ruby.exception_arg_error(),
+                format!(
+                    "a {what} id is {} bytes, got {}",
+                    if what == "trace" { 16 } else { 8 },
+                    b.len()
+                ),
+            )),
+            b => Ok(b),
+        })
+    };
+    let trace_id = bytes(trace_id, "trace")?;
+    let span_id = bytes(span_id, "span")?;
+    let root = bytes(root, "root span")?;
+    let trace = match (trace_id, span_id) {
+        (Some(t), Some(s)) => Some(Arc::new(Trace {
+            trace_id: t.try_into().unwrap_or_default(),
+            span_id: s.try_into().unwrap_or_default(),
+            flags,
+            local_root_span_id: root.map(|r| r.try_into().unwrap_or_default()),
+            endpoint: match endpoint {
+                Some(e) => Some(e.to_string()?),
+                None => None,
+            },
+        })),
+        _ => None,
+    };
+    let current = crate::current::current(ruby).as_raw();
+    let base = state_of(current);
+    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref()
+        && (base.is_some() || trace.is_none())
+    {
+        return Ok(()); // the same span again (a context with a new value, not a new span)
+    }
+    let state = match State::traced(base, trace) {
+        Some(state) => state.into_value_with(ruby).as_raw(),
+        None => rb_sys::Qnil as VALUE,
+    };
+    crate::current::apply_raw(state);
+    Ok(())
+}
+
+/// `RubySpy::NativeOTel.publish_process(attributes)`: publishes the process context with
+/// these resource attributes (an Array of [key, value] Strings), and turns records on.
+fn publish_process(attributes: RArray) -> Result<(), Error> {
+    let mut resource = Vec::with_capacity(attributes.len());
+    for pair in attributes.into_iter() {
+        let (key, value): (String, String) = magnus::TryConvert::try_convert(pair)?;
+        resource.push((key, value));
+    }
+    let mut p = published();
+    if p.keys.is_empty() {
+        p.keys = vec![ENDPOINT_KEY.to_string(), LOCAL_ROOT_KEY.to_string()];
+    }
+    p.resource = resource;
+    write(&mut p);
+    ON.store(true, Ordering::Relaxed);
+    Ok(())
+}
+
+/// `RubySpy::NativeOTel.key_map`: the key map as published.
+fn key_map() -> Vec<String> {
+    published().keys.clone()
+}
+
+/// `RubySpy::NativeOTel.stats`: tags left out (key map full), entries left out (record
+/// full), payloads too large to publish.
+fn stats() -> (u64, u64, u64) {
+    (
+        KEYS_FULL.load(Ordering::Relaxed),
+        LEFT_OUT.load(Ordering::Relaxed),
+        TOO_LARGE.load(Ordering::Relaxed),
+    )
+}
+
+/// `RubySpy::NativeOTel.address`: where the OTEL_CTX mapping is (0: none yet).
+fn address() -> u64 {
+    published().mapping.as_ref().map_or(0, |m| m.at as u64)
+}
+
+/// `RubySpy::State#otel_record`: the record this state publishes (a binary String), or nil.
+pub fn state_record(ruby: &Ruby, state: &State) -> Option<RString> {
+    let words = state.otel_record()?;
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    // Exactly the record's length: the u16s may end with a byte of padding.
+    let len = rbspy_ext_core::context::otel_thread::Head::parse(&bytes)
+        .map_or(bytes.len(), |h| h.record_len());
+    Some(ruby.str_from_slice(&bytes[..len]))
+}
+
+/// Writes the process context: the payload after the header, under the OTEP's update
+/// protocol (the signature last the first time; `published_at_ns` 0 while the payload
+/// changes after that). Nothing is written when no mapping can be made.
+fn write(p: &mut Published) {
+    let payload = otel_process::encode_resource(&p.resource, &p.keys);
+    if payload.len() > MAPPING_LEN - otel_process::HEADER_LEN {
+        TOO_LARGE.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    // A mapping made before a fork is not in the child (MADV_DONTFORK): the child makes its own.
+    if p.mapping
+        .as_ref()
+        .is_some_and(|m| m.pid != std::process::id())
+    {
+        p.mapping = None;
+    }
+    let first = p.mapping.is_none();
+    if first {
+        match map() {
+            Some(at) => {
+                p.mapping = Some(Mapping {
+                    at,
+                    pid: std::process::id(),
+                })
+            }
+            None => return,
+        }
+    }
+    let Some(at) = p.mapping.as_ref().map(|m| m.at) else {
+        return;
+    };
+    let now = now_ns().max(p.last_ns + 1);
+    p.last_ns = now;
+    let header = Header {
+        version: otel_process::VERSION,
+        payload_size: payload.len() as u32,
+        published_at_ns: now,
+        payload: at as u64 + otel_process::HEADER_LEN as u64,
+    };
+    let bytes = header.encode();
+    use std::sync::atomic::{fence, Ordering::SeqCst};
+    // SAFETY: `at` is our mapping of MAPPING_LEN bytes, written only under the lock.
+    unsafe {
+        let published_at = at.add(otel_process::PUBLISHED_AT) as *mut u64;
+        if !first {
+            std::ptr::write_volatile(published_at, 0);
+            fence(SeqCst);
+        }
+        let payload_at = at.add(otel_process::HEADER_LEN);
+        std::ptr::copy_nonoverlapping(payload.as_ptr(), payload_at, payload.len());
+        // version, payload_size; then the payload pointer.
+        std::ptr::copy_nonoverlapping(bytes[8..16].as_ptr(), at.add(8), 8);
+        std::ptr::copy_nonoverlapping(bytes[24..32].as_ptr(), at.add(24), 8);
+        fence(SeqCst);
+        std::ptr::write_volatile(published_at, now);
+        if first {
+            fence(SeqCst);
+            std::ptr::copy_nonoverlapping(bytes[..8].as_ptr(), at, 8);
+        }
+        name_mapping(at);
+    }
+}
+
+/// A new OTEL_CTX mapping: a memfd (`/memfd:OTEL_CTX` in the maps), else an anonymous
+/// mapping named by `prctl` where the kernel can; not inherited by a fork.
+fn map() -> Option<*mut u8> {
+    // SAFETY: plain system calls on a descriptor and a mapping this function owns.
+    unsafe {
+        let fd = libc::memfd_create(c"OTEL_CTX".as_ptr(), libc::MFD_CLOEXEC);
+        let at = if fd >= 0 && libc::ftruncate(fd, MAPPING_LEN as libc::off_t) == 0 {
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                MAPPING_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            libc::close(fd);
+            at
+        } else {
+            if fd >= 0 {
+                libc::close(fd);
+            }
+            libc::mmap(
+                std::ptr::null_mut(),
+                MAPPING_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return None;
+        }
+        libc::madvise(at, MAPPING_LEN, libc::MADV_DONTFORK);
+        Some(at as *mut u8)
+    }
+}
+
+/// Names the mapping `OTEL_CTX` for readers of the maps (Linux 5.17+ with
+/// CONFIG_ANON_VMA_NAME; an error otherwise, which the OTEP says to ignore).
+unsafe fn name_mapping(at: *mut u8) {
+    const PR_SET_VMA: libc::c_int = 0x53564d41;
+    const PR_SET_VMA_ANON_NAME: libc::c_ulong = 0;
+    // SAFETY: names our own mapping; the name is a static C string.
+    unsafe {
+        libc::prctl(
+            PR_SET_VMA,
+            PR_SET_VMA_ANON_NAME,
+            at as libc::c_ulong,
+            MAPPING_LEN as libc::c_ulong,
+            c"OTEL_CTX".as_ptr() as libc::c_ulong,
+        )
+    };
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+}
+
+/// `RubySpy::NativeOTel.after_fork`: in a forked child, publishes the process context anew
+/// (the parent's mapping is not inherited).
+fn after_fork() {
+    let mut p = published();
+    if ON.load(Ordering::Relaxed) {
+        p.mapping = None;
+        write(&mut p);
+    }
+}
+
+pub fn init(ruby: &Ruby) -> Result<(), Error> {
+    let module = ruby.define_module("RubySpy")?;
+    let native = module.define_module("NativeOTel")?;
+    native.define_singleton_method("trace", function!(trace, 5))?;
+    native.define_singleton_method("publish_process", function!(publish_process, 1))?;
+    native.define_singleton_method("key_map", function!(key_map, 0))?;
+    native.define_singleton_method("stats", function!(stats, 0))?;
+    native.define_singleton_method("address", function!(address, 0))?;
+    native.define_singleton_method("after_fork", function!(after_fork, 0))?;
+    Ok(())
+}

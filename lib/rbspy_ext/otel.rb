@@ -1,0 +1,170 @@
+# frozen_string_literal: true
+
+module RubySpy
+  # OpenTelemetry's context for readers outside the process (OTEP 4719 and 4947), written by
+  # the extension (ext/rbspy_ext/src/otel.rs) from what the OpenTelemetry SDK does:
+  # - when the SDK attaches or detaches a context (+OpenTelemetry::Context.attach+,
+  #   +detach+, and so +in_span+, +with_span+ and every instrumentation), the current fiber's
+  #   record names the span now current, its trace, the trace's first span in this process
+  #   (the local root: the request's) and that span's name, and carries the fiber's tags;
+  # - the process context (the +OTEL_CTX+ mapping) carries the SDK's resource attributes and
+  #   the names of the record's attributes, and is published again after
+  #   +OpenTelemetry::SDK.configure+ and in a forked child.
+  #
+  # It installs itself when +rbspy_ext+ is required after the OpenTelemetry API, and from the
+  # Railtie in a Rails app; {install} does it by hand. Readers: +RubySpy.snapshot+,
+  # +handle.threads+ and the profilers give each sample's trace; docs/otel-context.md says
+  # what another reader finds.
+  module OTel
+    # Most traces whose local root is remembered at once (one entry per trace in flight).
+    ROOTS_KEPT = 4096
+
+    @installed = false
+    @roots = {}
+
+    class << self
+      # Hooks the OpenTelemetry API (and the SDK, when loaded) and publishes the process
+      # context. Does nothing without the API, or when done already.
+      # @return [Boolean] whether the bridge is on
+      def install
+        return true if @installed
+        return false unless defined?(::OpenTelemetry::Context) && defined?(NativeOTel)
+
+        ::OpenTelemetry::Context.singleton_class.prepend(ContextHook)
+        hook_sdk
+        ::Process.singleton_class.prepend(ForkHook) if ::Process.respond_to?(:_fork)
+        @installed = true
+        publish_process
+        context_changed(::OpenTelemetry::Context.current)
+        true
+      end
+
+      # Whether {install} has run.
+      # @return [Boolean]
+      def installed?
+        @installed
+      end
+
+      # Publishes the process context with the SDK's resource attributes now.
+      # @api private
+      def publish_process
+        NativeOTel.publish_process(resource_attributes)
+      end
+
+      # Makes the current fiber's record say what +context+ (the SDK's current context) says.
+      # @api private
+      def context_changed(context)
+        span = ::OpenTelemetry::Trace.current_span(context)
+        sc = span.context
+        unless sc.valid?
+          NativeOTel.trace(nil, nil, 0, nil, nil)
+          return
+        end
+        root = local_root(span, sc.trace_id)
+        name = root.respond_to?(:name) ? root.name : nil
+        NativeOTel.trace(sc.trace_id, sc.span_id, sc.trace_flags.sampled? ? 1 : 0,
+                         root.context.span_id, name&.to_s)
+      end
+
+      # A span was renamed (Rails' instrumentation names the request's span once routed):
+      # the current record follows when it is the current trace's local root.
+      # @api private
+      def renamed(span)
+        return unless @roots[span.context.trace_id].equal?(span)
+
+        current = ::OpenTelemetry::Context.current
+        context_changed(current) if ::OpenTelemetry::Trace.current_span(current).context.trace_id == span.context.trace_id
+      end
+
+      # A span ended: a local root is forgotten.
+      # @api private
+      def finished(span)
+        id = span.context.trace_id
+        @roots.delete(id) if @roots[id].equal?(span)
+      end
+
+      private
+
+      # The first span of +trace_id+ seen current in this process, while it runs.
+      def local_root(span, trace_id)
+        root = @roots[trace_id]
+        return root if root
+
+        @roots.clear if @roots.size >= ROOTS_KEPT
+        @roots[trace_id] = span
+      end
+
+      def hook_sdk
+        return unless defined?(::OpenTelemetry::SDK::Trace::Span)
+
+        ::OpenTelemetry::SDK::Trace::Span.prepend(SpanHook)
+        ::OpenTelemetry::SDK.singleton_class.prepend(ConfigureHook)
+      end
+
+      # The SDK's resource attributes as [key, value] Strings (none before it is configured).
+      def resource_attributes
+        provider = ::OpenTelemetry.tracer_provider
+        resource = provider.instance_variable_get(:@resource) if provider
+        return [] unless resource.respond_to?(:attribute_enumerator)
+
+        resource.attribute_enumerator.map { |k, v| [k.to_s, v.is_a?(Array) ? v.join(", ") : v.to_s] }
+      end
+    end
+
+    # Prepended to +OpenTelemetry::Context+'s singleton class.
+    # @api private
+    module ContextHook
+      def attach(context)
+        token = super
+        RubySpy::OTel.context_changed(context)
+        token
+      end
+
+      def detach(token)
+        matched = super
+        RubySpy::OTel.context_changed(current)
+        matched
+      end
+
+      def clear
+        super
+        RubySpy::OTel.context_changed(current)
+      end
+    end
+
+    # Prepended to the SDK's span.
+    # @api private
+    module SpanHook
+      def name=(new_name)
+        super
+        RubySpy::OTel.renamed(self)
+      end
+
+      def finish(end_timestamp: nil)
+        result = super
+        RubySpy::OTel.finished(self)
+        result
+      end
+    end
+
+    # Prepended to +OpenTelemetry::SDK+'s singleton class: the resource is known once configured.
+    # @api private
+    module ConfigureHook
+      def configure(*args, &block)
+        result = super
+        RubySpy::OTel.publish_process
+        result
+      end
+    end
+
+    # Prepended to +Process+'s singleton class: a forked child publishes its own process context.
+    # @api private
+    module ForkHook
+      def _fork
+        pid = super
+        NativeOTel.after_fork if pid.zero?
+        pid
+      end
+    end
+  end
+end
