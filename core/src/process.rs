@@ -447,17 +447,22 @@ pub struct ProfilerStateSymbols {
     pub offset: u64,
     /// The address of `ruby_profiler_state_owner_tp_offset` (absent from older builds).
     pub owner_offset: Option<u64>,
+    /// The address of `otel_thread_ctx_v1_tp_offset` (absent from older builds): where
+    /// OpenTelemetry's thread context pointer is from the thread pointer.
+    pub otel_offset: Option<u64>,
 }
 
 /// The symbols of `ProfilerStateSymbols` in the target, if it has loaded rbspy_ext.
 pub fn find_profiler_state_symbols(pid: i32, maps: &[Mapping]) -> Option<ProfilerStateSymbols> {
     const OFFSET: &str = "ruby_profiler_state_tp_offset";
     const OWNER: &str = "ruby_profiler_state_owner_tp_offset";
+    const OTEL: &str = "otel_thread_ctx_v1_tp_offset";
     extension_paths(maps).into_iter().find_map(|p| {
-        let binary = read_binary(pid, maps, p, &[OFFSET, OWNER]).ok()?;
+        let binary = read_binary(pid, maps, p, &[OFFSET, OWNER, OTEL]).ok()?;
         Some(ProfilerStateSymbols {
             offset: binary.symbol(OFFSET)?,
             owner_offset: binary.symbol(OWNER),
+            otel_offset: binary.symbol(OTEL),
         })
     })
 }

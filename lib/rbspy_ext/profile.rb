@@ -178,15 +178,21 @@ module RubySpy
     #   profile.select(state: :running).functions.first
     def select(state: nil, **tags)
       native = state.nil? ? @native : @native.select_states(Array(state).map(&:to_s))
-      native = native.select_tags(tags.map { |k, v| [k.to_s, v.to_s] }) unless tags.empty?
+      native = native.select_tags(tags.map { |k, v| [label_name(k), v.to_s] }) unless tags.empty?
       Profile.new(native)
     end
+
+    # The labels a sample gets from its thread's OpenTelemetry trace (RubySpy::OTel), under
+    # the names Datadog's profiler gives them, reachable as Ruby keywords too:
+    # +select(trace_id: ...)+ selects on "trace id".
+    TRACE_LABELS = { trace_id: "trace id", span_id: "span id", local_root_span_id: "local root span id",
+                     trace_endpoint: "trace endpoint" }.freeze
 
     # The samples that carry tag +key+, whatever its value.
     # @param key [Symbol, String]
     # @return [RubySpy::Profile]
     def tagged(key)
-      Profile.new(@native.having_tag(key.to_s))
+      Profile.new(@native.having_tag(label_name(key)))
     end
 
     # The same samples, each with tag +key+ = +value+ unless it carries +key+ already: the
@@ -202,7 +208,7 @@ module RubySpy
     # @param key [Symbol, String]
     # @return [Hash{String, nil => RubySpy::Profile}] nil collects the samples without the tag
     def group_by(key)
-      @native.group_by_tag(key.to_s).transform_values { |native| Profile.new(native) }
+      @native.group_by_tag(label_name(key)).transform_values { |native| Profile.new(native) }
     end
 
     # Every distinct stack and how many samples it had.
@@ -259,6 +265,13 @@ module RubySpy
     # @return [String]
     def inspect
       "#<RubySpy::Profile pid=#{pid} samples=#{samples} duration=#{format("%.2f", duration)}s>"
+    end
+
+    private
+
+    # A tag's name, or a trace label's (TRACE_LABELS) for its keyword.
+    def label_name(key)
+      TRACE_LABELS.fetch(key.to_sym, key).to_s
     end
   end
 end

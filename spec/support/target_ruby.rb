@@ -98,6 +98,20 @@ module RubySpyTest
       dup.tap { |ruby| ruby.instance_variable_set(:@proc, true) }
     end
 
+    # The lib directories of the OpenTelemetry gems in ../shared/gems (README there), as this
+    # Ruby's targets see them (copied into the chroot at the same path when inside one), or
+    # nil where there are none.
+    def otel_gem_libs
+      gems = File.expand_path("../shared/gems", ROOT)
+      return nil unless File.directory?(gems)
+
+      if inside? && !File.directory?(File.join(@root, gems))
+        FileUtils.mkdir_p(File.join(@root, File.dirname(gems)))
+        FileUtils.cp_r(gems, File.join(@root, gems))
+      end
+      Dir[File.join(gems, "*", "lib")].sort
+    end
+
     # Where a path the target uses lives for the specs (inside a chroot: under its root).
     def host_path(path)
       inside? ? File.join(@root, path) : path

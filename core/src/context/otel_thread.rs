@@ -31,6 +31,19 @@ pub const MAX_ATTRS_LEN: usize = MAX_RECORD_LEN - HEAD_LEN;
 /// The longest value an entry can hold (its length is one byte).
 pub const MAX_VALUE_LEN: usize = u8::MAX as usize;
 
+/// The first entries of the key map rbspy_ext publishes, the same in every process: the
+/// record's own attributes (the extension appends tag names after them).
+pub const ENDPOINT_KEY: (u8, &str) = (0, "trace endpoint");
+pub const LOCAL_ROOT_KEY: (u8, &str) = (1, "local root span id");
+
+/// The labels a sample gets from a record, under Datadog's names (its Ruby profiler's
+/// pprof labels, which backends that link traces to profiles already read; Pyroscope's
+/// `span_id` is the local root's id, so it is a relabel away).
+pub const TRACE_ID_LABEL: &str = "trace id";
+pub const SPAN_ID_LABEL: &str = "span id";
+pub const LOCAL_ROOT_LABEL: &str = "local root span id";
+pub const ENDPOINT_LABEL: &str = "trace endpoint";
+
 const VALID: usize = 24;
 const FLAGS: usize = 25;
 const ATTRS_SIZE: usize = 26;
@@ -217,6 +230,27 @@ impl Record {
     }
 }
 
+/// The labels of a record rbspy_ext wrote (`raw`: its head and attributes): the trace and
+/// span ids as hex when it names a trace, and the endpoint and local root span id when it
+/// has them (the key map's first entries, [`ENDPOINT_KEY`] and [`LOCAL_ROOT_KEY`]). Its other
+/// attributes are the tags `ruby_profiler_state` gives already.
+pub fn labels(raw: &[u8]) -> Result<Vec<(&'static str, String)>, Drop> {
+    let (record, _) = Record::decode(raw)?;
+    let mut out = Vec::with_capacity(4);
+    if record.trace_id != [0; 16] {
+        out.push((TRACE_ID_LABEL, hex(&record.trace_id)));
+        out.push((SPAN_ID_LABEL, hex(&record.span_id)));
+    }
+    let last = |key: u8| (record.attrs.iter().rev()).find(|(k, _)| *k == key);
+    if let Some((_, root)) = last(LOCAL_ROOT_KEY.0) {
+        out.push((LOCAL_ROOT_LABEL, root.clone()));
+    }
+    if let Some((_, endpoint)) = last(ENDPOINT_KEY.0) {
+        out.push((ENDPOINT_LABEL, endpoint.clone()));
+    }
+    Ok(out)
+}
+
 /// The longest start of `text` of at most `max` bytes that ends at a character boundary.
 fn cut(text: &str, max: usize) -> &str {
     if text.len() <= max {
@@ -319,6 +353,26 @@ mod tests {
         mixed[n - 2..].copy_from_slice(&[0xff, 0xfe]);
         let (r, not_utf8) = Record::decode(&mixed).unwrap();
         assert_eq!((r.attrs, not_utf8), (vec![(0, "ok".to_string())], 1));
+    }
+
+    #[test]
+    fn a_records_labels_are_its_ids_in_hex_its_endpoint_and_its_root() {
+        let (raw, _) =
+            record(&[(1, "00aa00aa00aa00aa"), (0, "GET /users/:id"), (2, "acme")]).encode();
+        let got = labels(&raw).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (TRACE_ID_LABEL, hex(b"0123456789abcdef")),
+                (SPAN_ID_LABEL, hex(b"spanid!!")),
+                (LOCAL_ROOT_LABEL, "00aa00aa00aa00aa".to_string()),
+                (ENDPOINT_LABEL, "GET /users/:id".to_string()),
+            ]
+        );
+        // Tags alone, no trace: no ids.
+        let mut bare = record(&[(2, "acme")]);
+        (bare.trace_id, bare.span_id) = ([0; 16], [0; 8]);
+        assert_eq!(labels(&bare.encode().0).unwrap(), vec![]);
     }
 
     #[test]

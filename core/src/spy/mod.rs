@@ -26,6 +26,7 @@ mod memo;
 mod parts;
 mod tags;
 mod thread_list;
+mod traces;
 mod values;
 mod view;
 mod walker;
@@ -228,6 +229,12 @@ impl<M: Memory> Spy<M> {
             cache: &mut self.cache,
         };
         self.tags.thread_tags(&mut d, thread)
+    }
+
+    /// OpenTelemetry records (spy/traces.rs) that gave no labels so far, by reason
+    /// (`context::otel_thread::Drop::name`), the reasons met only.
+    pub fn trace_drops(&self) -> Vec<(&'static str, u64)> {
+        self.tags.otel_drops.counts()
     }
 
     /// Decodes the `Ruby_Profiler_State` table at `table` in the target (0: none), for a
@@ -465,7 +472,7 @@ impl<M: Memory> Spy<M> {
                 results[k] = Err(Attempt::Changed("tags changed while read".into()));
             }
         }
-        let check: Vec<(usize, (u64, u64))> = chosen
+        let check: Vec<(usize, (u64, u64, u64))> = chosen
             .iter()
             .enumerate()
             .filter(|(k, (i, _))| {
@@ -473,7 +480,11 @@ impl<M: Memory> Spy<M> {
             })
             .map(|(k, (i, _))| {
                 let thread = self.sampler.threads[*i].thread;
-                (k, (thread, self.tags.sampled_table(thread)))
+                let (table, record) = (
+                    self.tags.sampled_table(thread),
+                    self.tags.sampled_record(thread),
+                );
+                (k, (thread, table, record))
             })
             .collect();
         // Every thread's tags were read at the one published offset.
@@ -484,7 +495,7 @@ impl<M: Memory> Spy<M> {
         else {
             return results;
         };
-        let pairs: Vec<(u64, u64)> = check.iter().map(|(_, pair)| *pair).collect();
+        let pairs: Vec<(u64, u64, u64)> = check.iter().map(|(_, pair)| *pair).collect();
         let unchanged = self.tags.tables_unchanged(&self.target, offset, &pairs);
         for ((k, _), same) in check.iter().zip(unchanged) {
             if !same {

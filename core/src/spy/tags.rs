@@ -13,6 +13,7 @@ use crate::context::profiler_state::{self, Header, HEADER_LEN, PAIR_LEN};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
+use super::traces::{read_record, with_labels, Drops, Labels, LastRecord};
 use crate::model::Tags;
 use crate::process::{find_profiler_state_symbols, read_maps};
 use std::sync::Arc;
@@ -52,6 +53,13 @@ pub(super) struct TagReader {
     /// (spy/captured.rs), and how many captured tables were no longer published.
     pub(super) published_now: rustc_hash::FxHashMap<u64, (u64, Vec<u8>)>,
     pub(super) expired: u64,
+    /// The offset of `otel_thread_ctx_v1` (OpenTelemetry's thread context, spy/traces.rs),
+    /// when the extension publishes it.
+    pub(super) otel_offset: Option<i64>,
+    /// By Ruby thread: the record its OpenTelemetry pointer held at the last sample.
+    last_records: rustc_hash::FxHashMap<u64, LastRecord>,
+    /// Records that gave no labels, by reason.
+    pub(super) otel_drops: Drops,
 }
 
 /// Where a Ruby thread's `ruby_profiler_state` was found: its native thread (`th->nt`, 0
@@ -102,6 +110,13 @@ pub(super) struct TagRead {
     pub pointer_again: Option<Span>,
     /// Where the pointer is (for `reread_pointer`).
     pointer_at: u64,
+    /// `otel_thread_ctx_v1`, read between the owner reads with `ruby_profiler_state` (None
+    /// where the extension has none), the record it held last time and its span, and the
+    /// pointer again after the stack, as for the table.
+    otel: Option<Span>,
+    otel_last: Option<(u64, Span)>,
+    otel_again: Option<Span>,
+    otel_at: u64,
 }
 
 impl TagRead {
@@ -117,15 +132,19 @@ impl TagRead {
         if self.pointer.is_some() {
             self.pointer_again = Some(reads.add(self.pointer_at, 8));
         }
+        if self.otel.is_some() {
+            self.otel_again = Some(reads.add(self.otel_at, 8));
+        }
     }
 
     /// False when the pointer read before and after the thread's stack differs: its tags
     /// changed while the stack was copied, so they may not be the ones the stack ran under.
     pub(super) fn held(&self, reads: &ReadBatch) -> bool {
-        match (self.pointer, self.pointer_again) {
+        let same = |before: Option<Span>, after: Option<Span>| match (before, after) {
             (Some(a), Some(b)) => word(reads.get(a), 0) == word(reads.get(b), 0),
             _ => true,
-        }
+        };
+        same(self.pointer, self.pointer_again) && same(self.otel, self.otel_again)
     }
 }
 
@@ -143,6 +162,7 @@ impl TagReader {
     pub(super) fn preset(&mut self, offsets: Option<(i64, Option<i64>)>) {
         self.offset = offsets.map(|(offset, _)| offset);
         self.owner_offset = offsets.and_then(|(_, owner)| owner);
+        self.otel_offset = None;
         self.fixed = true;
     }
 
@@ -160,11 +180,13 @@ impl TagReader {
         // Both 0 until the extension has initialised, which sets the owner's first.
         let offset = t.mem.read_u64(symbols.offset).ok()? as i64;
         self.offset = (offset != 0).then_some(offset);
-        self.owner_offset = symbols
-            .owner_offset
-            .and_then(|addr| t.mem.read_u64(addr).ok())
-            .map(|o| o as i64)
-            .filter(|o| *o != 0);
+        let published = |addr: Option<u64>| {
+            addr.and_then(|addr| t.mem.read_u64(addr).ok())
+                .map(|o| o as i64)
+                .filter(|o| *o != 0)
+        };
+        self.owner_offset = published(symbols.owner_offset);
+        self.otel_offset = published(symbols.otel_offset);
         self.offset
     }
 
@@ -242,26 +264,46 @@ impl TagReader {
         // of the pointer is, and is fast: the first had warmed the caches (the symbol table,
         // class names). A parked thread's snapshot came back untagged in CI, read beside
         // another run with a core kept busy: a snapshot takes 1.5 to 6 ms here when idle.
+        let labels = self.fresh_labels(t, thread, tp);
         for _ in 0..TAG_ATTEMPTS {
             let pointer_read_at = ReadAt(Instant::now());
-            let table = self.owned_table(t, thread, tp, offset);
+            let table = self.owned_pointer(t, thread, tp, offset);
             if table == 0 {
-                return Tags::default();
+                return with_labels(Tags::default(), &labels);
             }
             if let Some((_, tags)) = d.read_table(table, pointer_read_at) {
-                return tags;
+                return with_labels(tags, &labels);
             }
             if pointer_read_at.decoded_in_time(Instant::now()) {
                 break; // read in time, and not a table: no later read would differ
             }
         }
-        Tags::default()
+        with_labels(Tags::default(), &labels)
     }
 
-    /// The table `ruby_profiler_state` holds at thread pointer `tp` if it is Ruby thread
-    /// `thread`'s (its owner, read before and after the table, says so both times; see
-    /// profiler_state.c), else 0.
-    fn owned_table<M: Memory>(&self, t: &Target<M>, thread: u64, tp: u64, offset: i64) -> u64 {
+    /// The labels of the OpenTelemetry record Ruby thread `thread` (at thread pointer `tp`)
+    /// publishes now, read afresh (none without one, or when it gives none: counted).
+    fn fresh_labels<M: Memory>(&mut self, t: &Target<M>, thread: u64, tp: u64) -> Labels {
+        let Some(otel) = self.otel_offset else {
+            return Labels::default();
+        };
+        let read_at = ReadAt(Instant::now());
+        match self.owned_pointer(t, thread, tp, otel) {
+            0 => Labels::default(),
+            at => match read_record(&t.mem, at, read_at) {
+                Ok((_, labels)) => labels,
+                Err(reason) => {
+                    self.otel_drops.add(reason);
+                    Labels::default()
+                }
+            },
+        }
+    }
+
+    /// The pointer at `offset` from thread pointer `tp` (`ruby_profiler_state`'s, or
+    /// `otel_thread_ctx_v1`'s) if it is Ruby thread `thread`'s (its owner, read before and
+    /// after the pointer, says so both times; see profiler_state.c), else 0.
+    fn owned_pointer<M: Memory>(&self, t: &Target<M>, thread: u64, tp: u64, offset: i64) -> u64 {
         let owner_addr = self.owner_offset.map(|o| tp.wrapping_add_signed(o));
         // A failed read names no thread (0); a first owner that is not this thread's spares
         // the other reads.
@@ -299,6 +341,10 @@ impl TagReader {
                 last: None,
                 pointer_again: None,
                 pointer_at: 0,
+                otel: None,
+                otel_last: None,
+                otel_again: None,
+                otel_at: 0,
             };
         };
         // The owner before and after the pointer: see profiler_state.c.
@@ -311,8 +357,12 @@ impl TagReader {
         let owner = owner_read(reads);
         let pointer_at = tp.wrapping_add_signed(offset);
         let pointer = Some(reads.add(pointer_at, 8));
+        let otel_at = self.otel_offset.map_or(0, |o| tp.wrapping_add_signed(o));
+        let otel = self.otel_offset.map(|_| reads.add(otel_at, 8));
         let owner_again = owner_read(reads);
         let last = self.last.get(&thread).map(|l| (l.table, l.raw.len()));
+        let otel_last =
+            (self.last_records.get(&thread)).map(|l| (l.at, reads.add(l.at, l.raw.len())));
         TagRead {
             nt,
             offset,
@@ -324,6 +374,10 @@ impl TagReader {
             last: last.map(|(table, len)| (table, reads.add(table, len))),
             pointer_again: None,
             pointer_at,
+            otel,
+            otel_last,
+            otel_again: None,
+            otel_at,
         }
     }
 
@@ -334,6 +388,84 @@ impl TagReader {
     /// table is read and decoded now. A thread that moved to another native thread (M:N
     /// threads) has its pointer read there.
     pub(super) fn sampled_tags<M: Memory>(
+        &mut self,
+        d: &mut Decoder<M>,
+        thread: u64,
+        nt: u64,
+        read: TagRead,
+        reads: &ReadBatch,
+        called: Instant,
+    ) -> Tags {
+        let late = read.read_late(nt, reads);
+        let tags = self.sampled_table_tags(d, thread, nt, read, reads, called);
+        let labels = self.sampled_labels(d.target, thread, late, &read, reads, called);
+        with_labels(tags, &labels)
+    }
+
+    /// The labels of a thread's OpenTelemetry record from what the sample read (`late`: the
+    /// batch's pointer was not this thread's, and `sampled_table_tags` found its thread
+    /// pointer again). The record of last time, read again in the batch and unchanged, keeps
+    /// its labels; another is read now.
+    fn sampled_labels<M: Memory>(
+        &mut self,
+        t: &Target<M>,
+        thread: u64,
+        late: bool,
+        read: &TagRead,
+        reads: &ReadBatch,
+        called: Instant,
+    ) -> Labels {
+        let Some(otel) = self.otel_offset else {
+            return Labels::default();
+        };
+        let (at, read_at) = match (late, read.otel) {
+            (false, Some(p)) => {
+                let at = pointer_read(reads, read.owner, p, read.owner_again).table_for(thread);
+                (at, ReadAt(called))
+            }
+            _ => {
+                let read_at = ReadAt(Instant::now());
+                let at = match self.pointers.get(&thread) {
+                    Some(p) => self.owned_pointer(t, thread, p.tp, otel),
+                    None => 0,
+                };
+                (at, read_at)
+            }
+        };
+        if at == 0 {
+            self.last_records.remove(&thread);
+            return Labels::default();
+        }
+        if let (Some(last), Some((last_at, span)), false) =
+            (self.last_records.get(&thread), read.otel_last, late)
+        {
+            if last.at == at && last_at == at && reads.get(span) == &last.raw[..] {
+                return last.labels.clone();
+            }
+        }
+        match read_record(&t.mem, at, read_at) {
+            Ok((raw, labels)) => {
+                if self.last_records.len() >= 4096 {
+                    self.last_records.clear();
+                }
+                let last = LastRecord {
+                    at,
+                    raw,
+                    labels: labels.clone(),
+                };
+                self.last_records.insert(thread, last);
+                labels
+            }
+            Err(reason) => {
+                self.otel_drops.add(reason);
+                self.last_records.remove(&thread);
+                Labels::default()
+            }
+        }
+    }
+
+    /// A thread's tags from its `ruby_profiler_state` table (see `sampled_tags`).
+    fn sampled_table_tags<M: Memory>(
         &mut self,
         d: &mut Decoder<M>,
         thread: u64,
@@ -356,7 +488,7 @@ impl TagReader {
             bytes = None;
             pointer_read_at = ReadAt(Instant::now());
             table = match self.thread_pointer_on(d.target, thread, nt) {
-                Some(tp) => self.owned_table(d.target, thread, tp, read.offset),
+                Some(tp) => self.owned_pointer(d.target, thread, tp, read.offset),
                 None => 0, // waiting for a native thread: its tags are on none
             };
         }
@@ -408,8 +540,14 @@ impl TagReader {
         self.last.get(&thread).map_or(0, |l| l.table)
     }
 
-    /// For each (Ruby thread, table) pair, whether the thread's pointer, read again now (the
-    /// owner around it, as `tag_read` reads it), still holds `table`; all in one call. A
+    /// The OpenTelemetry record this sample's labels for `thread` came from (0: none).
+    pub(super) fn sampled_record(&self, thread: u64) -> u64 {
+        self.last_records.get(&thread).map_or(0, |l| l.at)
+    }
+
+    /// For each (Ruby thread, table, record), whether the thread's pointers, read again now
+    /// (the owner around them, as `tag_read` reads them), still hold `table` and `record`
+    /// (its OpenTelemetry record, 0 for none); all in one call. A
     /// thread whose native thread is not known has no pointer to hold anything: it holds 0.
     /// A table is never freed, nor its address reused, within the extension's grace period
     /// of its last publication, so the same address before and after means the same tags.
@@ -417,20 +555,21 @@ impl TagReader {
         &self,
         t: &Target<M>,
         offset: i64,
-        threads: &[(u64, u64)],
+        threads: &[(u64, u64, u64)],
     ) -> Vec<bool> {
         let mut reads = ReadBatch::default();
-        let spans: Vec<Option<[Span; 3]>> = threads
+        let spans: Vec<Option<[Span; 4]>> = threads
             .iter()
-            .map(|(thread, _)| {
+            .map(|(thread, _, _)| {
                 let tp = self.pointers.get(thread)?.tp;
-                let owner = |reads: &mut ReadBatch| match self.owner_offset {
+                let at = |reads: &mut ReadBatch, offset: Option<i64>| match offset {
                     Some(o) => reads.add(tp.wrapping_add_signed(o), 8),
                     None => Span::default(),
                 };
-                let before = owner(&mut reads);
-                let pointer = reads.add(tp.wrapping_add_signed(offset), 8);
-                Some([before, pointer, owner(&mut reads)])
+                let before = at(&mut reads, self.owner_offset);
+                let pointer = at(&mut reads, Some(offset));
+                let record = at(&mut reads, self.otel_offset);
+                Some([before, pointer, record, at(&mut reads, self.owner_offset)])
             })
             .collect();
         if reads.read(&t.mem).is_err() {
@@ -439,11 +578,15 @@ impl TagReader {
         threads
             .iter()
             .zip(spans)
-            .map(|(&(thread, table), spans)| {
-                let now = spans.map_or(0, |[before, pointer, after]| {
-                    pointer_read(&reads, before, pointer, after).table_for(thread)
-                });
-                now == table
+            .map(|(&(thread, table, record), spans)| {
+                let Some([before, pointer, otel, after]) = spans else {
+                    return table == 0 && record == 0;
+                };
+                let now = |p: Span| match p.is_empty() {
+                    true => 0,
+                    false => pointer_read(&reads, before, p, after).table_for(thread),
+                };
+                now(pointer) == table && now(otel) == record
             })
             .collect()
     }
@@ -468,7 +611,7 @@ impl TagReader {
         let tp = self.thread_pointer_on(d.target, thread, nt)?;
         let pointer_read_at = ReadAt(Instant::now());
         if !first_read_at.still_same_at(pointer_read_at.0)
-            || self.owned_table(d.target, thread, tp, offset) != table
+            || self.owned_pointer(d.target, thread, tp, offset) != table
         {
             return None;
         }
@@ -480,12 +623,14 @@ impl TagReader {
     /// the sample's one call again).
     pub(super) fn forget_tables(&mut self) {
         self.last.clear();
+        self.last_records.clear();
     }
 
     /// Forgets everything known per Ruby thread: their addresses may be other threads' by
     /// the time the spy samples again.
     pub(super) fn forget_threads(&mut self) {
         self.last.clear();
+        self.last_records.clear();
         self.pointers.clear();
     }
 }

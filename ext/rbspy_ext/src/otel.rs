@@ -19,7 +19,7 @@ use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{function, prelude::*, Error, IntoValue, RArray, RString, Ruby, Symbol, Value};
 use rb_sys::{ID, VALUE};
 use rbspy_ext_core::context::otel_process::{self, Header};
-use rbspy_ext_core::context::otel_thread::{hex, Record};
+use rbspy_ext_core::context::otel_thread::{hex, Record, ENDPOINT_KEY, LOCAL_ROOT_KEY};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,10 +33,6 @@ pub struct Trace {
     pub local_root_span_id: Option<[u8; 8]>,
     pub endpoint: Option<String>,
 }
-
-/// The key map's first entries, the same in every process: the record's own attributes.
-pub const ENDPOINT_KEY: &str = "trace endpoint";
-pub const LOCAL_ROOT_KEY: &str = "local root span id";
 
 /// Whether States carry records: from the bridge's first publication of the process context.
 static ON: AtomicBool = AtomicBool::new(false);
@@ -91,10 +87,10 @@ pub fn record(pairs: &[(ID, VALUE)], trace: Option<&Trace>) -> Option<Box<[u16]>
     if let Some(t) = trace {
         (r.trace_id, r.span_id, r.trace_flags) = (t.trace_id, t.span_id, t.flags);
         if let Some(endpoint) = &t.endpoint {
-            r.attrs.push((0, endpoint.clone()));
+            r.attrs.push((ENDPOINT_KEY.0, endpoint.clone()));
         }
         if let Some(root) = t.local_root_span_id {
-            r.attrs.push((1, hex(&root)));
+            r.attrs.push((LOCAL_ROOT_KEY.0, hex(&root)));
         }
     }
     let mut p = published();
@@ -227,7 +223,8 @@ fn publish_process(attributes: RArray) -> Result<(), Error> {
     }
     let mut p = published();
     if p.keys.is_empty() {
-        p.keys = vec![ENDPOINT_KEY.to_string(), LOCAL_ROOT_KEY.to_string()];
+        // At the indexes the readers expect them (`ENDPOINT_KEY.0`, `LOCAL_ROOT_KEY.0`).
+        p.keys = vec![ENDPOINT_KEY.1.to_string(), LOCAL_ROOT_KEY.1.to_string()];
     }
     p.resource = resource;
     write(&mut p);

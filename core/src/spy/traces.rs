@@ -1,0 +1,84 @@
+//! The trace each thread works for, read from the OpenTelemetry record (OTEP 4947) its
+//! `otel_thread_ctx_v1` points at: the rbspy_ext extension writes one per `RubySpy::State`
+//! while its OpenTelemetry bridge is on, switches the pointer with `ruby_profiler_state`
+//! under the same owner word, and never changes a record once published
+//! (ext/rbspy_ext/src/otel.rs). So the tag reader (spy/tags.rs) reads the pointer with the
+//! table's, under the same ownership rules (`crate::context::ownership`), and this reads
+//! the record behind it and turns it into labels (`context::otel_thread::labels`).
+//!
+//! This reader reads a running thread, not a stopped one as the OTEP assumes. What keeps it
+//! right: a record is never written in place, and one that stops being published lives on
+//! with its State for the grace period, so a record read within `TABLE_WINDOW` of its
+//! pointer is the one published then; a record decoded later, or whose `valid` is not 1, or
+//! that cannot be read whole, gives no labels and a counted [`Drop`].
+use super::Memory;
+use crate::context::otel_thread::{labels, Drop, Head, HEAD_LEN};
+use crate::context::ownership::ReadAt;
+use crate::model::Tags;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A record's labels.
+pub(super) type Labels = Arc<[(Arc<str>, Arc<str>)]>;
+
+/// What a thread's record was at its last sample: its address and bytes, and the labels.
+#[derive(Debug)]
+pub(super) struct LastRecord {
+    pub at: u64,
+    pub raw: Vec<u8>,
+    pub labels: Labels,
+}
+
+/// Records that gave no labels, by reason.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Drops([u64; Drop::ALL.len()]);
+
+impl Drops {
+    pub fn add(&mut self, reason: Drop) {
+        if let Some(i) = Drop::ALL.iter().position(|d| *d == reason) {
+            self.0[i] += 1;
+        }
+    }
+
+    /// Each reason with its count, those counted only.
+    pub fn counts(&self) -> Vec<(&'static str, u64)> {
+        (Drop::ALL.iter().zip(self.0))
+            .filter(|(_, n)| *n > 0)
+            .map(|(d, n)| (d.name(), n))
+            .collect()
+    }
+}
+
+/// Reads the record at `at`, whose pointer was read at `read_at`: its head, then its
+/// attributes when it has some; and its labels.
+pub(super) fn read_record<M: Memory>(
+    mem: &M,
+    at: u64,
+    read_at: ReadAt,
+) -> Result<(Vec<u8>, Labels), Drop> {
+    let mut raw = vec![0u8; HEAD_LEN];
+    mem.read(at, &mut raw).map_err(|_| Drop::Unreadable)?;
+    let head = Head::parse(&raw)?;
+    if head.record_len() > HEAD_LEN {
+        raw = mem
+            .read_vec(at, head.record_len())
+            .map_err(|_| Drop::Unreadable)?;
+    }
+    let found = labels(&raw)?;
+    if !read_at.decoded_in_time(Instant::now()) {
+        return Err(Drop::Torn); // it may have been freed, and its memory reused, meanwhile
+    }
+    let labels = found
+        .into_iter()
+        .map(|(k, v)| (Arc::from(k), Arc::from(v)))
+        .collect();
+    Ok((raw, labels))
+}
+
+/// `tags` with a record's labels after them.
+pub(super) fn with_labels(tags: Tags, labels: &Labels) -> Tags {
+    if labels.is_empty() {
+        return tags;
+    }
+    tags.iter().chain(labels.iter()).cloned().collect()
+}

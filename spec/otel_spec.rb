@@ -1,0 +1,149 @@
+# frozen_string_literal: true
+
+require_relative "spec_helper"
+require "rbspy_ext"
+
+# OpenTelemetry's context for readers outside (OTEP 4719 and 4947), written by the gem from
+# what the real OpenTelemetry SDK does (../shared/gems) and read from outside by the spy.
+# The SDK needs Ruby 3.3+: these run in the script/rubies matrix (trixie's 3.3, sid's 3.4)
+# and are skipped on the host's 3.1 and wherever the SDK does not load.
+RSpec.describe "OpenTelemetry context" do
+  include RubySpyTest::Recording
+
+  let(:ruby) { RubySpyTest::TargetRuby.current }
+
+  before do
+    skip "the OpenTelemetry SDK needs Ruby 3.3+ (target: #{ruby}, #{ruby.version})" if ruby.version < Gem::Version.new("3.3")
+    skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?
+    skip "no OpenTelemetry gems in ../shared/gems" unless ruby.otel_gem_libs
+  end
+
+  def start_spans(mode)
+    target = start_target("otel_spans", mode, env: { "RUBYSPY_OTEL_GEMS" => ruby.otel_gem_libs.join(File::PATH_SEPARATOR) })
+    skip target.info["skip"] if target.info["skip"]
+    target
+  end
+
+  # What the target's memory holds at +address+, +length+ bytes, read as any reader would.
+  def peek(pid, address, length)
+    File.open("/proc/#{pid}/mem", "rb") do |mem|
+      mem.seek(address)
+      mem.read(length)
+    end
+  end
+
+  # A protobuf message's fields as [number, value] pairs, values of length-delimited fields
+  # as bytes: written from protobuf's encoding guide, sharing nothing with the extension.
+  def proto_fields(bytes)
+    io = StringIO.new(bytes)
+    varint = lambda do
+      shift = 0
+      value = 0
+      loop do
+        byte = io.readbyte
+        value |= (byte & 0x7f) << shift
+        shift += 7
+        break value if byte < 0x80
+      end
+    end
+    fields = []
+    until io.eof?
+      key = varint.call
+      fields << case key & 7
+                when 0 then [key >> 3, varint.call]
+                when 2 then [key >> 3, io.read(varint.call)]
+                when 1 then [key >> 3, io.read(8)]
+                when 5 then [key >> 3, io.read(4)]
+                else raise "wire type #{key & 7}"
+                end
+    end
+    fields
+  end
+
+  it "names each thread's trace, span, local root and endpoint in a snapshot" do
+    target = start_spans("threads")
+    threads = RubySpy.snapshot(target.pid, threads: :all)
+    target.info["workers"].each do |w|
+      thread = threads.find { |t| t[:name] == w["name"] }
+      expect(thread[:tags]).to include(
+        "trace id": w["span"]["trace_id"], "span id": w["span"]["span_id"],
+        "local root span id": w["root"]["span_id"], "trace endpoint": "GET /spin/#{w['name'][-1]}"
+      )
+    end
+    main = threads.find { |t| t[:main] } || threads.first
+    expect(main[:tags].keys).not_to include(:"trace id")
+  end
+
+  # Samples of +profile+ whose stack passes through a frame labelled +label+.
+  def samples_through(profile, label)
+    profile.stacks.select { |s| s[:frames].any? { |f| f.label == label } }.sum { |s| s[:samples] }
+  end
+
+  # Samples of the thread named +name+.
+  def thread_samples(profile, name)
+    profile.threads.select { |t| t[:name] == name }.sum { |t| t[:states].values.sum }
+  end
+
+  it "labels every sample of each thread with that thread's trace, read in user space" do
+    target = start_spans("threads")
+    profile = record_until_samples(target.pid, samples: 600, rate: 500)
+    target.info["workers"].each do |w|
+      mine = profile.select(trace_id: w["span"]["trace_id"])
+      expect(mine.samples).to be > 100
+      # All of the worker's samples, and only its: in its span, spinning in its method.
+      expect(mine.samples).to eq(thread_samples(profile, w["name"]))
+      expect(mine.threads.select { |t| t[:states].values.sum.positive? }.map { |t| t[:name] }).to eq([w["name"]])
+      expect(samples_through(mine, "Object#spin_#{w['name'][-1]}")).to eq(mine.samples)
+      expect(mine.select(span_id: w["span"]["span_id"]).samples).to eq(mine.samples)
+      expect(mine.select(local_root_span_id: w["root"]["span_id"]).samples).to eq(mine.samples)
+    end
+    expect(profile.group_by(:trace_id).keys.compact.sort).to eq(target.info["workers"].map { |w| w["span"]["trace_id"] }.sort)
+  end
+
+  it "labels each fiber's samples with its own span, two fibers taking turns on one thread" do
+    target = start_spans("fibers")
+    profile = record_until_samples(target.pid, samples: 600, rate: 500)
+    by_fiber = target.info["workers"].to_h { |w| [w["name"], w["span"]] }
+    %w[a b].each do |name|
+      other = (%w[a b] - [name]).first
+      own = profile.select(span_id: by_fiber[name]["span_id"])
+      expect(samples_through(own, "Object#fiber_#{name}")).to be > 50
+      expect(samples_through(own, "Object#fiber_#{other}")).to eq(0),
+                                                                "samples in fiber_#{other} labelled with fiber #{name}'s span"
+      expect(own.select(trace_id: by_fiber[name]["trace_id"]).samples).to eq(own.samples)
+    end
+    # Every sample in a fiber's method carries a span: no switch leaves the record behind.
+    unlabelled = profile.stacks.select { |s| s[:frames].any? { |f| f.label.start_with?("Object#fiber_") } }.sum { |s| s[:samples] } -
+                 %w[a b].sum { |n| samples_through(profile.select(span_id: by_fiber[n]["span_id"]), "Object#fiber_#{n}") }
+    expect(unlabelled).to eq(0)
+  end
+
+  it "publishes the process context in an OTEL_CTX mapping, and otel_thread_ctx_v1 as a TLS symbol" do
+    target = start_spans("threads")
+    maps = File.readlines("/proc/#{target.pid}/maps")
+    ctx = maps.find { |l| l.split[5]&.start_with?("/memfd:OTEL_CTX", "[anon_shmem:OTEL_CTX]", "[anon:OTEL_CTX]") }
+    expect(ctx).not_to be_nil, "no OTEL_CTX mapping in:\n#{maps.join}"
+    start = Integer(ctx.split("-").first, 16)
+    expect(start).to eq(target.info["otel_ctx"])
+
+    # OTEP 4719's header: signature, version 2, payload size, publication time, payload.
+    signature, version, size, published_at, payload = peek(target.pid, start, 32).unpack("a8 L L Q Q")
+    expect([signature, version]).to eq(["OTEL_CTX", 2])
+    expect(published_at).to be > 0
+    resource = proto_fields(peek(target.pid, payload, size))
+    attributes = resource.select { |n, _| n == 1 }.to_h do |_, kv|
+      fields = proto_fields(kv).to_h
+      value = proto_fields(fields[2]).to_h
+      [fields[1], value[1] || value[5] && proto_fields(value[5]).map { |_, v| proto_fields(v).to_h[1] }]
+    end
+    expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
+    expect(attributes["threadlocal.schema_version"]).to eq("tlsdesc_v1_dev")
+    expect(attributes["threadlocal.attribute_key_map"]).to eq(target.info["key_map"])
+    expect(target.info["key_map"].first(2)).to eq(["trace endpoint", "local root span id"])
+
+    so = maps.map { |l| l.split[5] }.compact.find { |p| p.end_with?("rbspy_ext.so") }
+    # The path as this process sees it (the kernel names it from the reader's root).
+    symbols = IO.popen(["readelf", "--dyn-syms", "--wide", so], &:read)
+    expect(symbols.lines.grep(/\botel_thread_ctx_v1$/).first&.split&.at(3)).to eq("TLS")
+  end
+end
