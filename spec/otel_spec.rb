@@ -84,9 +84,8 @@ RSpec.describe "OpenTelemetry context" do
     profile.threads.select { |t| t[:name] == name }.sum { |t| t[:states].values.sum }
   end
 
-  it "labels every sample of each thread with that thread's trace, read in user space" do
-    target = start_spans("threads")
-    profile = record_until_samples(target.pid, samples: 600, rate: 500)
+  # Every sample of each worker, and only its, carries the worker's trace, span and root.
+  def expect_worker_traces(target, profile)
     target.info["workers"].each do |w|
       mine = profile.select(trace_id: w["span"]["trace_id"])
       expect(mine.samples).to be > 100
@@ -98,6 +97,18 @@ RSpec.describe "OpenTelemetry context" do
       expect(mine.select(local_root_span_id: w["root"]["span_id"]).samples).to eq(mine.samples)
     end
     expect(profile.group_by(:trace_id).keys.compact.sort).to eq(target.info["workers"].map { |w| w["span"]["trace_id"] }.sort)
+  end
+
+  it "labels every sample of each thread with that thread's trace, read in user space" do
+    target = start_spans("threads")
+    expect_worker_traces(target, record_until_samples(target.pid, samples: 600, rate: 500))
+  end
+
+  it "labels every sample of each thread with that thread's trace in the kernel too (BPF)" do
+    skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+
+    target = start_spans("threads")
+    expect_worker_traces(target, record_until_samples(target.pid, samples: 600, mode: :bpf, rate: 999))
   end
 
   it "labels each fiber's samples with its own span, two fibers taking turns on one thread" do

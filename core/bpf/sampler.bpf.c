@@ -73,6 +73,12 @@ const volatile __s64 tag_owner_offset = 0;
  * home): bytes of the header (size, capacity) and of a slot (ID, VALUE). */
 const volatile __u64 tag_header_len = 16;
 const volatile __u64 tag_pair_len = 16;
+/* Offset of otel_thread_ctx_v1 (OpenTelemetry's thread context) from the thread pointer, 0
+ * when the target has none; and its record's layout from core/src/context/otel_thread.rs:
+ * the head's length and where in it attrs-data-size (u16) is. */
+const volatile __s64 otel_offset = 0;
+const volatile __u64 otel_head_len = 28;
+const volatile __u64 otel_attrs_size_at = 26;
 
 /* Thread pointer (glibc's pthread_t) -> rb_thread_t *, filled by user space from the thread
  * list. Keyed by thread pointer rather than tid: every Ruby from 2.7 on keeps the pthread_t
@@ -181,6 +187,9 @@ int rbspy_sample(void *ctx)
     h->values_from = 0;
     h->tag_table = 0;
     h->tag_words = 0;
+    h->otel_record = 0;
+    h->otel_bytes = 0;
+    h->pad = 0;
 
     if (running_ec)
         h->ec = running_ec;
@@ -268,7 +277,40 @@ int rbspy_sample(void *ctx)
         }
     }
 
-    __u64 size = sizeof(struct header) + h->frame_bytes + h->value_bytes + h->tag_words * 8;
+    /* The OpenTelemetry record, under the same owner: its head, then the whole record (at
+     * most MAX_OTEL_BYTES), copied after the table's words. */
+    if (otel_offset && owner == h->thread) {
+        __u64 rec = 0;
+        bpf_probe_read_user(&rec, 8, (void *)(tp + otel_offset));
+        h->otel_record = rec;
+        __u8 head[32] = {};
+        __u64 head_len = otel_head_len;
+        if (head_len > sizeof head)
+            head_len = sizeof head;
+        if (rec && otel_attrs_size_at + 2 <= head_len &&
+            bpf_probe_read_user(head, head_len, (void *)rec) == 0) {
+            /* attrs-data-size, host order (little-endian: the thread pointer is read as
+             * %fs base, x86-64 only). */
+            __u64 size_at = otel_attrs_size_at & 31;
+            __u64 attrs = head[size_at] | ((__u64)head[(size_at + 1) & 31] << 8);
+            __u64 bytes = head_len + attrs;
+            __u64 t = at + h->value_bytes + h->tag_words * 8;
+            if (t > MAX_FRAME_BYTES + MAX_VALUE_BYTES + MAX_TAG_BYTES)
+                t = MAX_FRAME_BYTES + MAX_VALUE_BYTES + MAX_TAG_BYTES;
+            if (bytes > MAX_OTEL_BYTES) {
+                h->flags |= FLAG_OTEL_UNREAD;
+            } else if (bpf_probe_read_user(r->data + t, bytes, (void *)rec) == 0) {
+                h->otel_bytes = bytes;
+            } else {
+                h->flags |= FLAG_OTEL_UNREAD;
+            }
+        } else if (rec) {
+            h->flags |= FLAG_OTEL_UNREAD;
+        }
+    }
+
+    __u64 size = sizeof(struct header) + h->frame_bytes + h->value_bytes + h->tag_words * 8 +
+                 h->otel_bytes;
     if (size > sizeof(struct record))
         size = sizeof(struct record);
     /* No wake-up: user space drains the ring on its own schedule (core/src/bpf/mod.rs). */

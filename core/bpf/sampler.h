@@ -15,6 +15,9 @@
  * core/src/context/profiler_state.rs lays a table out (a unit test there checks this). */
 #define MAX_TAG_SLOTS 64
 #define MAX_TAG_BYTES ((2 + 2 * MAX_TAG_SLOTS) * 8)
+/* Bytes of an OpenTelemetry thread context record copied (OTEP 4947's limit, the room the
+ * record keeps: core/src/context/otel_thread.rs, MAX_RECORD_LEN). */
+#define MAX_OTEL_BYTES 640
 #define MAX_THREADS 8192
 
 #define FLAG_TRUNCATED 1  /* deeper than max_frame_bytes: the outermost frames are cut */
@@ -22,6 +25,7 @@
 #define FLAG_VALUES_CUT 4 /* the value stack was longer than MAX_VALUE_BYTES */
 #define FLAG_TAGS_CUT 8   /* a tag table larger than MAX_TAG_SLOTS */
 #define FLAG_UNKNOWN 16   /* a thread of the target not in the thread map: a header alone */
+#define FLAG_OTEL_UNREAD 32 /* an OpenTelemetry record that did not read, or said it was longer than MAX_OTEL_BYTES */
 
 #define COUNT_UNKNOWN_THREAD 0
 #define COUNT_RING_FULL 1
@@ -41,6 +45,9 @@ struct header {
     __u32 value_bytes;  /* data[frame_bytes..+value_bytes) */
     __u32 tag_words;    /* the table's words (size, capacity, pairs) after the values */
     __u64 tag_table;    /* the ruby_profiler_state pointer */
+    __u64 otel_record;  /* the otel_thread_ctx_v1 pointer */
+    __u32 otel_bytes;   /* the record's bytes after the table's words */
+    __u32 pad;
 };
 
 /* A Ruby thread in the program's thread map. */
@@ -53,7 +60,7 @@ struct ruby_thread {
 
 struct record {
     struct header h;
-    __u8 data[MAX_FRAME_BYTES + MAX_VALUE_BYTES + MAX_TAG_BYTES];
+    __u8 data[MAX_FRAME_BYTES + MAX_VALUE_BYTES + MAX_TAG_BYTES + MAX_OTEL_BYTES];
 };
 
 #endif

@@ -265,7 +265,7 @@ fn privileged() -> bool {
 
 /// Writes the read-only globals (`const volatile` in sampler.bpf.c) before load.
 fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
-    use crate::context::profiler_state;
+    use crate::context::{otel_thread, profiler_state};
     type Rodata = crate::bpf::skel::types::rodata;
     if data.len() < std::mem::size_of::<Rodata>() {
         return Err(unavailable(
@@ -304,6 +304,13 @@ fn set_globals(data: &mut [u8], pid: i32, l: &CaptureLayout) -> Result<()> {
         } else {
             0
         };
+        r.otel_offset = if cfg!(target_arch = "x86_64") {
+            l.otel_offset.unwrap_or(0)
+        } else {
+            0
+        };
+        r.otel_head_len = otel_thread::HEAD_LEN as u64;
+        r.otel_attrs_size_at = otel_thread::ATTRS_SIZE_AT as u64;
         r.tag_header_len = profiler_state::HEADER_LEN as u64;
         r.tag_pair_len = profiler_state::PAIR_LEN as u64;
         let (ec_tls_offset, ec_thread_ptr) = l.ec_tls.unwrap_or((0, 0));

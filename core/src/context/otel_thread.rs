@@ -46,7 +46,8 @@ pub const ENDPOINT_LABEL: &str = "trace endpoint";
 
 const VALID: usize = 24;
 const FLAGS: usize = 25;
-const ATTRS_SIZE: usize = 26;
+/// Where attrs-data-size (u16) is in the head (the BPF sampler reads it there).
+pub const ATTRS_SIZE_AT: usize = 26;
 
 /// Why a record gives no context, or an attribute no label: counted by the samplers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,7 +108,7 @@ impl Head {
         if head[VALID] != 1 {
             return Err(Drop::NotValid);
         }
-        let attrs_len = u16::from_ne_bytes([head[ATTRS_SIZE], head[ATTRS_SIZE + 1]]) as usize;
+        let attrs_len = u16::from_ne_bytes([head[ATTRS_SIZE_AT], head[ATTRS_SIZE_AT + 1]]) as usize;
         if attrs_len > MAX_ATTRS_LEN {
             return Err(Drop::TooLong);
         }
@@ -181,7 +182,7 @@ impl Record {
             out.extend_from_slice(value.as_bytes());
         }
         let size = (out.len() - HEAD_LEN) as u16;
-        out[ATTRS_SIZE..HEAD_LEN].copy_from_slice(&size.to_ne_bytes());
+        out[ATTRS_SIZE_AT..HEAD_LEN].copy_from_slice(&size.to_ne_bytes());
         (out, left_out)
     }
 

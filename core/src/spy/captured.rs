@@ -8,8 +8,10 @@
 //! reaches it through [`Spy::capture`].
 use super::batch::gc_state;
 use super::tags::Decoder;
+use super::traces::{record_labels, with_labels};
 use super::walker::Plan;
 use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
+use crate::context::otel_thread::Drop;
 use crate::context::ownership::copy_trusted;
 use crate::context::profiler_state;
 use crate::error::Result;
@@ -35,6 +37,11 @@ pub struct Captured<'a> {
     /// when it was not copied).
     pub tag_table: u64,
     pub tag_words: &'a [u8],
+    /// The thread's OpenTelemetry record (`otel_thread_ctx_v1`, 0: none) and its bytes as
+    /// copied; `otel_unread` when it had one that did not read whole.
+    pub otel_record: u64,
+    pub otel_bytes: &'a [u8],
+    pub otel_unread: bool,
     /// The stack was deeper than the sampler copies: its outermost frames are missing.
     pub truncated: bool,
     /// How long ago it was copied.
@@ -63,6 +70,9 @@ pub struct CaptureLayout {
     pub tag_offset: Option<i64>,
     /// The offset of `ruby_profiler_state_owner`, when the extension publishes it.
     pub tag_owner_offset: Option<i64>,
+    /// The offset of `otel_thread_ctx_v1` (OpenTelemetry's thread context), when the
+    /// extension publishes it.
+    pub otel_offset: Option<i64>,
     /// Under M:N threads, the offset of Ruby's `ruby_current_ec` from the thread pointer
     /// (`Capture::ec_tls`), and `ec->thread_ptr`: the program then finds the Ruby
     /// thread a native thread runs through that thread-local, and its thread map is keyed
@@ -117,6 +127,7 @@ impl<M: Memory> Capture<'_, M> {
             },
             tag_offset: self.spy.tags.offset(&self.spy.target),
             tag_owner_offset: self.spy.tags.owner_offset,
+            otel_offset: self.spy.tags.otel_offset,
             ec_tls: None,
         }
     }
@@ -329,7 +340,8 @@ impl<M: Memory> Capture<'_, M> {
         self.spy.tags.expired
     }
 
-    /// The tags of a captured table. Its words (IDs and VALUEs) were copied in the same pass
+    /// The tags of a captured table, and the labels of its OpenTelemetry record, which the
+    /// sampler copied whole (no later read, so no lifetime to mind). The table's words (IDs and VALUEs) were copied in the same pass
     /// as the stack, but what an object value says (a String's text) is read now, up to a
     /// drain period later. The extension keeps a table's values alive only while it is
     /// published and 10 ms after: so a table with object values is decoded only within
@@ -337,6 +349,23 @@ impl<M: Memory> Capture<'_, M> {
     /// sample gets no tags (counted), never the text of whatever took the freed object's
     /// place. Immediates (Integers, static Symbols, true, false, nil) need no such care.
     fn tags(&mut self, c: &Captured) -> super::Tags {
+        let tags = self.table_tags(c);
+        let labels = match (c.otel_record, c.otel_unread) {
+            (0, _) => return tags,
+            (_, true) => Err(Drop::Unreadable),
+            _ => record_labels(c.otel_bytes),
+        };
+        match labels {
+            Ok(labels) => with_labels(tags, &labels),
+            Err(reason) => {
+                self.spy.tags.otel_drops.add(reason);
+                tags
+            }
+        }
+    }
+
+    /// The tags of a captured `ruby_profiler_state` table (see `tags`).
+    fn table_tags(&mut self, c: &Captured) -> super::Tags {
         // One empty set for every sample without tags (a new Arc would be an allocation).
         static NONE: std::sync::LazyLock<super::Tags> = std::sync::LazyLock::new(Default::default);
         let Some(pairs) = profiler_state::pairs(c.tag_words).filter(|_| c.tag_table != 0) else {

@@ -64,15 +64,21 @@ pub(super) fn read_record<M: Memory>(
             .read_vec(at, head.record_len())
             .map_err(|_| Drop::Unreadable)?;
     }
-    let found = labels(&raw)?;
+    let labels = record_labels(&raw)?;
     if !read_at.decoded_in_time(Instant::now()) {
         return Err(Drop::Torn); // it may have been freed, and its memory reused, meanwhile
     }
-    let labels = found
+    Ok((raw, labels))
+}
+
+/// The labels of a whole record's bytes (read here, or copied by the BPF sampler with the
+/// stack, in one pass on the interrupted thread).
+pub(super) fn record_labels(raw: &[u8]) -> Result<Labels, Drop> {
+    let found = labels(raw)?;
+    Ok(found
         .into_iter()
         .map(|(k, v)| (Arc::from(k), Arc::from(v)))
-        .collect();
-    Ok((raw, labels))
+        .collect())
 }
 
 /// `tags` with a record's labels after them.
