@@ -2,6 +2,7 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
+require "json"
 
 # OpenTelemetry's context for readers outside (OTEP 4719 and 4947), written by the gem from
 # what the real OpenTelemetry SDK does (../shared/gems) and read from outside by the spy.
@@ -9,6 +10,7 @@ require "rbspy_ext"
 # and are skipped on the host's 3.1 and wherever the SDK does not load.
 RSpec.describe "OpenTelemetry context" do
   include RubySpyTest::Recording
+  include RubySpyTest::GoPprof
 
   let(:ruby) { RubySpyTest::TargetRuby.current }
 
@@ -156,5 +158,76 @@ RSpec.describe "OpenTelemetry context" do
     # The path as this process sees it (the kernel names it from the reader's root).
     symbols = IO.popen(["readelf", "--dyn-syms", "--wide", so], &:read)
     expect(symbols.lines.grep(/\botel_thread_ctx_v1$/).first&.split&.at(3)).to eq("TLS")
+  end
+
+  describe "in Rails 7.2 on Puma 6.6, with the Rack and ActionPack instrumentations" do
+    # Each action's own method (spec/fixtures/rails_app's overlay), and the controller action
+    # the instrumentation names.
+    OWN = { "OrdersController#price_order" => "OrdersController#show",
+            "InvoicesController#total_invoices" => "InvoicesController#index" }.freeze
+    # A request, for Puma: from reading it to closing its body. The Rack instrumentation
+    # attaches the request's context in its middleware and detaches it when Puma closes the
+    # body, after writing the response, within this.
+    REQUEST = "Puma::Request#handle_request"
+
+    before do
+      skip "the app is served inside a chroot (RUBYSPY_TARGET_RUBY=trixie:inside), not by #{ruby}" unless ruby.inside?
+    end
+
+    # The spans the app exported (one JSON line each), by trace: the request's root span.
+    def request_roots(path)
+      spans = File.readlines(path).map { |line| JSON.parse(line) }
+      spans.select { |s| s["parent_span_id"] == "0000000000000000" }.to_h { |s| [s["trace_id"], s] }
+    end
+
+    # Every sample in an action's own method carries its request's trace, the root span's id
+    # (the current span: ActionPack names the Rack span rather than opening one) and the
+    # controller action; every sample with a trace is inside a request.
+    def expect_samples_in_requests(profile, roots)
+      in_actions = Hash.new(0)
+      profile.group_by(:trace_id).each do |trace_id, by_trace|
+        by_trace.group_by(:span_id).each do |span_id, by_span|
+          by_span.group_by(:trace_endpoint).each do |endpoint, part|
+            part.stacks.each do |stack|
+              labels = stack[:frames].map(&:label)
+              # Outside a request (a pool thread waiting for one, Puma's reactor): no trace.
+              expect(labels).to include(REQUEST), "#{trace_id} on #{labels.reverse.join(' > ')}" if trace_id
+              own = OWN.keys.find { |m| labels.include?(m) }
+              next unless own
+
+              root = roots[trace_id]
+              expect(root).not_to be_nil, "a sample in #{own} under trace #{trace_id.inspect}, not one the app exported"
+              expect([span_id, endpoint]).to eq([root["span_id"], OWN[own]])
+              expect("#{root['attributes']['code.namespace']}##{root['attributes']['code.function']}").to eq(OWN[own])
+              in_actions[own] += stack[:samples]
+            end
+          end
+        end
+      end
+      OWN.each_key { |m| expect(in_actions[m]).to be > 50, "#{in_actions[m]} samples in #{m}" }
+      in_actions.values.sum
+    end
+
+    it "labels every sample inside a request with that request's trace, span and action, in user space and BPF" do
+      target_dir, host_dir = ruby.mktmpdir("rbspy-spans")
+      server = start_server("rails_otel_app", env: { "RUBYSPY_SPANS" => File.join(target_dir, "spans.jsonl"),
+                                                     "OTEL_TRACES_EXPORTER" => "none" })
+      user, bpf = under_load(server, ["/orders/7", "/invoices"], threads: 4) do
+        [RubySpy.record(server.pid, rate: 999, duration: 3),
+         Process.uid.zero? ? RubySpy.record(server.pid, rate: 999, duration: 3, mode: :bpf) : nil]
+      end
+      roots = request_roots(File.join(host_dir, "spans.jsonl"))
+      counted = expect_samples_in_requests(user, roots)
+      counted_bpf = bpf ? expect_samples_in_requests(bpf, roots) : 0
+      puts "#{counted} samples (user space) and #{counted_bpf} (BPF) in the actions, each under its request's trace"
+
+      # Go's pprof client selects one request's samples by its trace id label.
+      trace_id, root = roots.find { |id, _| user.select(trace_id: id).samples >= 3 }
+      expect(root).not_to be_nil
+      pb = File.join(host_dir, "profile.pb.gz")
+      File.binwrite(pb, user.render(:pprof))
+      picked = traces(go_pprof("-traces", "-sample_index=samples", "-tagfocus=trace id=#{trace_id}", pb))
+      expect(picked.sum { |t| Integer(t[:value]) }).to eq(user.select(trace_id: trace_id).samples)
+    end
   end
 end

@@ -18,6 +18,11 @@ module RubySpy
   module OTel
     # Most traces whose local root is remembered at once (one entry per trace in flight).
     ROOTS_KEPT = 4096
+    # The semantic conventions' attributes that name the code a span runs.
+    CODE_NAMESPACE = "code.namespace"
+    CODE_FUNCTION = "code.function"
+    # Attributes whose change renames a request's endpoint.
+    ENDPOINT_ATTRIBUTES = [CODE_NAMESPACE, CODE_FUNCTION].freeze
 
     @installed = false
     @roots = {}
@@ -61,9 +66,24 @@ module RubySpy
           return
         end
         root = local_root(span, sc.trace_id)
-        name = root.respond_to?(:name) ? root.name : nil
         NativeOTel.trace(sc.trace_id, sc.span_id, sc.trace_flags.sampled? ? 1 : 0,
-                         root.context.span_id, name&.to_s)
+                         root.context.span_id, endpoint(root))
+      end
+
+      # What the request of +root+ (a local root span) does: the controller action as
+      # "Class#method" where the instrumentation says (ActionPack's code.namespace and
+      # code.function, whatever its span naming), else the span's name (the Rack
+      # instrumentation's "GET /orders/:id" once routed, "GET" before). Nil for a span that
+      # is not recording (an unsampled trace: no name, no attributes).
+      def endpoint(root)
+        return nil unless root.respond_to?(:name)
+
+        attributes = root.respond_to?(:attributes) ? root.attributes : nil
+        namespace = attributes && attributes[CODE_NAMESPACE]
+        function = attributes && attributes[CODE_FUNCTION]
+        return "#{namespace}##{function}" if namespace && function
+
+        root.name&.to_s
       end
 
       # A span was renamed (Rails' instrumentation names the request's span once routed):
@@ -138,6 +158,18 @@ module RubySpy
       def name=(new_name)
         super
         RubySpy::OTel.renamed(self)
+      end
+
+      def set_attribute(key, value)
+        result = super
+        RubySpy::OTel.renamed(self) if ENDPOINT_ATTRIBUTES.include?(key)
+        result
+      end
+
+      def add_attributes(attributes)
+        result = super
+        RubySpy::OTel.renamed(self) if attributes.keys.intersect?(ENDPOINT_ATTRIBUTES)
+        result
       end
 
       def finish(end_timestamp: nil)

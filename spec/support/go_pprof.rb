@@ -26,7 +26,7 @@ module RubySpyTest
     def traces(text)
       text.split(/^-+\+-+$/).drop(1).filter_map do |block|
         lines = block.lines.map(&:strip).reject(&:empty?)
-        labels, functions = lines.partition { |line| line.match?(/\A\w+:\s/) }
+        labels, functions = lines.partition { |line| line.match?(/\A\w[\w ]*:\s/) } # keys may hold spaces ("trace id")
         next if functions.empty?
 
         value, first = functions.first.split(/\s+/, 2)
