@@ -131,24 +131,45 @@ RSpec.describe "OpenTelemetry context" do
     expect(unlabelled).to eq(0)
   end
 
-  it "publishes the process context in an OTEL_CTX mapping, and otel_thread_ctx_v1 as a TLS symbol" do
-    target = start_spans("threads")
-    maps = File.readlines("/proc/#{target.pid}/maps")
+  # The OTEL_CTX mapping of process +pid+ (its maps line) and what it holds, read as OTEP
+  # 4719 says: the header (signature, version 2, payload size, publication time, payload
+  # address), then the payload, a protobuf Resource, as attribute name => value (an array's
+  # values as an Array).
+  def process_context(pid)
+    maps = File.readlines("/proc/#{pid}/maps")
     ctx = maps.find { |l| l.split[5]&.start_with?("/memfd:OTEL_CTX", "[anon_shmem:OTEL_CTX]", "[anon:OTEL_CTX]") }
     expect(ctx).not_to be_nil, "no OTEL_CTX mapping in:\n#{maps.join}"
     start = Integer(ctx.split("-").first, 16)
-    expect(start).to eq(target.info["otel_ctx"])
-
-    # OTEP 4719's header: signature, version 2, payload size, publication time, payload.
-    signature, version, size, published_at, payload = peek(target.pid, start, 32).unpack("a8 L L Q Q")
+    signature, version, size, published_at, payload = peek(pid, start, 32).unpack("a8 L L Q Q")
     expect([signature, version]).to eq(["OTEL_CTX", 2])
     expect(published_at).to be > 0
-    resource = proto_fields(peek(target.pid, payload, size))
-    attributes = resource.select { |n, _| n == 1 }.to_h do |_, kv|
+    attributes = proto_fields(peek(pid, payload, size)).select { |n, _| n == 1 }.to_h do |_, kv|
       fields = proto_fields(kv).to_h
       value = proto_fields(fields[2]).to_h
       [fields[1], value[1] || value[5] && proto_fields(value[5]).map { |_, v| proto_fields(v).to_h[1] }]
     end
+    [start, attributes, maps]
+  end
+
+  it "publishes a forked child's own process context, and its threads' traces" do
+    target = start_spans("fork")
+    child = target.info["child"]
+    expect(child).to be_a(Integer)
+    _, attributes, = process_context(child)
+    expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
+    # The parent's mapping is not inherited (MADV_DONTFORK): the child made its own.
+    expect(File.read("/proc/#{child}/maps").scan("OTEL_CTX").size).to eq(1)
+    worker = target.info["workers"].first
+    thread = RubySpy.snapshot(child, threads: :all).find { |t| t[:name] == worker["name"] }
+    expect(thread[:tags]).to include("trace id": worker["span"]["trace_id"], "span id": worker["span"]["span_id"])
+  ensure
+    Process.kill(:KILL, child) if child.is_a?(Integer) && (Process.kill(0, child) rescue false)
+  end
+
+  it "publishes the process context in an OTEL_CTX mapping, and otel_thread_ctx_v1 as a TLS symbol" do
+    target = start_spans("threads")
+    start, attributes, maps = process_context(target.pid)
+    expect(start).to eq(target.info["otel_ctx"])
     expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
     expect(attributes["threadlocal.schema_version"]).to eq("tlsdesc_v1_dev")
     expect(attributes["threadlocal.attribute_key_map"]).to eq(target.info["key_map"])
@@ -172,6 +193,7 @@ RSpec.describe "OpenTelemetry context" do
 
     before do
       skip "the app is served inside a chroot (RUBYSPY_TARGET_RUBY=trixie:inside), not by #{ruby}" unless ruby.inside?
+      skip "no Rails in #{ruby}'s chroot (script/rubies build trixie installs it there)" unless File.exist?(ruby.host_path("/usr/bin/rails"))
     end
 
     # The spans the app exported (one JSON line each), by trace: the request's root span.
@@ -228,6 +250,24 @@ RSpec.describe "OpenTelemetry context" do
       File.binwrite(pb, user.render(:pprof))
       picked = traces(go_pprof("-traces", "-sample_index=samples", "-tagfocus=trace id=#{trace_id}", pb))
       expect(picked.sum { |t| Integer(t[:value]) }).to eq(user.select(trace_id: trace_id).samples)
+    end
+
+    it "does the same in each of Puma's workers (workers 2), each publishing its own process context" do
+      target_dir, host_dir = ruby.mktmpdir("rbspy-spans")
+      server = start_server("rails_otel_app", env: { "RUBYSPY_SPANS" => File.join(target_dir, "spans.jsonl"),
+                                                     "OTEL_TRACES_EXPORTER" => "none", "RUBYSPY_WORKERS" => "2" })
+      profile = under_load(server, ["/orders/7", "/invoices"], threads: 6, reconnect: true) do
+        RubySpy.record(server.pid, rate: 999, duration: 4, subprocesses: true)
+      end
+      expect_samples_in_requests(profile, request_roots(File.join(host_dir, "spans.jsonl")))
+      traced_pids = profile.select(trace_endpoint: "OrdersController#show").threads
+                           .select { |t| t[:states].values.sum.positive? }.map { |t| t[:pid] }.uniq
+      expect(traced_pids).to match_array(server.workers)
+      # Each worker loads the app (this config does not preload it) and publishes its own.
+      server.workers.each do |pid|
+        _, attributes, = process_context(pid)
+        expect(attributes["service.name"]).to eq("rails_otel_app")
+      end
     end
   end
 end
