@@ -151,6 +151,44 @@ RSpec.describe "OpenTelemetry context" do
     [start, attributes, maps]
   end
 
+  # OTEP 4947's record at +address+ in process +pid+, decoded as the OTEP lays it out (no
+  # code of the writer's): trace-id, span-id, valid, trace-flags, attrs-data-size, then
+  # {key index, length, bytes} entries, named through +key_map+.
+  def otep_record(pid, address, key_map)
+    trace_id, span_id, valid, flags, size = peek(pid, address, 28).unpack("a16 a8 C C S")
+    data = peek(pid, address + 28, size)
+    attrs = {}
+    until data.empty?
+      key, length = data.unpack("C C")
+      attrs[key_map.fetch(key)] = data.byteslice(2, length).force_encoding(Encoding::UTF_8)
+      data = data.byteslice(2 + length..)
+    end
+    { trace_id: trace_id.unpack1("H*"), span_id: span_id.unpack1("H*"), valid: valid, flags: flags, attrs: attrs }
+  end
+
+  it "is read by a reader that knows only the OTEPs: gdb finds otel_thread_ctx_v1 by name, per thread" do
+    skip "no gdb (Debian's gdb)" unless system("gdb", "--version", out: File::NULL, err: File::NULL)
+    # gdb on the host does not find the files of a process in a chroot by the paths it
+    # names them with; the same Ruby run outside the chroot is read instead.
+    skip "gdb reads #{ruby} from outside its chroot: the :outside run covers this" if ruby.inside?
+
+    target = start_spans("threads")
+    _, attributes, = process_context(target.pid)
+    # gdb resolves the TLS variable through glibc's libthread_db, from its .dynsym name
+    # alone: the pointer, for every thread (the threads stopped meanwhile, as the OTEP's
+    # readers read them).
+    out = IO.popen(["gdb", "-p", target.pid.to_s, "-batch", "-iex", "set auto-load safe-path /",
+                    "-ex", "thread apply all print/x (unsigned long)otel_thread_ctx_v1"], err: %i[child out], &:read)
+    pointers = out.scan(/^Thread \d+ \(.*?"([^"]*)"\):\n\$\d+ = (0x\h+)$/).to_h { |name, ptr| [name, Integer(ptr)] }
+    target.info["workers"].each do |w|
+      expect(pointers[w["name"]]).to be_positive, "gdb said:\n#{out}"
+      record = otep_record(target.pid, pointers[w["name"]], attributes["threadlocal.attribute_key_map"])
+      expect(record).to include(trace_id: w["span"]["trace_id"], span_id: w["span"]["span_id"], valid: 1, flags: 1)
+      expect(record[:attrs]).to eq("trace endpoint" => "GET /spin/#{w['name'][-1]}",
+                                   "local root span id" => w["root"]["span_id"])
+    end
+  end
+
   it "publishes a forked child's own process context, and its threads' traces" do
     target = start_spans("fork")
     child = target.info["child"]
