@@ -112,4 +112,5 @@ RubySpy.track_allocations_from_env if ENV[RubySpy::Allocations::ENV_ALLOCATIONS]
 
 # With the OpenTelemetry API loaded first, every thread's and fiber's trace is published for
 # readers outside (RubySpy::OTel); in Rails the Railtie does this after the initializers.
+# RUBYSPY_OTEL=0 keeps it off.
 RubySpy::OTel.install if defined?(OpenTelemetry::Context)

@@ -16,6 +16,8 @@ module RubySpy
   # +handle.threads+ and the profilers give each sample's trace; docs/otel-context.md says
   # what another reader finds.
   module OTel
+    # RUBYSPY_OTEL=0 in the environment keeps the bridge off: no record, no process context.
+    ENV_SWITCH = "RUBYSPY_OTEL"
     # Most traces whose local root is remembered at once (one entry per trace in flight).
     ROOTS_KEPT = 4096
     # The semantic conventions' attributes that name the code a span runs.
@@ -24,15 +26,21 @@ module RubySpy
     # Attributes whose change renames a request's endpoint.
     ENDPOINT_ATTRIBUTES = [CODE_NAMESPACE, CODE_FUNCTION].freeze
 
+    # The fiber-local holding, for each context this bridge saw attached in the fiber, the
+    # state that was current before it (what the matching detach puts back).
+    STACK_KEY = :__rubyspy_otel_states__
+
     @installed = false
     @roots = {}
+    @endpoints = {}.compare_by_identity
 
     class << self
       # Hooks the OpenTelemetry API (and the SDK, when loaded) and publishes the process
-      # context. Does nothing without the API, or when done already.
+      # context. Does nothing without the API, with RUBYSPY_OTEL=0, or when done already.
       # @return [Boolean] whether the bridge is on
       def install
         return true if @installed
+        return false if ENV[ENV_SWITCH] == "0"
         return false unless defined?(::OpenTelemetry::Context) && defined?(NativeOTel)
 
         ::OpenTelemetry::Context.singleton_class.prepend(ContextHook)
@@ -56,6 +64,34 @@ module RubySpy
         NativeOTel.publish_process(resource_attributes)
       end
 
+      # +context+ was attached in this fiber, +previous+ (a State or nil) being the state
+      # before it: kept for the matching detach, then the record made for +context+.
+      # @api private
+      def attached(context, previous)
+        (Thread.current[STACK_KEY] ||= []) << previous
+        context_changed(context)
+      end
+
+      # A context was detached, leaving +context+ current: the state from before its attach
+      # comes back as it was (no new record: a detach costs what a fiber switch does). A
+      # detach this bridge saw no attach for (installed mid-request) makes a record instead.
+      # @api private
+      def detached(context)
+        stack = Thread.current[STACK_KEY]
+        if stack.nil? || stack.empty?
+          context_changed(context)
+        else
+          State.apply(stack.pop)
+        end
+      end
+
+      # The context stack was emptied (+OpenTelemetry::Context.clear+).
+      # @api private
+      def cleared
+        Thread.current[STACK_KEY] = nil
+        context_changed(::OpenTelemetry::Context.current)
+      end
+
       # Makes the current fiber's record say what +context+ (the SDK's current context) says.
       # @api private
       def context_changed(context)
@@ -66,8 +102,8 @@ module RubySpy
           return
         end
         root = local_root(span, sc.trace_id)
-        NativeOTel.trace(sc.trace_id, sc.span_id, sc.trace_flags.sampled? ? 1 : 0,
-                         root.context.span_id, endpoint(root))
+        endpoint = @endpoints.fetch(root) { @endpoints[root] = endpoint(root) }
+        NativeOTel.trace(sc.trace_id, sc.span_id, sc.trace_flags.sampled? ? 1 : 0, root.context.span_id, endpoint)
       end
 
       # What the request of +root+ (a local root span) does: the controller action as
@@ -92,6 +128,7 @@ module RubySpy
       def renamed(span)
         return unless @roots[span.context.trace_id].equal?(span)
 
+        @endpoints[span] = endpoint(span)
         current = ::OpenTelemetry::Context.current
         context_changed(current) if ::OpenTelemetry::Trace.current_span(current).context.trace_id == span.context.trace_id
       end
@@ -100,7 +137,10 @@ module RubySpy
       # @api private
       def finished(span)
         id = span.context.trace_id
-        @roots.delete(id) if @roots[id].equal?(span)
+        return unless @roots[id].equal?(span)
+
+        @roots.delete(id)
+        @endpoints.delete(span)
       end
 
       private
@@ -110,7 +150,10 @@ module RubySpy
         root = @roots[trace_id]
         return root if root
 
-        @roots.clear if @roots.size >= ROOTS_KEPT
+        if @roots.size >= ROOTS_KEPT
+          @roots.clear
+          @endpoints.clear
+        end
         @roots[trace_id] = span
       end
 
@@ -135,20 +178,21 @@ module RubySpy
     # @api private
     module ContextHook
       def attach(context)
+        previous = RubySpy::State.current
         token = super
-        RubySpy::OTel.context_changed(context)
+        RubySpy::OTel.attached(context, previous)
         token
       end
 
       def detach(token)
         matched = super
-        RubySpy::OTel.context_changed(current)
+        RubySpy::OTel.detached(current)
         matched
       end
 
       def clear
         super
-        RubySpy::OTel.context_changed(current)
+        RubySpy::OTel.cleared
       end
     end
 

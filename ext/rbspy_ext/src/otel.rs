@@ -93,20 +93,21 @@ pub fn record(pairs: &[(ID, VALUE)], trace: Option<&Trace>) -> Option<Box<[u16]>
             r.attrs.push((LOCAL_ROOT_KEY.0, hex(&root)));
         }
     }
-    let mut p = published();
-    let before = p.keys.len();
-    for &(id, value) in pairs {
-        // SAFETY: IDs of Symbols and VALUEs the State keeps alive, with the GVL.
-        let (name, text) = unsafe { (id_name(id), value_text(value)) };
-        match key_index(&mut p.keys, &name) {
-            Some(key) => r.attrs.push((key, text)),
-            None => _ = KEYS_FULL.fetch_add(1, Ordering::Relaxed),
+    if !pairs.is_empty() {
+        let mut p = published();
+        let before = p.keys.len();
+        for &(id, value) in pairs {
+            // SAFETY: IDs of Symbols and VALUEs the State keeps alive, with the GVL.
+            let (name, text) = unsafe { (id_name(id), value_text(value)) };
+            match key_index(&mut p.keys, &name) {
+                Some(key) => r.attrs.push((key, text)),
+                None => _ = KEYS_FULL.fetch_add(1, Ordering::Relaxed),
+            }
+        }
+        if p.keys.len() != before {
+            write(&mut p);
         }
     }
-    if p.keys.len() != before {
-        write(&mut p);
-    }
-    drop(p);
     let (bytes, left_out) = r.encode();
     LEFT_OUT.fetch_add(left_out as u64, Ordering::Relaxed);
     let mut words = vec![0u16; bytes.len().div_ceil(2)].into_boxed_slice();
