@@ -103,7 +103,14 @@ RSpec.describe "OpenTelemetry context" do
 
   it "labels every sample of each thread with that thread's trace, read in user space" do
     target = start_spans("threads")
-    expect_worker_traces(target, record_until_samples(target.pid, samples: 600, rate: 500))
+    profile = record_until_samples(target.pid, samples: 600, rate: 500)
+    expect_worker_traces(target, profile)
+    # The raw format keeps the labels: a saved profile selects the same samples.
+    Dir.mktmpdir do |dir|
+      path = File.join(dir, "profile.raw")
+      File.binwrite(path, profile.render(:raw))
+      expect_worker_traces(target, RubySpy::Profile.load(path))
+    end
   end
 
   it "labels every sample of each thread with that thread's trace in the kernel too (BPF)" do

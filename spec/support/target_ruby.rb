@@ -109,7 +109,26 @@ module RubySpyTest
         FileUtils.mkdir_p(File.join(@root, File.dirname(gems)))
         FileUtils.cp_r(gems, File.join(@root, gems))
       end
-      Dir[File.join(gems, "*", "lib")].sort
+      Dir[File.join(gems, "*", "lib")].sort + logger_lib
+    end
+
+    # The API needs the logger gem, a bundled gem from Ruby 4.0 that the upstream builds in
+    # ../shared/rubies do not install: Debian's (sid's Ruby 3.4, pure Ruby) stands in, from
+    # a directory holding links to it alone.
+    def logger_lib
+      return [] if host? || inside? || version < Gem::Version.new("4.0")
+
+      sid = IO.popen([File.join(ROOT, "script", "rubies"), "list"], &:read).lines.map(&:split).find { |f| f[0] == "sid" }
+      logger = sid && File.join(sid[2], "usr/lib/ruby", "#{sid[1][/\A\d+\.\d+/]}.0", "logger.rb")
+      return [] unless logger && File.exist?(logger)
+
+      dir = File.join(ROOT, "tmp", "logger-from-sid")
+      FileUtils.mkdir_p(dir)
+      [logger, logger.delete_suffix(".rb")].each do |path|
+        link = File.join(dir, File.basename(path))
+        File.symlink(path, link) unless File.symlink?(link)
+      end
+      [dir]
     end
 
     # Where a path the target uses lives for the specs (inside a chroot: under its root).
