@@ -60,6 +60,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     let cpu_before = thread_cpu_ns();
     let stats_before = bpf.stats();
     let expired_before = spy.capture().tags_expired();
+    let drops_before = spy.trace_drops();
     let mut refreshed: Option<Instant> = None;
     let mut wakeups = 0u64;
     loop {
@@ -107,6 +108,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     }
     drain(spy, &mut bpf, &config, &mut rec);
     super::note_ractors(spy, &mut rec.agg);
+    super::note_trace_drops(spy, &drops_before, &mut rec.agg);
     rec.expired_tags = spy.capture().tags_expired() - expired_before;
     let stats = bpf.stats();
     // Detach and unload before the profile is handed over.

@@ -390,6 +390,34 @@ pub(crate) fn new_aggregator<M: Memory>(
 /// had ended by its end (their samples are kept): Ractors that come and go are the rule in
 /// a Ractor pool, and a reader should know the short-lived ones are in the profile. No note
 /// for a process that started none.
+/// Notes the OpenTelemetry records (`otel_thread_ctx_v1`, spy/traces.rs) that gave no
+/// labels during a recording, by reason: `before` is the spy's count when it began (a kept
+/// spy counts from when it attached).
+pub(crate) fn note_trace_drops<M: Memory>(
+    spy: &Spy<M>,
+    before: &[(&'static str, u64)],
+    agg: &mut Aggregator,
+) {
+    let counted = |reason: &str| {
+        before
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0, |(_, n)| *n)
+    };
+    let drops: Vec<String> = (spy.trace_drops().into_iter())
+        .map(|(reason, n)| (reason, n - counted(reason)))
+        .filter(|(_, n)| *n > 0)
+        .map(|(reason, n)| format!("{n} {reason}"))
+        .collect();
+    if !drops.is_empty() {
+        agg.note(format!(
+            "samples whose OpenTelemetry record gave no trace labels: {} (the samples are kept, \
+             without those labels)",
+            drops.join(", ")
+        ));
+    }
+}
+
 pub(crate) fn note_ractors<M: Memory>(spy: &mut Spy<M>, agg: &mut Aggregator) {
     let pid = spy.pid();
     let seen: std::collections::BTreeSet<u32> = agg

@@ -64,6 +64,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     let started = Instant::now();
     // A kept spy (`OWN_SPY`) counts its calls since it attached: this recording's are the rest.
     let calls_before = spy.memory().calls();
+    let drops_before = spy.trace_drops();
     let mut timer = Timer::new(config.rate_hz, unix_ns() ^ u64::from(pid as u32));
     let mut next = started;
     let mut children = Children::default();
@@ -123,6 +124,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
         children.name_workers(pid, &mut agg);
     }
     super::note_ractors(spy, &mut agg);
+    super::note_trace_drops(spy, &drops_before, &mut agg);
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
     agg.set_cost(

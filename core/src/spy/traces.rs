@@ -88,3 +88,42 @@ pub(super) fn with_labels(tags: Tags, labels: &Labels) -> Tags {
     }
     tags.iter().chain(labels.iter()).cloned().collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::otel_thread::Record;
+
+    #[test]
+    fn drops_count_by_reason_and_labels_follow_the_tags() {
+        let mut drops = Drops::default();
+        drops.add(Drop::Torn);
+        drops.add(Drop::Torn);
+        drops.add(Drop::NotValid);
+        assert_eq!(
+            drops.counts(),
+            vec![("not valid", 1), ("changed while read", 2)]
+        );
+
+        let (raw, _) = Record {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            trace_flags: 1,
+            attrs: vec![],
+        }
+        .encode();
+        let labels = record_labels(&raw).unwrap();
+        let tags: Tags = vec![(Arc::from("user"), Arc::from("42"))].into();
+        let both = with_labels(tags.clone(), &labels);
+        assert_eq!(both.len(), 3);
+        assert_eq!(&*both[0].0, "user");
+        assert_eq!(
+            (&*both[1].0, &*both[1].1),
+            ("trace id", "01010101010101010101010101010101")
+        );
+        assert_eq!(with_labels(tags.clone(), &Labels::default()), tags);
+        let mut bad = raw.clone();
+        bad[24] = 0;
+        assert_eq!(record_labels(&bad), Err(Drop::NotValid));
+    }
+}
