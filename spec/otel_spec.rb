@@ -120,8 +120,19 @@ RSpec.describe "OpenTelemetry context" do
     expect_worker_traces(target, record_until_samples(target.pid, samples: 600, mode: :bpf, rate: 999))
   end
 
-  it "labels each fiber's samples with its own span, two fibers taking turns on one thread" do
-    target = start_spans("fibers")
+  {
+    "fibers" => "two fibers taking turns on one thread",
+    "async" => "two Async tasks on one thread (Debian's ruby-async)"
+  }.each do |mode, what|
+    it "labels each fiber's samples with its own span: #{what}" do
+      target = start_spans(mode)
+      expect_fiber_spans(target)
+    end
+  end
+
+  # Each fiber's samples in its own method carry its own span and trace, none the other's,
+  # and none goes unlabelled.
+  def expect_fiber_spans(target)
     profile = record_until_samples(target.pid, samples: 600, rate: 500)
     by_fiber = target.info["workers"].to_h { |w| [w["name"], w["span"]] }
     %w[a b].each do |name|
