@@ -6,17 +6,16 @@
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::attach::Target;
-use super::frames::Cache;
 use super::{word, Memory};
 use crate::context::ownership::{PointerRead, ReadAt};
-use crate::context::profiler_state::{self, Header, HEADER_LEN, PAIR_LEN};
+use crate::context::profiler_state::{Header, HEADER_LEN};
 use crate::memory::{field, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
-use super::traces::{read_record, with_labels, Drops, Labels, LastRecord};
+pub(super) use super::tag_decoder::Decoder;
+use super::traces::{with_labels, Drops, LastRecord};
 use crate::model::Tags;
 use crate::process::{find_profiler_state_symbols, read_maps};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often a process without the extension is checked again (it may load it later).
@@ -24,8 +23,6 @@ const RECHECK: Duration = Duration::from_secs(1);
 /// How long a thread's decoded tags are trusted while its table reads the same: a String
 /// value can be changed in place without a new table, so it is decoded afresh this often.
 const TAGS_TTL: Duration = Duration::from_millis(100);
-/// Slots read with a table's header on the first try: tables of up to 4 tags in one read.
-const FIRST_SLOTS: usize = 8;
 
 /// How many times [`TagReader::thread_tags`] reads a table whose decoding took longer than
 /// the time a reader may take (`crate::context::ownership::TABLE_WINDOW`; each read is a
@@ -45,7 +42,7 @@ pub(super) struct TagReader {
     fixed: bool,
     /// By Ruby thread: the native thread it was last seen on, that one's thread pointer,
     /// and where that pointer was read (see `Pointer`).
-    pointers: rustc_hash::FxHashMap<u64, Pointer>,
+    pub(super) pointers: rustc_hash::FxHashMap<u64, Pointer>,
     /// By Ruby thread: the table its pointer held at the last sample, that table's bytes
     /// and their decoding (see `sampled_tags`).
     last: rustc_hash::FxHashMap<u64, LastTable>,
@@ -57,7 +54,7 @@ pub(super) struct TagReader {
     /// when the extension publishes it.
     pub(super) otel_offset: Option<i64>,
     /// By Ruby thread: the record its OpenTelemetry pointer held at the last sample.
-    last_records: rustc_hash::FxHashMap<u64, LastRecord>,
+    pub(super) last_records: rustc_hash::FxHashMap<u64, LastRecord>,
     /// Records that gave no labels, by reason.
     pub(super) otel_drops: Drops,
 }
@@ -69,9 +66,9 @@ pub(super) struct TagReader {
 /// the same address too, but on another pthread: so each sample reads the thread pointer
 /// again (`TagRead::tp`), and a different one means this is another thread.
 #[derive(Debug, Clone, Copy)]
-struct Pointer {
+pub(super) struct Pointer {
     nt: u64,
-    tp: u64,
+    pub(super) tp: u64,
     tp_at: u64,
 }
 
@@ -113,8 +110,8 @@ pub(super) struct TagRead {
     /// `otel_thread_ctx_v1`, read between the owner reads with `ruby_profiler_state` (None
     /// where the extension has none), the record it held last time and its span, and the
     /// pointer again after the stack, as for the table.
-    otel: Option<Span>,
-    otel_last: Option<(u64, Span)>,
+    pub(super) otel: Option<Span>,
+    pub(super) otel_last: Option<(u64, Span)>,
     otel_again: Option<Span>,
     otel_at: u64,
 }
@@ -146,14 +143,6 @@ impl TagRead {
         };
         same(self.pointer, self.pointer_again) && same(self.otel, self.otel_again)
     }
-}
-
-/// What decoding a table needs besides its bytes: the target, and the symbol table and
-/// class names the walker caches too (a tag's key is an ID, its value may be a Symbol or an
-/// object of a named class).
-pub(super) struct Decoder<'a, M: Memory> {
-    pub(super) target: &'a Target<M>,
-    pub(super) cache: &'a mut Cache,
 }
 
 impl TagReader {
@@ -281,29 +270,16 @@ impl TagReader {
         with_labels(Tags::default(), &labels)
     }
 
-    /// The labels of the OpenTelemetry record Ruby thread `thread` (at thread pointer `tp`)
-    /// publishes now, read afresh (none without one, or when it gives none: counted).
-    fn fresh_labels<M: Memory>(&mut self, t: &Target<M>, thread: u64, tp: u64) -> Labels {
-        let Some(otel) = self.otel_offset else {
-            return Labels::default();
-        };
-        let read_at = ReadAt(Instant::now());
-        match self.owned_pointer(t, thread, tp, otel) {
-            0 => Labels::default(),
-            at => match read_record(&t.mem, at, read_at) {
-                Ok((_, labels)) => labels,
-                Err(reason) => {
-                    self.otel_drops.add(reason);
-                    Labels::default()
-                }
-            },
-        }
-    }
-
     /// The pointer at `offset` from thread pointer `tp` (`ruby_profiler_state`'s, or
     /// `otel_thread_ctx_v1`'s) if it is Ruby thread `thread`'s (its owner, read before and
     /// after the pointer, says so both times; see profiler_state.c), else 0.
-    fn owned_pointer<M: Memory>(&self, t: &Target<M>, thread: u64, tp: u64, offset: i64) -> u64 {
+    pub(super) fn owned_pointer<M: Memory>(
+        &self,
+        t: &Target<M>,
+        thread: u64,
+        tp: u64,
+        offset: i64,
+    ) -> u64 {
         let owner_addr = self.owner_offset.map(|o| tp.wrapping_add_signed(o));
         // A failed read names no thread (0); a first owner that is not this thread's spares
         // the other reads.
@@ -400,68 +376,6 @@ impl TagReader {
         let tags = self.sampled_table_tags(d, thread, nt, read, reads, called);
         let labels = self.sampled_labels(d.target, thread, late, &read, reads, called);
         with_labels(tags, &labels)
-    }
-
-    /// The labels of a thread's OpenTelemetry record from what the sample read (`late`: the
-    /// batch's pointer was not this thread's, and `sampled_table_tags` found its thread
-    /// pointer again). The record of last time, read again in the batch and unchanged, keeps
-    /// its labels; another is read now.
-    fn sampled_labels<M: Memory>(
-        &mut self,
-        t: &Target<M>,
-        thread: u64,
-        late: bool,
-        read: &TagRead,
-        reads: &ReadBatch,
-        called: Instant,
-    ) -> Labels {
-        let Some(otel) = self.otel_offset else {
-            return Labels::default();
-        };
-        let (at, read_at) = match (late, read.otel) {
-            (false, Some(p)) => {
-                let at = pointer_read(reads, read.owner, p, read.owner_again).table_for(thread);
-                (at, ReadAt(called))
-            }
-            _ => {
-                let read_at = ReadAt(Instant::now());
-                let at = match self.pointers.get(&thread) {
-                    Some(p) => self.owned_pointer(t, thread, p.tp, otel),
-                    None => 0,
-                };
-                (at, read_at)
-            }
-        };
-        if at == 0 {
-            self.last_records.remove(&thread);
-            return Labels::default();
-        }
-        if let (Some(last), Some((last_at, span)), false) =
-            (self.last_records.get(&thread), read.otel_last, late)
-        {
-            if last.at == at && last_at == at && reads.get(span) == &last.raw[..] {
-                return last.labels.clone();
-            }
-        }
-        match read_record(&t.mem, at, read_at) {
-            Ok((raw, labels)) => {
-                if self.last_records.len() >= 4096 {
-                    self.last_records.clear();
-                }
-                let last = LastRecord {
-                    at,
-                    raw,
-                    labels: labels.clone(),
-                };
-                self.last_records.insert(thread, last);
-                labels
-            }
-            Err(reason) => {
-                self.otel_drops.add(reason);
-                self.last_records.remove(&thread);
-                Labels::default()
-            }
-        }
     }
 
     /// A thread's tags from its `ruby_profiler_state` table (see `sampled_tags`).
@@ -635,68 +549,14 @@ impl TagReader {
     }
 }
 
-impl<M: Memory> Decoder<'_, M> {
-    /// Reads and decodes the table at `table`, whose pointer was read at `pointer_read_at`:
-    /// its bytes (header and every slot) and its tags. None when it does not read as a
-    /// table, when a value cannot be read now, or when the decoding ended outside
-    /// `TABLE_WINDOW`. Small tables take one read.
-    pub(super) fn read_table(
-        &mut self,
-        table: u64,
-        pointer_read_at: ReadAt,
-    ) -> Option<(Vec<u8>, Tags)> {
-        let mut raw = vec![0u8; HEADER_LEN + PAIR_LEN * FIRST_SLOTS];
-        if self.target.mem.read(table, &mut raw).is_err() {
-            // Maybe a small table near the end of a mapping: the header alone.
-            raw.truncate(HEADER_LEN);
-            self.target.mem.read(table, &mut raw).ok()?;
-        }
-        let len = Header::parse(&raw)?.table_len();
-        if raw.len() < len {
-            raw = self.target.mem.read_vec(table, len).ok()?;
-        } else {
-            raw.truncate(len);
-        }
-        let tags = self.decode(&raw)?;
-        if !pointer_read_at.decoded_in_time(Instant::now()) {
-            return None; // the table may have been freed and reused meanwhile
-        }
-        Some((raw, tags))
-    }
-
-    /// The tags of a table's bytes (header and every slot), read by whoever read them (the
-    /// sampler's call, or the BPF sampler in the same pass as the stack). None when they do
-    /// not make a table, or a key is not an ID or a value cannot be read now.
-    pub(super) fn decode(&mut self, raw: &[u8]) -> Option<Tags> {
-        let size = Header::parse(raw)?.size;
-        let mut out = Vec::with_capacity(size as usize);
-        for (key, value) in profiler_state::pairs(raw)? {
-            let Some(name) = self.id_name(key) else {
-                return None; // not an ID of this process: the table changed under us
-            };
-            let text = self.value_text(value)?;
-            out.push((name, text));
-        }
-        Some(out.into())
-    }
-
-    fn id_name(&mut self, id: u64) -> Option<Arc<str>> {
-        let t = self.target;
-        let symbols = t.symbol_table(&mut self.cache.symbols).ok()?;
-        symbols.name(&t.mem, t.layout, id).ok()
-    }
-
-    /// A VALUE as text (`values::value_text`); None when it cannot be read now.
-    fn value_text(&mut self, v: u64) -> Option<Arc<str>> {
-        let t = self.target;
-        let symbols = self.cache.symbols.as_mut();
-        super::values::value_text(&t.mem, t.layout, symbols, &mut self.cache.classes, v)
-    }
-}
-
 /// A [`PointerRead`] from the spans of a batch: the owner before (empty: not published), the
 /// pointer, the owner after.
-fn pointer_read(reads: &ReadBatch, before: Span, pointer: Span, after: Span) -> PointerRead {
+pub(super) fn pointer_read(
+    reads: &ReadBatch,
+    before: Span,
+    pointer: Span,
+    after: Span,
+) -> PointerRead {
     let owner = |span: Span| (!span.is_empty()).then(|| word(reads.get(span), 0));
     PointerRead {
         owner_before: owner(before),

@@ -2,9 +2,10 @@
 //! a `RUBY_EVENT_FIBER_SWITCH` hook, installed once a Ractor first applies a state, points
 //! `ruby_profiler_state` at the table of whichever fiber runs (on 3.3+ a thread-resumed hook
 //! does the same when a Ruby thread gets the GVL, for M:N threads).
-use crate::state::{publish, State};
+use crate::otel::Trace;
+use crate::state::{publish, state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
-use magnus::{function, prelude::*, value::ReprValue, Error, Ruby, Value};
+use magnus::{function, prelude::*, value::ReprValue, Error, IntoValue, RString, Ruby, Value};
 use rb_sys::{ID, VALUE};
 use std::ffi::c_void;
 
@@ -52,6 +53,61 @@ pub(crate) fn current(_ruby: &Ruby) -> Value {
             fiber_local_id(),
         ))
     }
+}
+
+/// `RubySpy::NativeOTel.trace(trace_id, span_id, flags, root_span_id, endpoint)`: makes the
+/// current fiber's state one with this trace (trace_id nil: none) and the current tags.
+fn trace(
+    ruby: &Ruby,
+    trace_id: Option<RString>,
+    span_id: Option<RString>,
+    flags: u8,
+    root: Option<RString>,
+    endpoint: Option<RString>,
+) -> Result<(), Error> {
+    let bytes = |s: Option<RString>, what: &str| -> Result<Option<Vec<u8>>, Error> {
+        // SAFETY: copied at once, with no Ruby call in between.
+        Ok(s.map(|s| unsafe { s.as_slice() }.to_vec())).and_then(|b| match b {
+            Some(b) if b.len() != if what == "trace" { 16 } else { 8 } => Err(Error::new(
+                ruby.exception_arg_error(),
+                format!(
+                    "a {what} id is {} bytes, got {}",
+                    if what == "trace" { 16 } else { 8 },
+                    b.len()
+                ),
+            )),
+            b => Ok(b),
+        })
+    };
+    let trace_id = bytes(trace_id, "trace")?;
+    let span_id = bytes(span_id, "span")?;
+    let root = bytes(root, "root span")?;
+    let trace = match (trace_id, span_id) {
+        (Some(t), Some(s)) => Some(std::sync::Arc::new(Trace {
+            trace_id: t.try_into().unwrap_or_default(),
+            span_id: s.try_into().unwrap_or_default(),
+            flags,
+            local_root_span_id: root.map(|r| r.try_into().unwrap_or_default()),
+            endpoint: match endpoint {
+                Some(e) => Some(e.to_string()?),
+                None => None,
+            },
+        })),
+        _ => None,
+    };
+    let current = current(ruby).as_raw();
+    let base = state_of(current);
+    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref()
+        && (base.is_some() || trace.is_none())
+    {
+        return Ok(()); // the same span again (a context with a new value, not a new span)
+    }
+    let state = match State::traced(base, trace) {
+        Some(state) => state.into_value_with(ruby).as_raw(),
+        None => rb_sys::Qnil as VALUE,
+    };
+    apply_raw(state);
+    Ok(())
 }
 
 extern "C" {
@@ -234,6 +290,8 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         .define_module("RubySpy")?
         .const_get::<_, magnus::RClass>("State")?;
     class.define_singleton_method("current", function!(current, 0))?;
+    let otel = ruby.define_module("RubySpy")?.define_module("NativeOTel")?;
+    otel.define_singleton_method("trace", function!(trace, 5))?;
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;
     class.define_singleton_method("resyncs_on_resume?", function!(resyncs_on_resume, 0))?;

@@ -6,22 +6,22 @@
 //!   name (`trace endpoint`), its id (`local root span id`) and the state's tags. The
 //!   exported thread-local `otel_thread_ctx_v1` (profiler_state.c) points at the current
 //!   fiber's record, switched with `ruby_profiler_state` on every fiber switch. The bridge
-//!   (lib/rbspy_ext/otel.rb) calls `NativeOTel.trace` when the SDK attaches or detaches a
-//!   context, which makes a State with the new trace and the current tags.
+//!   (lib/rbspy_ext/otel.rb) calls `NativeOTel.trace` (current.rs) when the SDK attaches a
+//!   context, which makes a State with the new trace and the current tags. This file
+//!   depends on neither: it is what a State's record is made of.
 //! - **Process context (OTEP 4719).** A mapping named `OTEL_CTX` (a memfd, else a named
 //!   anonymous mapping) holds the header and, after it, the payload: the SDK's resource
 //!   attributes, `threadlocal.schema_version` and `threadlocal.attribute_key_map`, the names
 //!   a record's key indexes stand for (`rbspy_ext_core::context::otel_process`). It is
 //!   published again when the resource changes or a tag name joins the key map, and anew in
 //!   a forked child (the mapping is not inherited: `MADV_DONTFORK`).
-use crate::state::{state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
-use magnus::{function, prelude::*, Error, IntoValue, RArray, RString, Ruby, Symbol, Value};
+use magnus::{function, prelude::*, Error, RArray, RString, Ruby, Symbol, Value};
 use rb_sys::{ID, VALUE};
 use rbspy_ext_core::context::otel_process::{self, Header};
 use rbspy_ext_core::context::otel_thread::{hex, Record, ENDPOINT_KEY, LOCAL_ROOT_KEY};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 /// The span current when a State was made: what its record says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,61 +159,6 @@ unsafe fn value_text(value: VALUE) -> String {
     unsafe { v.classname() }.into_owned()
 }
 
-/// `RubySpy::NativeOTel.trace(trace_id, span_id, flags, root_span_id, endpoint)`: makes the
-/// current fiber's state one with this trace (trace_id nil: none) and the current tags.
-fn trace(
-    ruby: &Ruby,
-    trace_id: Option<RString>,
-    span_id: Option<RString>,
-    flags: u8,
-    root: Option<RString>,
-    endpoint: Option<RString>,
-) -> Result<(), Error> {
-    let bytes = |s: Option<RString>, what: &str| -> Result<Option<Vec<u8>>, Error> {
-        // SAFETY: copied at once, with no Ruby call in between.
-        Ok(s.map(|s| unsafe { s.as_slice() }.to_vec())).and_then(|b| match b {
-            Some(b) if b.len() != if what == "trace" { 16 } else { 8 } => Err(Error::new(
-                ruby.exception_arg_error(),
-                format!(
-                    "a {what} id is {} bytes, got {}",
-                    if what == "trace" { 16 } else { 8 },
-                    b.len()
-                ),
-            )),
-            b => Ok(b),
-        })
-    };
-    let trace_id = bytes(trace_id, "trace")?;
-    let span_id = bytes(span_id, "span")?;
-    let root = bytes(root, "root span")?;
-    let trace = match (trace_id, span_id) {
-        (Some(t), Some(s)) => Some(Arc::new(Trace {
-            trace_id: t.try_into().unwrap_or_default(),
-            span_id: s.try_into().unwrap_or_default(),
-            flags,
-            local_root_span_id: root.map(|r| r.try_into().unwrap_or_default()),
-            endpoint: match endpoint {
-                Some(e) => Some(e.to_string()?),
-                None => None,
-            },
-        })),
-        _ => None,
-    };
-    let current = crate::current::current(ruby).as_raw();
-    let base = state_of(current);
-    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref()
-        && (base.is_some() || trace.is_none())
-    {
-        return Ok(()); // the same span again (a context with a new value, not a new span)
-    }
-    let state = match State::traced(base, trace) {
-        Some(state) => state.into_value_with(ruby).as_raw(),
-        None => rb_sys::Qnil as VALUE,
-    };
-    crate::current::apply_raw(state);
-    Ok(())
-}
-
 /// `RubySpy::NativeOTel.publish_process(attributes)`: publishes the process context with
 /// these resource attributes (an Array of [key, value] Strings), and turns records on.
 fn publish_process(attributes: RArray) -> Result<(), Error> {
@@ -251,16 +196,6 @@ fn stats() -> (u64, u64, u64) {
 /// `RubySpy::NativeOTel.address`: where the OTEL_CTX mapping is (0: none yet).
 fn address() -> u64 {
     published().mapping.as_ref().map_or(0, |m| m.at as u64)
-}
-
-/// `RubySpy::State#otel_record`: the record this state publishes (a binary String), or nil.
-pub fn state_record(ruby: &Ruby, state: &State) -> Option<RString> {
-    let words = state.otel_record()?;
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
-    // Exactly the record's length: the u16s may end with a byte of padding.
-    let len = rbspy_ext_core::context::otel_thread::Head::parse(&bytes)
-        .map_or(bytes.len(), |h| h.record_len());
-    Some(ruby.str_from_slice(&bytes[..len]))
 }
 
 /// Writes the process context: the payload after the header, under the OTEP's update
@@ -400,7 +335,6 @@ fn after_fork() {
 pub fn init(ruby: &Ruby) -> Result<(), Error> {
     let module = ruby.define_module("RubySpy")?;
     let native = module.define_module("NativeOTel")?;
-    native.define_singleton_method("trace", function!(trace, 5))?;
     native.define_singleton_method("publish_process", function!(publish_process, 1))?;
     native.define_singleton_method("key_map", function!(key_map, 0))?;
     native.define_singleton_method("stats", function!(stats, 0))?;

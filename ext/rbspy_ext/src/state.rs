@@ -17,7 +17,7 @@ use crate::otel::Trace;
 use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{
     function, gc, method, prelude::*, value::ReprValue, DataTypeFunctions, Error, RClass, RHash,
-    Ruby, Symbol, TypedData, Value,
+    RString, Ruby, Symbol, TypedData, Value,
 };
 use rb_sys::{ID, VALUE};
 use rbspy_ext_core::context::ownership::UNPUBLISHED_ALIVE;
@@ -97,9 +97,15 @@ impl State {
         self.trace.as_ref()
     }
 
-    /// The OpenTelemetry record this state publishes, if it has one.
-    pub(crate) fn otel_record(&self) -> Option<&[u16]> {
-        self.record.as_deref()
+    /// `RubySpy::State#otel_record`: the OpenTelemetry record this state publishes (a binary
+    /// String), or nil.
+    fn otel_record_string(ruby: &Ruby, rb_self: &Self) -> Option<RString> {
+        let words = rb_self.record.as_deref()?;
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        // Exactly the record's length: the u16s may end with a byte of padding.
+        let len = rbspy_ext_core::context::otel_thread::Head::parse(&bytes)
+            .map_or(bytes.len(), |h| h.record_len());
+        Some(ruby.str_from_slice(&bytes[..len]))
     }
 
     /// `base`'s tags overridden and extended by `hash` (Symbol keys only).
@@ -432,7 +438,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("to_h", method!(State::to_h, 0))?;
     class.define_method("size", method!(State::size, 0))?;
     class.define_method("table_address", method!(State::table_address, 0))?;
-    class.define_method("otel_record", method!(crate::otel::state_record, 0))?;
+    class.define_method("otel_record", method!(State::otel_record_string, 0))?;
     crate::classes::resolve::<State>(ruby);
     set_grace();
     root_published();
