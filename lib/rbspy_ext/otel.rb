@@ -12,9 +12,9 @@ module RubySpy
   #   +OpenTelemetry::SDK.configure+ and in a forked child.
   #
   # It installs itself when +rbspy_ext+ is required after the OpenTelemetry API, and from the
-  # Railtie in a Rails app; {install} does it by hand. Readers: +RubySpy.snapshot+,
-  # +handle.threads+ and the profilers give each sample's trace; docs/otel-context.md says
-  # what another reader finds.
+  # Railtie in a Rails app; {install} does it by hand. Readers: +RubySpy.snapshot(pid,
+  # threads: :all)+, {Handle#thread_snapshots} and the profilers give each thread's and
+  # sample's trace among its tags; docs/otel-context.md says what another reader finds.
   module OTel
     # RUBYSPY_OTEL=0 in the environment keeps the bridge off: no record, no process context.
     ENV_SWITCH = "RUBYSPY_OTEL"
