@@ -20,8 +20,9 @@ RSpec.describe "OpenTelemetry context" do
     skip "no OpenTelemetry gems in ../shared/gems" unless ruby.otel_gem_libs
   end
 
-  def start_spans(mode)
-    target = start_target("otel_spans", mode, env: { "RUBYSPY_OTEL_GEMS" => ruby.otel_gem_libs.join(File::PATH_SEPARATOR) })
+  def start_spans(mode, *args, on: ruby)
+    target = start_target("otel_spans", mode, *args, ruby: on,
+                                                    env: { "RUBYSPY_OTEL_GEMS" => ruby.otel_gem_libs.join(File::PATH_SEPARATOR) })
     skip target.info["skip"] if target.info["skip"]
     target
   end
@@ -110,6 +111,18 @@ RSpec.describe "OpenTelemetry context" do
       path = File.join(dir, "profile.raw")
       File.binwrite(path, profile.render(:raw))
       expect_worker_traces(target, RubySpy::Profile.load(path))
+    end
+  end
+
+  it "keeps the labels in what the process's own pprof listener serves" do
+    # The listener reads its own memory through /proc, which a chroot has only when mounted.
+    target = start_spans("threads", "listen", on: ruby.with_proc)
+    out = go_pprof("-traces", "http://127.0.0.1:#{target.info['port']}/debug/pprof/profile?seconds=2")
+    target.info["workers"].each do |w|
+      spinning = traces(out).select { |s| s[:functions].include?("Object#spin_#{w['name'][-1]}") }
+      expect(spinning).not_to be_empty
+      expect(spinning.map { |s| s[:labels].values_at("trace id", "span id") }.uniq)
+        .to eq([[w["span"]["trace_id"], w["span"]["span_id"]]])
     end
   end
 
