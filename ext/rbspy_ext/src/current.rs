@@ -65,42 +65,24 @@ fn trace(
     root: Option<RString>,
     endpoint: Option<RString>,
 ) -> Result<(), Error> {
-    let bytes = |s: Option<RString>, what: &str| -> Result<Option<Vec<u8>>, Error> {
-        // SAFETY: copied at once, with no Ruby call in between.
-        Ok(s.map(|s| unsafe { s.as_slice() }.to_vec())).and_then(|b| match b {
-            Some(b) if b.len() != if what == "trace" { 16 } else { 8 } => Err(Error::new(
-                ruby.exception_arg_error(),
-                format!(
-                    "a {what} id is {} bytes, got {}",
-                    if what == "trace" { 16 } else { 8 },
-                    b.len()
-                ),
-            )),
-            b => Ok(b),
-        })
-    };
-    let trace_id = bytes(trace_id, "trace")?;
-    let span_id = bytes(span_id, "span")?;
-    let root = bytes(root, "root span")?;
-    let trace = match (trace_id, span_id) {
-        (Some(t), Some(s)) => Some(std::sync::Arc::new(Trace {
-            trace_id: t.try_into().unwrap_or_default(),
-            span_id: s.try_into().unwrap_or_default(),
+    let trace = match (
+        id::<16>(ruby, trace_id, "trace")?,
+        id::<8>(ruby, span_id, "span")?,
+    ) {
+        (Some(trace_id), Some(span_id)) => Some(std::sync::Arc::new(Trace {
+            trace_id,
+            span_id,
             flags,
-            local_root_span_id: root.map(|r| r.try_into().unwrap_or_default()),
-            endpoint: match endpoint {
-                Some(e) => Some(e.to_string()?),
-                None => None,
-            },
+            local_root_span_id: id::<8>(ruby, root, "root span")?,
+            endpoint: endpoint.map(|e| e.to_string()).transpose()?,
         })),
         _ => None,
     };
     let current = current(ruby).as_raw();
     let base = state_of(current);
-    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref()
-        && (base.is_some() || trace.is_none())
-    {
-        return Ok(()); // the same span again (a context with a new value, not a new span)
+    // The same span again (a context with a new value, not a new span), or still none.
+    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref() {
+        return Ok(());
     }
     let state = match State::traced(base, trace) {
         Some(state) => state.into_value_with(ruby).as_raw(),
@@ -108,6 +90,23 @@ fn trace(
     };
     apply_raw(state);
     Ok(())
+}
+
+/// A binary String of N bytes (an OpenTelemetry id) as an array; nil as None.
+fn id<const N: usize>(
+    ruby: &Ruby,
+    s: Option<RString>,
+    what: &str,
+) -> Result<Option<[u8; N]>, Error> {
+    let Some(s) = s else { return Ok(None) };
+    // SAFETY: copied at once, with no Ruby call in between.
+    let bytes = unsafe { s.as_slice() };
+    bytes.try_into().map(Some).map_err(|_| {
+        Error::new(
+            ruby.exception_arg_error(),
+            format!("a {what} id is {N} bytes, got {}", bytes.len()),
+        )
+    })
 }
 
 extern "C" {
