@@ -24,10 +24,11 @@ const RECHECK: Duration = Duration::from_secs(1);
 /// value can be changed in place without a new table, so it is decoded afresh this often.
 const TAGS_TTL: Duration = Duration::from_millis(100);
 
-/// How many times [`TagReader::thread_tags`] reads a table whose decoding took longer than
+/// How many times [`TagReader::thread_tags`] reads a table (and spy/trace_reads.rs an
+/// OpenTelemetry record) whose decoding took longer than
 /// the time a reader may take (`crate::context::ownership::TABLE_WINDOW`; each read is a
 /// fresh one, pointer first).
-const TAG_ATTEMPTS: u32 = 3;
+pub(super) const TAG_ATTEMPTS: u32 = 3;
 
 /// Where the target's `ruby_profiler_state` is, once known.
 #[derive(Debug, Default)]
