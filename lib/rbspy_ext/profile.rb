@@ -162,22 +162,26 @@ module RubySpy
       @native.tag_sets.map { |set| set.merge(tags: set[:tags].to_h { |k, v| [k.to_sym, v] }) }
     end
 
-    # The samples of threads in a state, and whose tags have all these values (compared as
-    # text, the way they were recorded: +user: 42+ matches the tag value "42").
+    # The samples of threads in a state, of some threads, and whose tags have all these values
+    # (compared as text, the way they were recorded: +user: 42+ matches the tag value "42").
     # +select(state: :running).functions+ gives each function the samples it ran in, which
     # every view of the whole profile bills to it (beside its blocked ones), its waits and
     # GC pauses going to the state leaves (see {#render}).
     # @param state [Symbol, String, Array<Symbol, String>, nil] one state of {#threads}
     #   (+:running+, +:waiting_for_gvl+, +:blocked+, +:gc_marking+...) or several; nil: any.
     #   (A tag named +state+ is reached through {#group_by} or {#tagged}.)
+    # @param thread [Integer, Array<Integer>, nil] one thread's index in {#threads} or several
+    #   (+select(thread: 0).functions+ is what the first thread ran); nil: every thread
     # @param tags [Hash{Symbol => Object}]
     # @return [RubySpy::Profile]
-    # @raise [ArgumentError] for a state that does not exist, naming those that do
+    # @raise [ArgumentError] for a state that does not exist, naming those that do, or a
+    #   thread index out of range
     # @example
     #   profile.select(request_id: "abc").write("abc.svg", format: :flamegraph)
     #   profile.select(state: :running).functions.first
-    def select(state: nil, **tags)
+    def select(state: nil, thread: nil, **tags)
       native = state.nil? ? @native : @native.select_states(Array(state).map(&:to_s))
+      native = native.select_threads(Array(thread).map { |i| Integer(i) }) unless thread.nil?
       native = native.select_tags(tags.map { |k, v| [label_name(k), v.to_s] }) unless tags.empty?
       Profile.new(native)
     end

@@ -15,6 +15,7 @@
 //! | `summary`    | text: header, top functions by self and total samples | [`summary`]           |
 //! | `lines`      | text: the summary, then top source lines              | [`summary`]           |
 //! | `timeline`   | speedscope JSON, each thread's samples in time order  | [`timeline`]          |
+//! | `firefox`    | the Firefox Profiler's processed format, gzipped JSON  | [`firefox`]           |
 //! | `raw`        | versioned JSON that [`read_raw`] reads back exactly   | [`raw`]               |
 //!
 //! [`Options`] shape flamegraph, speedscope and collapsed ([`view`]): by default every
@@ -35,6 +36,8 @@
 //! that caller's path:line.
 pub mod callgrind;
 pub mod collapsed;
+pub mod firefox;
+mod firefox_markers;
 pub mod flamegraph;
 pub mod leaves;
 pub mod pprof;
@@ -65,11 +68,13 @@ pub enum Format {
     Lines,
     /// Each thread's samples in time order, with states and tags.
     Timeline,
+    /// Every thread on one timeline, for the Firefox Profiler.
+    Firefox,
     Raw,
 }
 
 impl Format {
-    pub const ALL: [Format; 9] = [
+    pub const ALL: [Format; 10] = [
         Format::Flamegraph,
         Format::Speedscope,
         Format::Pprof,
@@ -78,6 +83,7 @@ impl Format {
         Format::Summary,
         Format::Lines,
         Format::Timeline,
+        Format::Firefox,
         Format::Raw,
     ];
 
@@ -91,6 +97,7 @@ impl Format {
             Format::Summary => "summary",
             Format::Lines => "lines",
             Format::Timeline => "timeline",
+            Format::Firefox => "firefox",
             Format::Raw => "raw",
         }
     }
@@ -120,6 +127,8 @@ impl Format {
             Format::Lines => "lines.txt",
             // speedscope opens it like any speedscope file.
             Format::Timeline => "timeline.speedscope.json",
+            // profiler.firefox.com opens it gzipped, as Firefox saves its own profiles.
+            Format::Firefox => "json.gz",
             // Not ".json": a raw profile is for `Profile.load` / `rubyspy report` only.
             Format::Raw => "raw",
         }
@@ -258,6 +267,7 @@ pub fn write(
         Format::Summary => summary::write(profile, out, false),
         Format::Lines => summary::write(profile, out, true),
         Format::Timeline => timeline::write(profile, out),
+        Format::Firefox => firefox::write(profile, out),
         Format::Raw => raw::write(profile, out),
     }?;
     out.flush()?;

@@ -160,14 +160,16 @@ fn index(shared: &Shared) -> Response {
         200,
         &format!(
             "rbspy_ext profiles of process {pid}, served on {addr}\n\n\
-             {BASE}/profile?seconds=N[&rate=HZ][&state_leaves=0]\n    \
+             {BASE}/profile?seconds=N[&rate=HZ][&state_leaves=0][&format=firefox]\n    \
              Records every thread of {scope}\n    \
              for N seconds (1-{MAX_SECONDS}, default {DEFAULT_SECONDS}) at HZ samples a second \
              (1-{MAX_RATE}, default {DEFAULT_RATE})\n    \
              and returns a gzipped pprof profile: wall time by stack, labelled with each \
              sample's thread,\n    state and RubySpy tags. Fetch it with: go tool pprof URL\n    \
              Waits for the GVL and GC pauses end in leaves of their own ([waiting for GVL], \
-             [GC marking]...);\n    state_leaves=0 bills them to the frame they stood in.\n\n\
+             [GC marking]...);\n    state_leaves=0 bills them to the frame they stood in.\n    \
+             format=firefox returns every thread on one timeline instead, for the Firefox \
+             Profiler\n    (profiler.firefox.com, \"Load a profile from file\").\n\n\
              {BASE}/threads\n    The stack of every thread now, as text (like Go's goroutine \
              dump).\n\n\
              {BASE}/heap[?gc=1]\n    While allocations are tracked (RubySpy.track_allocations, \
@@ -187,9 +189,14 @@ fn index(shared: &Shared) -> Response {
 }
 
 fn profile(shared: &Shared, params: &Params) -> Response {
-    if let Err(r) = params.only(&["seconds", "rate", "state_leaves"]) {
+    if let Err(r) = params.only(&["seconds", "rate", "state_leaves", "format"]) {
         return r;
     }
+    let format = match params.get("format") {
+        None | Some("pprof") => Format::Pprof,
+        Some("firefox") => Format::Firefox,
+        Some(_) => return Response::text(400, "format must be pprof or firefox\n"),
+    };
     let Some(leaves) = params.whole("state_leaves", 1, 0..=1) else {
         return Response::text(400, "state_leaves must be 0 or 1\n");
     };
@@ -216,12 +223,22 @@ fn profile(shared: &Shared, params: &Params) -> Response {
         no_state_leaves: leaves == 0,
         ..Options::default()
     };
-    let response = record(shared, Duration::from_secs(seconds), rate as f64, &options);
+    let response = record(
+        shared,
+        Duration::from_secs(seconds),
+        rate as f64,
+        (format, &options),
+    );
     shared.busy.store(false, Ordering::Release);
     response
 }
 
-fn record(shared: &Shared, seconds: Duration, rate_hz: f64, options: &Options) -> Response {
+fn record(
+    shared: &Shared,
+    seconds: Duration,
+    rate_hz: f64,
+    (format, options): (Format, &Options),
+) -> Response {
     let config = RecordConfig {
         rate_hz,
         duration: Some(seconds),
@@ -239,7 +256,7 @@ fn record(shared: &Shared, seconds: Duration, rate_hz: f64, options: &Options) -
     }
     let profile = recorder.stop();
     let mut body = Vec::new();
-    if let Err(e) = output::write(&profile, Format::Pprof, &mut body, options) {
+    if let Err(e) = output::write(&profile, format, &mut body, options) {
         return Response::text(500, &format!("cannot write the profile: {e}\n"));
     }
     Response {
@@ -247,7 +264,7 @@ fn record(shared: &Shared, seconds: Duration, rate_hz: f64, options: &Options) -
         content_type: "application/octet-stream",
         extra: vec![(
             "content-disposition",
-            "attachment; filename=\"profile.pb.gz\"".into(),
+            format!("attachment; filename=\"profile.{}\"", format.extension()),
         )],
         body,
     }

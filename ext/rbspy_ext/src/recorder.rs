@@ -343,6 +343,27 @@ impl NativeProfile {
         Ok(NativeProfile(p.filtered(|s| states.contains(&s.state))))
     }
 
+    /// The samples of the threads at these indexes of `threads` (frames and threads kept
+    /// whole, so a thread keeps its index).
+    fn select_threads(ruby: &Ruby, rb_self: &Self, indexes: Vec<i64>) -> Result<Self, Error> {
+        let p = &rb_self.0;
+        if let Some(bad) = indexes
+            .iter()
+            .find(|&&i| i < 0 || i as usize >= p.threads.len())
+        {
+            return Err(Error::new(
+                ruby.exception_arg_error(),
+                format!(
+                    "no thread {bad}: the profile has threads 0 to {} (see #threads)",
+                    p.threads.len() as i64 - 1
+                ),
+            ));
+        }
+        Ok(NativeProfile(
+            p.filtered(|s| indexes.contains(&i64::from(s.thread))),
+        ))
+    }
+
     /// `{value or nil => profile}`: the samples split by the value of tag `key`.
     fn group_by_tag(ruby: &Ruby, rb_self: &Self, key: String) -> Result<RHash, Error> {
         let p = &rb_self.0;
@@ -397,6 +418,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("render", method!(NativeProfile::render, 2))?;
     prof.define_method("functions", method!(NativeProfile::functions, 2))?;
     prof.define_method("select_states", method!(NativeProfile::select_states, 1))?;
+    prof.define_method("select_threads", method!(NativeProfile::select_threads, 1))?;
     prof.define_method("tag_sets", method!(NativeProfile::tag_sets, 0))?;
     prof.define_method("select_tags", method!(NativeProfile::select_tags, 1))?;
     prof.define_method("having_tag", method!(NativeProfile::having_tag, 1))?;
