@@ -319,7 +319,7 @@ RSpec.describe RubySpy::Recorder do
     end
 
     it "lists the nine formats" do
-      expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines timeline raw])
+      expect(RubySpy::Profile::FORMATS).to eq(%i[flamegraph speedscope pprof collapsed callgrind summary lines timeline firefox raw])
     end
 
     it "speedscope: JSON with the schema, one profile per thread (per_thread), frames naming the worker method" do

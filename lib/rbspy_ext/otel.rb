@@ -73,7 +73,9 @@ module RubySpy
       end
 
       # A context was detached, leaving +context+ current: the state from before its attach
-      # comes back as it was (no new record: a detach costs what a fiber switch does). A
+      # comes back as it was (no new record: a detach costs what a fiber switch does), but
+      # for its endpoint: one made before its request was routed comes back with the
+      # endpoint of now (+State.apply+ and RubySpy.tag's restore check, in the extension). A
       # detach this bridge saw no attach for (installed mid-request) makes a record instead.
       # @api private
       def detached(context)
@@ -135,6 +137,15 @@ module RubySpy
         @endpoints[span] = endpoint(span)
         current = ::OpenTelemetry::Context.current
         context_changed(current) if ::OpenTelemetry::Trace.current_span(current).context.trace_id == span.context.trace_id
+      end
+
+      # A span is ending: the fiber it is current in stops naming it now. The SDK takes the
+      # span's end time first, then hands it to its processors inside +finish+ (a
+      # SimpleSpanProcessor exports it there, and may wait on its exporter), and only then
+      # is the context detached: samples of that work are not in the span.
+      # @api private
+      def finishing(span)
+        NativeOTel.trace(nil, nil, 0, nil, nil) if ::OpenTelemetry::Trace.current_span.equal?(span)
       end
 
       # A span ended: a local root is forgotten.
@@ -221,6 +232,7 @@ module RubySpy
       end
 
       def finish(end_timestamp: nil)
+        RubySpy::OTel.finishing(self)
         result = super
         RubySpy::OTel.finished(self)
         result

@@ -234,7 +234,6 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
     for (&at, &stack) in profile.timeline.at_us.iter().zip(&profile.timeline.stacks) {
         by_thread[profile.stacks[stack as usize].thread as usize].push((at, stack));
     }
-    let end_us = (profile.duration_ns / 1000) as f64;
     let mut threads = Vec::new();
     for (index, samples) in by_thread.iter().enumerate() {
         if samples.is_empty() {
@@ -258,7 +257,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
             weight: None,
             weight_type: "samples",
         };
-        let marks = markers::thread_markers(profile, samples, period_us, end_us)
+        let marks = markers::thread_markers(profile, samples, period_us)
             .into_json(|name| tables.string(name));
         let first_ms = f64::from(samples[0].0) / 1000.0;
         threads.push(json!({
@@ -445,14 +444,16 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn output_firefox_every_thread_with_times_stacks_states_and_markers() {
+    /// Main runs, collects garbage, sleeps; the worker waits for the GVL then runs, in a
+    /// traced request, from 3 ms; 1 kHz, 10 ms.
+    fn recording() -> Profile {
         let [main, worker, _] = fixture::threads();
         let mut agg = Aggregator::new(4242, "3.3.0", 1000.0, 1_700_000_000_000_000_000);
         let work = [fixture::work(), fixture::main_rb()];
         let sleep = [fixture::sleep_c(), fixture::work(), fixture::main_rb()];
         let traced: crate::model::Tags = vec![
             ("request_id".into(), "r1".into()),
+            ("endpoint".into(), "orders#show".into()),
             ("trace id".into(), "0af7651916cd43dd8448eb211c80319c".into()),
             ("span id".into(), "b7ad6b7169203331".into()),
             ("trace endpoint".into(), "OrdersController#show".into()),
@@ -475,8 +476,12 @@ mod tests {
                 agg.add_stack(&worker, state, 99 + ms, &bar, &traced);
             }
         }
-        let p = agg.finish(10_000_000);
-        let doc = document(&p);
+        agg.finish(10_000_000)
+    }
+
+    #[test]
+    fn output_firefox_every_thread_with_times_stacks_and_states() {
+        let doc = document(&recording());
         assert_eq!(doc["meta"]["preprocessedProfileVersion"], VERSION);
         assert_eq!(doc["meta"]["interval"], 1.0);
         assert_eq!(doc["meta"]["startTime"], 1_700_000_000_000.0);
@@ -501,7 +506,11 @@ mod tests {
         assert_eq!(worker_samples[0].1, ["Foo#bar", "[waiting for GVL]"]);
         assert_eq!(worker_samples[0].2, "GVL wait");
         assert_eq!(worker_samples[6].1, ["Foo#bar"]);
+    }
 
+    #[test]
+    fn output_firefox_markers_cover_runs_of_states_spans_and_tags() {
+        let doc = document(&recording());
         // One marker per run, from its first sample to the end of its last.
         assert_eq!(
             markers(&doc, 0),
@@ -513,9 +522,13 @@ mod tests {
         let worker_markers = markers(&doc, 1);
         assert!(worker_markers.contains(&("GVL wait".to_string(), 3.0, 7.0, 4)));
         assert!(worker_markers.contains(&("OrdersController#show".to_string(), 3.0, 10.0, 7)));
-        assert!(worker_markers.contains(&("request_id=r1".to_string(), 3.0, 10.0, 7)));
+        assert!(worker_markers.contains(&("orders#show".to_string(), 3.0, 10.0, 7)));
         assert_eq!(worker_markers.len(), 3);
+    }
 
+    #[test]
+    fn output_firefox_functions_have_files_and_frames_lines() {
+        let doc = document(&recording());
         // Functions: a Ruby function has its file, a C function none; frames carry lines.
         let shared = &doc["shared"];
         let strings = shared["stringArray"].as_array().unwrap();

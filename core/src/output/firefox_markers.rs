@@ -13,8 +13,8 @@
 //! | blocked | `ThreadState` | `Blocked` | blocked: sleep, IO, a mutex, a queue |
 //! | without the GVL (BPF) | `ThreadState` | `Without GVL` | on a CPU without the GVL |
 //! | GC | `GC` | `GC marking`, `GC sweeping`, `GC compacting`, `GC` | in one GC phase |
-//! | a trace | `Trace` | the trace's endpoint (`OrdersController#show`), else `span` | in one span (`span id`) |
-//! | tags | `Tags` | the tags, `key=value ...` | with the same tags (trace labels aside) |
+//! | a trace | `Trace` | the trace's endpoint, the last new one the span's samples name (`OrdersController#show`; a Rack span is `GET` until routed), else `span` | in one span (`span id`) |
+//! | tags | `Tags` | the `endpoint` tag (the Rails and Rack integrations' `orders#show`), else the tags, `key=value ...` | with the same tags (trace labels aside) |
 use crate::context::otel_thread::{
     ENDPOINT_LABEL, LOCAL_ROOT_LABEL, SPAN_ID_LABEL, TRACE_ID_LABEL,
 };
@@ -80,6 +80,10 @@ const TRACE_LABELS: [&str; 4] = [
     LOCAL_ROOT_LABEL,
     ENDPOINT_LABEL,
 ];
+
+/// The tag a request's marker is named after: what the Rails and Rack integrations tag each
+/// request with.
+const ENDPOINT_TAG: &str = "endpoint";
 
 /// One marker, its name as text (the writer interns it).
 #[derive(Debug, Clone, PartialEq)]
@@ -151,14 +155,117 @@ fn runs<K: PartialEq>(spans: &[(f64, f64)], keys: impl Iterator<Item = Option<K>
     done
 }
 
-/// The markers of one thread from its samples (time in µs, index into `profile.stacks`), in
-/// time order.
-pub fn thread_markers(
-    profile: &Profile,
-    samples: &[(u32, u32)],
-    period_us: f64,
-    _end_us: f64,
-) -> Markers {
+/// One thread's samples as the markers see them: each sample's stack and span of time.
+struct Thread<'a> {
+    profile: &'a Profile,
+    samples: &'a [(u32, u32)],
+    /// Each sample's time and the end of the time it holds, in µs.
+    spans: Vec<(f64, f64)>,
+}
+
+impl Thread<'_> {
+    fn stack(&self, s: u32) -> &crate::profile::StackCount {
+        &self.profile.stacks[s as usize]
+    }
+
+    fn value(&self, s: u32, key: &str) -> Option<String> {
+        self.profile
+            .tag_value(self.stack(s), key)
+            .map(str::to_string)
+    }
+
+    fn marker<K>(run: &Run<K>, name: String, category: u32, data: Value) -> Marker {
+        Marker {
+            name,
+            start_ms: run.start_us / 1000.0,
+            end_ms: run.end_us / 1000.0,
+            category,
+            data,
+        }
+    }
+
+    /// A marker per run of samples in one state, but running.
+    fn states(&self, markers: &mut Vec<Marker>) {
+        let states = self.samples.iter().map(|&(_, s)| Some(self.stack(s).state));
+        for run in runs(&self.spans, states) {
+            let Some((name, kind)) = state_marker(run.key) else {
+                continue;
+            };
+            let category = state_category(run.key).map_or(OTHER, |(c, _)| c);
+            let data = match kind {
+                "GC" => json!({"type": kind, "phase": run.key.name(), "samples": run.samples}),
+                _ => json!({"type": kind, "state": run.key.name(), "samples": run.samples}),
+            };
+            markers.push(Self::marker(&run, name.to_string(), category, data));
+        }
+    }
+
+    /// A marker per run of samples in one span, named by the endpoint its samples on this
+    /// thread named last for the first time: a span is named as it goes (a Rack span is
+    /// "GET" until ActionPack routes it), and a state saved before the rename and put back
+    /// after it would name it "GET" again, which is no new name. A run cut by a gap in the
+    /// samples is still the same span.
+    fn traces(&self, markers: &mut Vec<Marker>) {
+        let traces: Vec<_> = self
+            .samples
+            .iter()
+            .map(|&(_, s)| {
+                let ids = (self.value(s, TRACE_ID_LABEL), self.value(s, SPAN_ID_LABEL));
+                (ids.0.is_some() || ids.1.is_some()).then(|| (ids, self.value(s, LOCAL_ROOT_LABEL)))
+            })
+            .collect();
+        let mut endpoints: std::collections::HashMap<_, Vec<String>> = Default::default();
+        for (key, &(_, s)) in traces.iter().zip(self.samples) {
+            if let (Some(key), Some(endpoint)) = (key, self.value(s, ENDPOINT_LABEL)) {
+                let seen = endpoints.entry(key.clone()).or_default();
+                if !seen.contains(&endpoint) {
+                    seen.push(endpoint);
+                }
+            }
+        }
+        for run in runs(&self.spans, traces.iter().cloned()) {
+            let endpoint = endpoints
+                .get(&run.key)
+                .and_then(|seen| seen.last().cloned());
+            let ((trace, span), root) = &run.key;
+            let data = json!({
+                "type": "Trace",
+                "endpoint": endpoint,
+                "traceId": trace,
+                "spanId": span,
+                "localRootSpanId": root,
+                "samples": run.samples,
+            });
+            let name = endpoint.unwrap_or_else(|| "span".to_string());
+            markers.push(Self::marker(&run, name, OTHER, data));
+        }
+    }
+
+    /// A marker per run of samples with the same tags (trace labels aside), named by what
+    /// was served (the `endpoint` tag), so that a thread's requests group by action.
+    fn tags(&self, markers: &mut Vec<Marker>) {
+        let tags = self.samples.iter().map(|&(_, s)| {
+            let text: Vec<String> = self
+                .profile
+                .tags_of(self.stack(s))
+                .iter()
+                .filter(|(k, _)| !TRACE_LABELS.contains(&k.as_str()))
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            (!text.is_empty()).then(|| (text.join(" "), self.value(s, ENDPOINT_TAG)))
+        });
+        for run in runs(&self.spans, tags) {
+            let (text, endpoint) = &run.key;
+            let data = json!({"type": "Tags", "tags": text, "samples": run.samples});
+            let name = endpoint.clone().unwrap_or_else(|| text.clone());
+            markers.push(Self::marker(&run, name, OTHER, data));
+        }
+    }
+}
+
+/// The markers of one thread from its samples (time in µs, index into `profile.stacks`):
+/// a sample holds until the next, or for one period when that is more than two away.
+pub fn thread_markers(profile: &Profile, samples: &[(u32, u32)], period_us: f64) -> Markers {
     let spans: Vec<(f64, f64)> = samples
         .iter()
         .enumerate()
@@ -171,71 +278,15 @@ pub fn thread_markers(
             (at, until)
         })
         .collect();
-    let stack = |s: u32| &profile.stacks[s as usize];
-    let ms = |us: f64| us / 1000.0;
+    let thread = Thread {
+        profile,
+        samples,
+        spans,
+    };
     let mut markers = Vec::new();
-
-    let states = samples.iter().map(|&(_, s)| Some(stack(s).state));
-    for run in runs(&spans, states) {
-        let Some((name, kind)) = state_marker(run.key) else {
-            continue;
-        };
-        let category = state_category(run.key).map_or(OTHER, |(c, _)| c);
-        let data = match kind {
-            "GC" => json!({"type": kind, "phase": run.key.name(), "samples": run.samples}),
-            _ => json!({"type": kind, "state": run.key.name(), "samples": run.samples}),
-        };
-        markers.push(Marker {
-            name: name.to_string(),
-            start_ms: ms(run.start_us),
-            end_ms: ms(run.end_us),
-            category,
-            data,
-        });
-    }
-
-    let traces = samples.iter().map(|&(_, s)| {
-        let value = |key| profile.tag_value(stack(s), key).map(str::to_string);
-        let ids = (value(TRACE_ID_LABEL), value(SPAN_ID_LABEL));
-        (ids.0.is_some() || ids.1.is_some())
-            .then(|| (ids, value(LOCAL_ROOT_LABEL), value(ENDPOINT_LABEL)))
-    });
-    for run in runs(&spans, traces) {
-        let ((trace, span), root, endpoint) = run.key;
-        markers.push(Marker {
-            name: endpoint.clone().unwrap_or_else(|| "span".to_string()),
-            start_ms: ms(run.start_us),
-            end_ms: ms(run.end_us),
-            category: OTHER,
-            data: json!({
-                "type": "Trace",
-                "endpoint": endpoint,
-                "traceId": trace,
-                "spanId": span,
-                "localRootSpanId": root,
-                "samples": run.samples,
-            }),
-        });
-    }
-
-    let tags = samples.iter().map(|&(_, s)| {
-        let text: Vec<String> = profile
-            .tags_of(stack(s))
-            .iter()
-            .filter(|(k, _)| !TRACE_LABELS.contains(&k.as_str()))
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
-        (!text.is_empty()).then(|| text.join(" "))
-    });
-    for run in runs(&spans, tags) {
-        markers.push(Marker {
-            data: json!({"type": "Tags", "tags": run.key, "samples": run.samples}),
-            name: run.key,
-            start_ms: ms(run.start_us),
-            end_ms: ms(run.end_us),
-            category: OTHER,
-        });
-    }
+    thread.states(&mut markers);
+    thread.traces(&mut markers);
+    thread.tags(&mut markers);
     Markers(markers)
 }
 

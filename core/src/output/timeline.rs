@@ -3,14 +3,12 @@
 //! both). speedscope's "Time Order" view draws each thread's flame chart along the
 //! recording's time.
 //!
-//! Why this format and not the Firefox Profiler's (which vernier writes): the speedscope
-//! viewer runs offline from its npm package, so the output is checked in the viewer itself,
-//! and its file format has a published JSON schema; the Firefox Profiler's processed format
-//! is the internal, versioned format of a hosted application. What the Firefox Profiler
-//! would show as markers is carried by root frames instead, which the flame chart draws as
-//! bands over time: the outermost frame names the sample's tags (`request_id=abc user=42`,
-//! when it has any), the next its thread's state (`[running]`, `[waiting_for_gvl]`,
-//! `[blocked]`, `[gc_marking]`...), then the stack, one frame per function.
+//! The same timeline opens in the Firefox Profiler with [`super::firefox`], which has
+//! markers. speedscope has none, so here root frames carry them, which the flame chart draws
+//! as bands over time: the outermost frame names the sample's tags (`request_id=abc
+//! user=42`, when it has any), the next its thread's state (`[running]`,
+//! `[waiting_for_gvl]`, `[blocked]`, `[gc_marking]`...), then the stack, one frame per
+//! function.
 //!
 //! Each sample holds from its time until the thread's next sample, or for one period when
 //! the next is more than two periods away (the thread was not sampled in between: it had

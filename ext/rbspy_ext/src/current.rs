@@ -29,8 +29,25 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
             }),
         ));
     }
-    apply_raw(state.as_raw());
-    Ok(state)
+    let state = refreshed(state.as_raw());
+    apply_raw(state);
+    // SAFETY: a State or nil, just published and held by the fiber-local.
+    Ok(unsafe { Value::from_raw(state) })
+}
+
+/// `previous` (a `RubySpy::State` or nil) as it is put back: with the endpoint its trace's
+/// local root has now, when it was made before a rename (`otel::renamed`).
+pub(crate) fn refreshed(previous: VALUE) -> VALUE {
+    let Some(trace) = state_of(previous).and_then(|s| s.trace()) else {
+        return previous;
+    };
+    let (Some(now), Ok(ruby)) = (crate::otel::renamed(trace), Ruby::get()) else {
+        return previous;
+    };
+    match State::traced(state_of(previous), Some(std::sync::Arc::new(now))) {
+        Some(state) => state.into_value_with(&ruby).as_raw(),
+        None => previous,
+    }
 }
 
 /// `apply` for a VALUE known to be a `RubySpy::State` or nil. Never raises.
@@ -78,6 +95,9 @@ fn trace(
         })),
         _ => None,
     };
+    if let Some(trace) = &trace {
+        crate::otel::note_endpoint(trace);
+    }
     let current = current(ruby).as_raw();
     let base = state_of(current);
     // The same span again (a context with a new value, not a new span), or still none.

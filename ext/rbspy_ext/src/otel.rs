@@ -34,6 +34,42 @@ pub struct Trace {
     pub endpoint: Option<String>,
 }
 
+/// The latest endpoint of each local root span the bridge named, newest last: a State kept
+/// from before its root was renamed (the one `RubySpy.tag` puts back when its block ends,
+/// made before ActionPack routed the request) is put back with the endpoint of now
+/// (`current::refreshed`), not "GET" again.
+static ENDPOINTS: Mutex<Vec<([u8; 8], Option<String>)>> = Mutex::new(Vec::new());
+/// Roots whose endpoint is kept: the requests in flight, and more.
+const ENDPOINTS_KEPT: usize = 256;
+
+/// Notes `trace`'s endpoint as its local root's latest.
+pub fn note_endpoint(trace: &Trace) {
+    let Some(root) = trace.local_root_span_id else {
+        return;
+    };
+    let mut kept = ENDPOINTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = kept.iter().rposition(|(r, _)| *r == root) {
+        if kept[i].1 == trace.endpoint {
+            return;
+        }
+        kept.remove(i);
+    } else if kept.len() >= ENDPOINTS_KEPT {
+        kept.remove(0);
+    }
+    kept.push((root, trace.endpoint.clone()));
+}
+
+/// `trace` with its local root's latest endpoint, when that is another one.
+pub fn renamed(trace: &Trace) -> Option<Trace> {
+    let root = trace.local_root_span_id?;
+    let kept = ENDPOINTS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_, latest) = kept.iter().rev().find(|(r, _)| *r == root)?;
+    (*latest != trace.endpoint).then(|| Trace {
+        endpoint: latest.clone(),
+        ..trace.clone()
+    })
+}
+
 /// Whether States carry records: from the bridge's first publication of the process context.
 static ON: AtomicBool = AtomicBool::new(false);
 /// Tags left out of records: their name came after the key map's 256 entries were taken.

@@ -3,7 +3,7 @@
 //! three times: in Ruby it also cost a method frame, a keyword Hash, three calls into Rust
 //! and an ensure frame, half of its 6,200 instructions (`RUBYSPY_BENCH_CALLGRIND=1 ruby
 //! bench/rails.rb`).
-use crate::current::{apply_raw, current};
+use crate::current::{apply_raw, current, refreshed};
 use crate::state::{state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
 use magnus::{function, prelude::*, Error, IntoValue, RHash, Ruby, Value};
@@ -61,7 +61,7 @@ unsafe extern "C" fn run_block(_: VALUE) -> VALUE {
 
 /// Puts back the state `RubySpy.tag` replaced.
 unsafe extern "C" fn restore(previous: VALUE) -> VALUE {
-    apply_raw(previous);
+    apply_raw(refreshed(previous));
     rb_sys::Qnil as VALUE
 }
 
