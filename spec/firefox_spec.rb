@@ -183,7 +183,14 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
     [recorded, converted].each do |path|
       RubySpyTest::ProfilerCli.open(path) do |pq|
         expect(pq.threads.values).to include(a_string_starting_with("crunch-a (Thread "), a_string_starting_with("crunch-b (Thread "))
-        expect_same_self_samples(pq, profile, expect_every_thread(pq, profile)) if path == converted
+        next unless path == converted
+
+        expect_same_self_samples(pq, profile, expect_every_thread(pq, profile))
+        # The recording's metadata, in the profile's info panel.
+        meta = pq.run("profile", "meta")
+        expect(meta).to include("pid: #{target.pid}", "Ruby: #{profile.ruby_version}", "Rate: 199 Hz",
+                                "Sampler: user space", "JIT: #{profile.jit || 'none seen'}",
+                                "Samples: #{profile.samples.to_s.reverse.scan(/\d{1,3}/).join(',').reverse}")
       end
     end
   end

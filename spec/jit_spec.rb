@@ -44,6 +44,8 @@ RSpec.describe "recording a JIT-compiled CPU-bound target" do
     expect(target.frames.first.base_label).to eq("work")
 
     profile = RubySpy::Recorder.new(target.pid, rate: 500, duration: 1.5, threads: :all).start.wait.stop
+    # The recording names the JIT the fixture says is on (the firefox format's metadata).
+    expect(profile.jit).to eq(jit&.upcase)
     main = profile.threads.index { |t| t[:main] }
     expect(main).not_to be_nil, "no main thread in #{profile.threads.inspect} " \
                                "(#{profile.samples} samples, errors #{profile.errors.inspect}, notes #{profile.notes.inspect})"

@@ -15,6 +15,15 @@ pub struct Mapping {
     pub path: String,
 }
 
+/// Bytes of code no file backs: anonymous executable mappings, where a JIT writes what it
+/// compiles.
+pub fn anonymous_code_bytes(maps: &[Mapping]) -> u64 {
+    maps.iter()
+        .filter(|m| m.path.is_empty() && m.perms.as_bytes().get(2) == Some(&b'x'))
+        .map(|m| m.end.saturating_sub(m.start))
+        .sum()
+}
+
 /// Parses /proc/PID/maps text; malformed lines are skipped.
 pub fn parse_maps(text: &str) -> Vec<Mapping> {
     text.lines()
@@ -220,6 +229,15 @@ impl RubyBinary {
             .find(|(n, _, _)| n == name)
             .map(|(_, a, _)| *a)
     }
+
+    /// The target address of a variable of `size` bytes: not a function of the same name,
+    /// as `rb_yjit_enabled_p` was until 3.2.
+    pub fn variable(&self, name: &str, size: u64) -> Option<u64> {
+        self.symbols
+            .iter()
+            .find(|(n, _, s)| n == name && *s == size)
+            .map(|(_, a, _)| *a)
+    }
 }
 
 /// Symbols worth keeping (the ELF is parsed once at attach).
@@ -232,8 +250,10 @@ const WANTED: &[&str] = &[
     "ruby_single_main_ractor",
     "ruby_global_symbols",
     "ruby_api_version",
-    // 4.1: set while ZJIT is on (hidden: only a static ruby's `.symtab` has it).
+    // 4.1: set while ZJIT is on (hidden: only a static ruby's `.symtab` has it); 4.0 has it
+    // too, and names the JIT in a profile's metadata with YJIT's flag (`spy::zjit::jit_of`).
     "rb_zjit_entry",
+    "rb_yjit_enabled_p",
     // The object shapes, for the heap census: exported from 4.0; 3.3 and 3.4 keep the
     // pointer hidden (only a `.symtab` names it).
     "rb_shape_tree",

@@ -81,6 +81,9 @@ pub struct Profile {
     /// of allocations (`allocs::view`), which the flamegraph shows in place of "samples".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count_name: Option<String>,
+    /// The JIT whose code the target ran at the end of the recording ("YJIT", "ZJIT"), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jit: Option<String>,
 }
 
 fn no_tags() -> Vec<TagSet> {
@@ -127,6 +130,7 @@ impl Profile {
             timeline: Timeline::default(),
             workers: self.workers.clone(),
             count_name: self.count_name.clone(),
+            jit: self.jit.clone(),
         }
     }
 
@@ -486,6 +490,11 @@ impl Aggregator {
         self.profile.sampler_cpu_ns = sampler_cpu_ns;
         self.profile.sampler_work_ns = sampler_work_ns;
         self.profile.read_calls = read_calls;
+    }
+
+    /// Notes the JIT the target ran (`Spy::jit`).
+    pub fn set_jit(&mut self, jit: Option<&str>) {
+        self.profile.jit = jit.map(str::to_string);
     }
 
     pub fn set_kernel_cost(&mut self, cost: crate::cost::KernelCost) {

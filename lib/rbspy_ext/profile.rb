@@ -56,6 +56,13 @@ module RubySpy
       @native.ruby_version
     end
 
+    # @return [String, nil] the JIT whose code the process ran at the end of the recording:
+    #   "YJIT" (machine code in memory no file backs, from Ruby 3.1) or "ZJIT" (4.1), nil
+    #   when none had made code
+    def jit
+      @native.jit
+    end
+
     # @return [Float] the requested rate
     def rate
       @native.rate

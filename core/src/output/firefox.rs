@@ -27,7 +27,8 @@
 use super::firefox_markers::{
     self as markers, state_category, CATEGORIES, C_FUNCTION, OTHER, RUBY,
 };
-use super::{sample_period_ns, thread_label, FunctionKey, Interner, OutputError, NO_FRAMES};
+use super::firefox_tables::{Shared, Tables};
+use super::{sample_period_ns, thread_label, FunctionKey, OutputError, NO_FRAMES};
 use crate::profile::Profile;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -37,136 +38,33 @@ use std::io::Write;
 /// thread).
 pub const VERSION: u32 = 60;
 
-/// A table that the format writes as columns, with its length.
-#[derive(Serialize, Default)]
-struct Sources {
-    length: usize,
-    id: Vec<Option<u32>>,
-    filename: Vec<u32>,
-}
-
-#[derive(Serialize, Default)]
+/// One thread: who it is, its samples and its markers.
+#[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
-struct FuncTable {
-    length: usize,
-    name: Vec<u32>,
-    #[serde(rename = "isJS")]
-    is_js: Vec<bool>,
-    #[serde(rename = "relevantForJS")]
-    relevant_for_js: Vec<bool>,
-    resource: Vec<i32>,
-    source: Vec<Option<u32>>,
-    line_number: Vec<Option<u32>>,
-    column_number: Vec<Option<u32>>,
+struct Thread {
+    name: String,
+    is_main_thread: bool,
+    process_type: &'static str,
+    process_name: String,
+    process_startup_time: f64,
+    process_shutdown_time: Option<f64>,
+    register_time: f64,
+    unregister_time: Option<f64>,
+    paused_ranges: [u8; 0],
+    pid: String,
+    tid: Value,
+    samples: Samples,
+    markers: Value,
 }
 
-#[derive(Serialize, Default)]
-#[serde(rename_all = "camelCase")]
-struct FrameTable {
-    length: usize,
-    address: Vec<i32>,
-    inline_depth: Vec<u32>,
-    category: Vec<u32>,
-    subcategory: Vec<u32>,
-    func: Vec<u32>,
-    native_symbol: Vec<Option<u32>>,
-    #[serde(rename = "innerWindowID")]
-    inner_window_id: Vec<Option<u32>>,
-    line: Vec<Option<u32>>,
-    column: Vec<Option<u32>>,
-}
-
-#[derive(Serialize, Default)]
-struct StackTable {
-    length: usize,
-    frame: Vec<u32>,
-    prefix: Vec<Option<u32>>,
-}
-
-/// The tables every thread shares, built as the stacks are met.
-#[derive(Default)]
-struct Tables {
-    strings: Interner<String>,
-    sources: Interner<u32>,
-    funcs: Interner<(u32, Option<u32>, bool)>,
-    frames: Interner<(u32, Option<u32>, u32, u32)>,
-    stacks: Interner<(Option<u32>, u32)>,
-}
-
-impl Tables {
-    fn string(&mut self, s: &str) -> u32 {
-        // Interner's key is owned; the lookup allocates only for strings met once.
-        self.strings.id(s.to_string()) as u32
-    }
-
-    /// The frame of `label`/`path` (path empty: a C function or a leaf) at `line`, drawn in
-    /// `category`.
-    fn frame(&mut self, key: FunctionKey, line: Option<u32>, category: (u32, u32)) -> u32 {
-        let name = self.string(key.label);
-        let source = (!key.is_c()).then(|| {
-            let file = self.string(key.path);
-            self.sources.id(file) as u32
-        });
-        let is_ruby = !key.is_c();
-        let func = self.funcs.id((name, source, is_ruby)) as u32;
-        let line = if is_ruby { line } else { None };
-        self.frames.id((func, line, category.0, category.1)) as u32
-    }
-
-    /// The stack of `frames` (root first) below `prefix`.
-    fn push(&mut self, prefix: Option<u32>, frame: u32) -> u32 {
-        self.stacks.id((prefix, frame)) as u32
-    }
-
-    fn shared(self) -> Value {
-        let mut sources = Sources::default();
-        for &file in &self.sources.list {
-            sources.id.push(None);
-            sources.filename.push(file);
-        }
-        sources.length = self.sources.list.len();
-        let mut funcs = FuncTable::default();
-        for &(name, source, is_ruby) in &self.funcs.list {
-            funcs.name.push(name);
-            funcs.is_js.push(is_ruby);
-            // C functions and leaves stay in views of Ruby frames only ("JavaScript" in the
-            // profiler's words), as Firefox keeps DOM calls in its JS-only call tree.
-            funcs.relevant_for_js.push(!is_ruby);
-            funcs.resource.push(-1);
-            funcs.source.push(source);
-            funcs.line_number.push(None);
-            funcs.column_number.push(None);
-        }
-        funcs.length = self.funcs.list.len();
-        let mut frames = FrameTable::default();
-        for &(func, line, category, subcategory) in &self.frames.list {
-            frames.address.push(-1);
-            frames.inline_depth.push(0);
-            frames.category.push(category);
-            frames.subcategory.push(subcategory);
-            frames.func.push(func);
-            frames.native_symbol.push(None);
-            frames.inner_window_id.push(None);
-            frames.line.push(line);
-            frames.column.push(None);
-        }
-        frames.length = self.frames.list.len();
-        let mut stacks = StackTable::default();
-        for &(prefix, frame) in &self.stacks.list {
-            stacks.prefix.push(prefix);
-            stacks.frame.push(frame);
-        }
-        stacks.length = self.stacks.list.len();
-        json!({
-            "stringArray": self.strings.list,
-            "sources": sources,
-            "funcTable": funcs,
-            "frameTable": frames,
-            "stackTable": stacks,
-            "resourceTable": {"length": 0, "lib": [], "name": [], "host": [], "type": []},
-            "nativeSymbols": {"length": 0, "libIndex": [], "address": [], "name": [], "functionSize": []},
-        })
-    }
+/// The whole file.
+#[derive(Serialize)]
+struct Document {
+    meta: Value,
+    libs: [u8; 0],
+    pages: [u8; 0],
+    threads: Vec<Thread>,
+    shared: Shared,
 }
 
 /// Each of the profile's stacks as a stack of the shared table: its frames root first, the
@@ -240,17 +138,17 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
             continue;
         }
         let info = &profile.threads[index];
-        let mut last = 0.0;
+        let mut last = 0;
         let table = Samples {
             length: samples.len(),
             stack: samples.iter().map(|&(_, s)| stacks[s as usize]).collect(),
+            // In whole µs, then ms: "1.003", not the float error of a difference of ms.
             time_deltas: samples
                 .iter()
                 .map(|&(at, _)| {
-                    let ms = f64::from(at) / 1000.0;
-                    let delta = ms - last;
-                    last = ms;
-                    delta
+                    let delta = at - last;
+                    last = at;
+                    f64::from(delta) / 1000.0
                 })
                 .collect(),
             thread_cpu_delta: cpu_deltas(profile, samples),
@@ -260,32 +158,38 @@ pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> 
         let marks = markers::thread_markers(profile, samples, period_us)
             .into_json(|name| tables.string(name));
         let first_ms = f64::from(samples[0].0) / 1000.0;
-        threads.push(json!({
-            "name": thread_name(profile, index),
-            "isMainThread": info.main && info.pid == profile.pid,
-            "processType": "default",
-            "processName": format!("ruby {}", info.pid),
-            "processStartupTime": 0,
-            "processShutdownTime": null,
-            "registerTime": first_ms,
-            "unregisterTime": null,
-            "pausedRanges": [],
-            "pid": info.pid.to_string(),
-            "tid": if info.tid != 0 { json!(info.tid) } else { json!(format!("{:#x}", info.ruby_thread)) },
-            "samples": table,
-            "markers": marks,
-        }));
+        threads.push(Thread {
+            name: thread_name(profile, index),
+            is_main_thread: info.main && info.pid == profile.pid,
+            process_type: "default",
+            process_name: format!("ruby {}", info.pid),
+            process_startup_time: 0.0,
+            process_shutdown_time: None,
+            register_time: first_ms,
+            unregister_time: None,
+            paused_ranges: [],
+            pid: info.pid.to_string(),
+            tid: match info.tid {
+                0 => json!(format!("{:#x}", info.ruby_thread)),
+                tid => json!(tid),
+            },
+            samples: table,
+            markers: marks,
+        });
     }
-    let meta = meta(profile, period_us);
-    let document = json!({
-        "meta": meta,
-        "libs": [],
-        "pages": [],
-        "threads": threads,
-        "shared": tables.shared(),
-    });
-    let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
-    serde_json::to_writer(&mut gz, &document)?;
+    let document = Document {
+        meta: meta(profile, period_us),
+        libs: [],
+        pages: [],
+        threads,
+        shared: tables.shared(),
+    };
+    let gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
+    // serde_json writes a token at a time; the compressor, fed that small, spent a third of
+    // the time setting up each call.
+    let mut buffered = std::io::BufWriter::with_capacity(1 << 16, gz);
+    serde_json::to_writer(&mut buffered, &document)?;
+    let gz = buffered.into_inner().map_err(|e| e.into_error())?;
     gz.finish()?;
     Ok(())
 }
@@ -332,6 +236,7 @@ fn meta(profile: &Profile, period_us: f64) -> Value {
     let mut entries = vec![
         json!({"label": "pid", "format": "string", "value": profile.pid.to_string()}),
         json!({"label": "Ruby", "format": "string", "value": profile.ruby_version}),
+        json!({"label": "JIT", "format": "string", "value": profile.jit.as_deref().unwrap_or("none seen")}),
         json!({"label": "Rate", "format": "string", "value": format!("{} Hz", profile.rate_hz)}),
         json!({"label": "Sampler", "format": "string", "value": sampler}),
         json!({"label": "Samples", "format": "integer", "value": profile.samples}),
@@ -355,7 +260,12 @@ fn meta(profile: &Profile, period_us: f64) -> Value {
         "profilingStartTime": 0,
         "profilingEndTime": profile.duration_ns as f64 / 1e6,
         "processType": 0,
-        "product": format!("Ruby {} (pid {}), rbspy_ext", profile.ruby_version, profile.pid),
+        "product": format!(
+            "Ruby {}{} (pid {}), rbspy_ext",
+            profile.ruby_version,
+            profile.jit.as_deref().map_or(String::new(), |j| format!(" +{j}")),
+            profile.pid
+        ),
         "stackwalk": 0,
         "version": 24,
         "preprocessedProfileVersion": VERSION,

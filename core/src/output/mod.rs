@@ -38,6 +38,7 @@ pub mod callgrind;
 pub mod collapsed;
 pub mod firefox;
 mod firefox_markers;
+mod firefox_tables;
 pub mod flamegraph;
 pub mod leaves;
 pub mod pprof;

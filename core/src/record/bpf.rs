@@ -119,6 +119,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     finish(rec, stats, stats_before, wakeups, started, |agg| {
         let cpu = thread_cpu_ns().saturating_sub(cpu_before);
         agg.set_cost(cpu, cpu, spy.memory().calls() - calls_before);
+        agg.set_jit(spy.jit());
     })
 }
 

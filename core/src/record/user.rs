@@ -127,6 +127,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     super::note_trace_drops(spy, &drops_before, &mut agg);
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
+    agg.set_jit(spy.jit());
     agg.set_cost(
         thread_cpu_ns(),
         work,

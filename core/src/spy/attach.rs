@@ -41,6 +41,9 @@ pub(super) struct Target<M: Memory> {
     /// last seen set (ZJIT on: frames may keep their iseq and pc in JITFrames) and when.
     pub(super) zjit_entry: Option<u64>,
     pub(super) zjit_on: Option<(bool, std::time::Instant)>,
+    /// `rb_zjit_entry` and `rb_yjit_enabled_p` whatever the version, when the binary names
+    /// them (a static ruby's `.symtab`): which JIT is on, for a profile's metadata.
+    pub(super) jit_flags: [Option<u64>; 2],
     /// The address of the shape tree's global for the heap census (census/shapes.rs):
     /// `rb_shape_tree` from 4.0, `rb_shape_tree_ptr` on 3.3 and 3.4 (named by the binary, or
     /// found by a scan at the first census). None before 3.2, or until found.
@@ -124,6 +127,10 @@ impl Spy<ProcessMemory> {
         spy.target.zjit_entry = binary
             .symbol("rb_zjit_entry")
             .filter(|_| layout.cfp_jit_return.is_some());
+        spy.target.jit_flags = [
+            binary.variable("rb_zjit_entry", 8),
+            binary.variable("rb_yjit_enabled_p", 1),
+        ];
         Ok(spy)
     }
 }
@@ -345,6 +352,7 @@ impl<M: Memory> Spy<M> {
                 pthread_tid: None,
                 zjit_entry: None,
                 zjit_on: None,
+                jit_flags: [None, None],
                 shape_tree: None,
                 shape_tree_scanned: false,
             },

@@ -125,6 +125,11 @@ impl<M: Memory> Spy<M> {
         &self.target.version
     }
 
+    /// The JIT whose code the target runs now, if any: "YJIT" or "ZJIT" (see `zjit::jit_of`).
+    pub fn jit(&self) -> Option<&'static str> {
+        zjit::jit_of(&self.target)
+    }
+
     /// Set when the layout came from the newest known release of the same minor series.
     pub fn warning(&self) -> Option<&str> {
         self.target.warning.as_deref()

@@ -1,5 +1,7 @@
 //! Ruby 4.1's ZJIT: a compiled frame keeps its iseq and pc in a JITFrame rather than in
-//! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`).
+//! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`). And which JIT a target runs, for a
+//! profile's metadata ([`jit_of`]).
+use super::attach::Target;
 use super::walker::RawFrame;
 use super::{Attempt, Memory, Walker};
 use crate::memory::word;
@@ -78,4 +80,28 @@ impl<M: Memory> Walker<'_, M> {
         self.target.zjit_on = Some((on, std::time::Instant::now()));
         on
     }
+}
+
+/// Which JIT the target runs, when one is on: by the binary's own flags when it names them
+/// (`rb_zjit_entry` set: ZJIT; `rb_yjit_enabled_p`: YJIT), else (a shared libruby, which
+/// exports neither) YJIT from 3.1 when the process has code no file backs, which YJIT
+/// writes into anonymous executable pages as it compiles (MJIT, before 3.3, compiled to
+/// shared objects, which files back). None: no JIT on, or nothing readable says.
+pub(super) fn jit_of<M: Memory>(target: &Target<M>) -> Option<&'static str> {
+    let [zjit, yjit] = target.jit_flags;
+    if zjit.is_some_and(|at| target.mem.read_u64(at).is_ok_and(|v| v != 0)) {
+        return Some("ZJIT");
+    }
+    if let Some(at) = yjit {
+        let mut flag = [0u8; 1];
+        let on = target.mem.read(at, &mut flag).is_ok() && flag[0] != 0;
+        return on.then_some("YJIT");
+    }
+    let maps = crate::process::read_maps(target.pid).ok()?;
+    let mut version = target
+        .version
+        .split('.')
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let yjit_era = (version.next(), version.next()) >= (Some(3), Some(1));
+    (yjit_era && crate::process::anonymous_code_bytes(&maps) > 0).then_some("YJIT")
 }

@@ -227,6 +227,10 @@ impl NativeProfile {
         self.0.ruby_version.clone()
     }
 
+    fn jit(&self) -> Option<String> {
+        self.0.jit.clone()
+    }
+
     fn rate(&self) -> f64 {
         self.0.rate_hz
     }
@@ -431,6 +435,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     prof.define_method("duration", method!(NativeProfile::duration, 0))?;
     prof.define_method("pid", method!(NativeProfile::pid, 0))?;
     prof.define_method("ruby_version", method!(NativeProfile::ruby_version, 0))?;
+    prof.define_method("jit", method!(NativeProfile::jit, 0))?;
     prof.define_method("rate", method!(NativeProfile::rate, 0))?;
     prof.define_method("errors", method!(NativeProfile::errors, 0))?;
     prof.define_method("cost", method!(NativeProfile::cost, 0))?;
