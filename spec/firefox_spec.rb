@@ -42,9 +42,11 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
     profile.threads.each_with_index.filter_map do |t, i|
       next unless t[:states].values.sum.positive?
 
-      base = "Thread #{t[:tid].nonzero? || format('%#x', t[:ruby_thread] || 0)}"
+      base = "Thread #{t[:tid].nonzero? || format('%#x', t[:ruby_thread])}"
       ractor = t[:ractor].to_i > 1 ? " in ractor #{t[:ractor]}#{" (#{t[:ractor_name]})" if t[:ractor_name]}" : ""
       named = t[:name] || (t[:main] ? "main" : nil)
+      next [t[:name], i] if t[:tid].to_i.zero? && t[:ruby_thread].to_i.zero? # "ended threads"
+
       [named ? "#{named} (#{base}#{ractor})" : "#{base}#{ractor}", i]
     end.to_h
   end
@@ -79,11 +81,13 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
 
   # The markers of one kind on a thread cover exactly the samples of that state, and last
   # about as long as those samples stand for (a sample holds until the thread's next one).
-  def expect_state_markers(markers, thread, profile, name:, state:)
+  # Not with +durations: false+: the kernel samples a thread only while it is on a CPU, so
+  # its samples are not evenly spread over the recording.
+  def expect_state_markers(markers, thread, profile, name:, state:, durations: true)
     runs = markers.select { |m| m["name"] == name }
     samples = thread[:states].fetch(state.to_s, 0)
     expect(runs.sum { |m| m.dig("data", "samples") }).to eq(samples), "#{name} on #{thread[:name]}"
-    return if samples < 20
+    return if samples < 20 || !durations
 
     interval_ms = profile.duration * 1000.0 / thread[:states].values.sum
     lasted = runs.sum { |m| m["duration"] }
@@ -92,10 +96,12 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
 
   # pq's markers of each thread in +handles+, its markers of +states+ ({name => state})
   # checked first: {handle => markers}.
-  def markers_checked(pq, profile, handles, states)
+  def markers_checked(pq, profile, handles, states, durations: true)
     handles.to_h do |handle, index|
       markers = pq.markers(handle)
-      states.each { |name, state| expect_state_markers(markers, profile.threads[index], profile, name: name, state: state) }
+      states.each do |name, state|
+        expect_state_markers(markers, profile.threads[index], profile, name: name, state: state, durations: durations)
+      end
       [handle, markers]
     end
   end
@@ -112,7 +118,7 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
       expect_same_self_samples(pq, profile, handles)
 
       requests = 0
-      checked = markers_checked(pq, profile, pool, "GVL wait" => :waiting_for_gvl, "Blocked" => :blocked)
+      checked = markers_checked(pq, profile, pool, { "GVL wait" => :waiting_for_gvl, "Blocked" => :blocked })
       pool.each do |handle, index|
         markers = checked.fetch(handle)
         # A request's marker is named after its action and covers that request's samples on
@@ -142,6 +148,20 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
       gc_seen = markers_checked(pq, profile, handles, states).values.sum { |ms| ms.count { |m| m["markerType"] == "GC" } }
       expect(gc_seen).to be > 0
       expect(profile.threads.sum { |t| t[:states]["waiting_for_gvl"].to_i }).to be > 100
+    end
+  end
+
+  it "shows a recording in the kernel (BPF) the same way, saying so, with time on a CPU without the GVL" do
+    skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+
+    target = start_target("waits_and_gc")
+    profile = RubySpy.record(target.pid, rate: 499, duration: 2, mode: :bpf)
+    in_pq(profile, "bpf") do |pq|
+      handles = expect_every_thread(pq, profile)
+      expect_same_self_samples(pq, profile, handles)
+      states = { "GVL wait" => :waiting_for_gvl, "Without GVL" => :no_gvl, "GC marking" => :gc_marking }
+      markers_checked(pq, profile, handles, states, durations: false)
+      expect(pq.run("profile", "meta")).to include("Sampler: BPF (in the kernel)")
     end
   end
 

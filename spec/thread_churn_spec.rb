@@ -2,6 +2,8 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
+require "tmpdir"
+require_relative "support/profiler_cli"
 
 # A recording of a process that keeps starting threads stays bounded: past
 # RubySpy's 256 threads, threads that ended are merged into one "ended threads" thread
@@ -28,5 +30,17 @@ RSpec.describe "recording a process that keeps starting threads" do
     expect(merged.map { |s| [s[:state], s[:frames].map(&:to_s)] }.uniq.size).to eq(merged.size)
     expect(merged.sum { |s| s[:samples] }).to be > 1000
     expect(threads[ended][:states].values.sum).to be >= merged.sum { |s| s[:samples] }
+
+    # The Firefox Profiler's own code lists every thread, the merged one by its name.
+    next unless RubySpyTest::ProfilerCli.available?
+
+    Dir.mktmpdir do |dir|
+      path = profile.write(File.join(dir, "churn.json.gz"), format: :firefox)
+      RubySpyTest::ProfilerCli.open(path) do |pq|
+        names = pq.threads.values
+        expect(names.count("ended threads")).to eq(1)
+        expect(names.size).to eq(threads.count { |t| t[:states].values.sum.positive? })
+      end
+    end
   end
 end

@@ -99,7 +99,9 @@ module RubySpy
                  bpf_per_tick_us: per_tick.(run_time))
     end
 
-    # @return [Array<Hash>] one per thread: +:pid+, +:tid+, +:name+, +:main+, +:ractor+ (its
+    # @return [Array<Hash>] one per thread: +:pid+, +:tid+ (0 when unknown: an M:N thread
+    #   asleep), +:ruby_thread+ (its +rb_thread_t+'s address, 0 for "ended threads"), +:name+,
+    #   +:main+, +:ractor+ (its
     #   Ractor's id: 1 for the main one, 0 before Ruby 3.0), +:ractor_name+, +:states+
     #   (samples by state: "running", "waiting_for_gvl", "blocked", "gc_marking", "gc_sweeping",
     #   "gc_compacting", "gc" between GC phases, or with the BPF sampler "no_gvl": on a CPU

@@ -214,11 +214,15 @@ fn cpu_deltas(profile: &Profile, samples: &[(u32, u32)]) -> Vec<u32> {
 }
 
 /// A thread's name as Ruby names it (`Thread#name`, or "main"), then what tells it apart:
-/// its native id, its Ractor.
+/// its native id, its Ractor. Threads merged once ended ("ended threads") have no id.
 fn thread_name(profile: &Profile, index: usize) -> String {
     let t = &profile.threads[index];
     let label = thread_label(profile, index as u32);
     match (&t.name, t.main) {
+        (Some(name), _) if t.tid == 0 && t.ruby_thread == 0 => match t.pid == profile.pid {
+            true => name.clone(),
+            false => format!("{name} (Process {})", t.pid),
+        },
         (Some(name), _) => format!("{name} ({})", label.replace(&format!(" ({name})"), "")),
         (None, true) => format!("main ({})", label.replace(" (main)", "")),
         (None, false) => label,

@@ -380,7 +380,8 @@ impl NativeProfile {
         Ok(out)
     }
 
-    /// `[{pid:, tid:, name:, main:, ractor:, ractor_name:, states: {state => samples}}, ...]`
+    /// `[{pid:, tid:, ruby_thread:, name:, main:, ractor:, ractor_name:, states: {state =>
+    /// samples}}, ...]`
     fn threads(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
         let p = &rb_self.0;
         let out = ruby.ary_new();
@@ -399,6 +400,7 @@ impl NativeProfile {
             let h = ruby.hash_new();
             h.aset(ruby.to_symbol("pid"), t.pid)?;
             h.aset(ruby.to_symbol("tid"), t.tid)?;
+            h.aset(ruby.to_symbol("ruby_thread"), t.ruby_thread)?;
             h.aset(ruby.to_symbol("name"), t.name.clone())?;
             h.aset(ruby.to_symbol("main"), t.main)?;
             h.aset(ruby.to_symbol("ractor"), t.ractor)?;
