@@ -30,7 +30,9 @@ module RubySpy
       with_hash(pairs)
     end
 
-    # Makes this state the current fiber's (replacing whatever it had).
+    # Makes this state the current fiber's (replacing whatever it had). With the OpenTelemetry
+    # bridge on, a state made before its request's span was renamed (routed) is applied as a
+    # copy naming the endpoint of now, which {State.current} then returns.
     # @return [self]
     def apply!
       State.apply(self)
