@@ -22,6 +22,13 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
     skip "the Firefox Profiler's CLI is not installed (script/setup installs it)" unless RubySpyTest::ProfilerCli.available?
   end
 
+  # The file is the same whatever Ruby the target runs: off the host, only the examples of
+  # what the host lacks run (Rails 7.2 and Puma 6.6, the OpenTelemetry SDK), which keeps
+  # the matrix's longest lane short.
+  def host_only
+    skip "the format is checked on the host's Ruby; #{RubySpyTest::TargetRuby.current} adds Rails 7.2 and spans" unless RubySpyTest::TargetRuby.current.host?
+  end
+
   around do |example|
     Dir.mktmpdir("rbspy-firefox") do |dir|
       @dir = dir
@@ -79,29 +86,25 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
     end
   end
 
-  # The markers of one kind on a thread cover exactly the samples of that state, and last
-  # about as long as those samples stand for (a sample holds until the thread's next one).
-  # Not with +durations: false+: the kernel samples a thread only while it is on a CPU, so
-  # its samples are not evenly spread over the recording.
-  def expect_state_markers(markers, thread, profile, name:, state:, durations: true)
+  # The markers of one kind on a thread cover exactly the samples of that state, and last as
+  # long as those samples hold: each from its time to the thread's next sample, at most two
+  # periods (past that, one: the thread was not sampled in between).
+  def expect_state_markers(markers, thread, profile, name:, state:)
     runs = markers.select { |m| m["name"] == name }
-    samples = thread[:states].fetch(state.to_s, 0)
-    expect(runs.sum { |m| m.dig("data", "samples") }).to eq(samples), "#{name} on #{thread[:name]}"
-    return if samples < 20 || !durations
-
-    interval_ms = profile.duration * 1000.0 / thread[:states].values.sum
-    lasted = runs.sum { |m| m["duration"] }
-    expect(lasted).to be_within(0.35 * samples * interval_ms).of(samples * interval_ms), "#{name} on #{thread[:name]}"
+    expect(runs.sum { |m| m.dig("data", "samples") }).to eq(thread[:states].fetch(state.to_s, 0)), "#{name} on #{thread[:name]}"
+    period_ms = 1000.0 / profile.rate
+    runs.each do |m|
+      expect(m["duration"]).to be_between(0, m.dig("data", "samples") * 2 * period_ms + 0.01), m.inspect
+    end
+    expect(runs.sum { |m| m["duration"] }).to be <= profile.duration * 1000 + 2 * period_ms
   end
 
   # pq's markers of each thread in +handles+, its markers of +states+ ({name => state})
   # checked first: {handle => markers}.
-  def markers_checked(pq, profile, handles, states, durations: true)
+  def markers_checked(pq, profile, handles, states)
     handles.to_h do |handle, index|
       markers = pq.markers(handle)
-      states.each do |name, state|
-        expect_state_markers(markers, profile.threads[index], profile, name: name, state: state, durations: durations)
-      end
+      states.each { |name, state| expect_state_markers(markers, profile.threads[index], profile, name: name, state: state) }
       [handle, markers]
     end
   end
@@ -139,6 +142,7 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
   end
 
   it "shows the GC's phases and the waits for the GVL as markers that cover the samples in them" do
+    host_only
     target = start_target("waits_and_gc")
     profile = RubySpy.record(target.pid, rate: 499, duration: 2)
     in_pq(profile, "gc") do |pq|
@@ -152,6 +156,7 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
   end
 
   it "shows a recording in the kernel (BPF) the same way, saying so, with time on a CPU without the GVL" do
+    host_only
     skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
 
     target = start_target("waits_and_gc")
@@ -160,12 +165,13 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
       handles = expect_every_thread(pq, profile)
       expect_same_self_samples(pq, profile, handles)
       states = { "GVL wait" => :waiting_for_gvl, "Without GVL" => :no_gvl, "GC marking" => :gc_marking }
-      markers_checked(pq, profile, handles, states, durations: false)
+      markers_checked(pq, profile, handles, states)
       expect(pq.run("profile", "meta")).to include("Sampler: BPF (in the kernel)")
     end
   end
 
   it "shows every thread of every Ractor, named with its Ractor" do
+    host_only
     skip "Ractors need Ruby 3.0+" if target_ruby.version < Gem::Version.new("3.0")
 
     target = start_target("ractor_spinners", env: { "RUBY_MAX_CPU" => "8" })
@@ -181,6 +187,7 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
   end
 
   it "is what a scrape of the listener gives with format=firefox, and what rubyspy writes and converts" do
+    host_only
     skip "no rbspy_ext built for #{target_ruby}: run script/rubies ext #{target_ruby.name}" unless target_ruby.extension?
 
     target = start_target("pprof_listener", "contend", ruby: target_ruby.with_proc)

@@ -453,6 +453,13 @@ impl Aggregator {
         self.tick_us = u64::try_from(since_start.as_micros()).unwrap_or(u64::MAX);
     }
 
+    /// Moves the time this tick's samples get to `since_start`, when its reads were made
+    /// (never before the tick's own time, nor before an earlier sample's).
+    pub fn read_at(&mut self, since_start: std::time::Duration) {
+        let us = u64::try_from(since_start.as_micros()).unwrap_or(u64::MAX);
+        self.tick_us = self.tick_us.max(us);
+    }
+
     /// Counts a dropped sample.
     pub fn error(&mut self, reason: &str) {
         self.errors(reason, 1);

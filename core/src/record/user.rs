@@ -26,9 +26,16 @@ fn sample_into<M: Memory>(
     spy: &mut Spy<M>,
     config: &RecordConfig,
     agg: &mut Aggregator,
+    started: Instant,
 ) -> Result<()> {
     match spy.sample_threads(config.threads) {
         Ok((threads, dropped)) => {
+            // The sample's time is when it read the target, not when its tick began: the
+            // first tick reads every thread cold, and a busy machine holds the sampler up
+            // between the two (both by milliseconds: seen against an app's own spans).
+            if let Some(read) = spy.sampled_at() {
+                agg.read_at(read.saturating_duration_since(started));
+            }
             for t in threads {
                 if config.on_cpu && !t.state.on_cpu() {
                     continue;
@@ -97,7 +104,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
         let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick_at(started.elapsed());
-        if let Err(e) = sample_into(spy, &config, &mut agg) {
+        if let Err(e) = sample_into(spy, &config, &mut agg, started) {
             let what = match e {
                 Error::ProcessReplaced { detail, .. } => detail,
                 _ => "exited".to_string(),
@@ -213,7 +220,7 @@ impl Children {
     fn sample(&mut self, config: &RecordConfig, agg: &mut Aggregator, started: Instant) {
         let ended_calls = &mut self.ended_calls;
         self.spies.retain_mut(|child| {
-            let what = match sample_into(child, config, agg) {
+            let what = match sample_into(child, config, agg, started) {
                 Ok(()) => return true,
                 Err(Error::ProcessReplaced { detail, .. }) => detail,
                 Err(_) => "exited".to_string(),

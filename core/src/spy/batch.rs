@@ -44,6 +44,9 @@ pub(super) struct ThreadSampler {
     owner_spans: Vec<Span>,
     /// The spans of each Ractor's GC flags, reused likewise.
     gc_flag_spans: Vec<Span>,
+    /// When the last sample's one call was made: the moment its states, tags and (mostly)
+    /// stacks were read, which the recorder gives the sample as its time.
+    pub(super) last_call: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -435,6 +438,7 @@ impl ThreadSampler {
 
     /// The sample's arena, kept for the next sample.
     pub(super) fn discard(&mut self, batch: Batch) {
+        self.last_call = Some(batch.called);
         self.reads = batch.reads;
         self.owner_spans = batch.owners;
         self.gc_flag_spans = batch.gc_flags;

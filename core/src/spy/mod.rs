@@ -125,6 +125,11 @@ impl<M: Memory> Spy<M> {
         &self.target.version
     }
 
+    /// When the last `sample_threads` read the target (its one call), if it did.
+    pub fn sampled_at(&self) -> Option<std::time::Instant> {
+        self.sampler.last_call
+    }
+
     /// The JIT whose code the target runs now, if any: "YJIT" or "ZJIT" (see `zjit::jit_of`).
     pub fn jit(&self) -> Option<&'static str> {
         zjit::jit_of(&self.target)
