@@ -87,11 +87,11 @@ fn stack_indexes(profile: &Profile, tables: &mut Tables) -> Vec<u32> {
             let last = frames.len() - 1;
             for (depth, frame) in frames.iter().rev().enumerate() {
                 let key = FunctionKey::of(frame);
-                let own = match (key.is_leaf(), key.is_c(), frame.label.as_ref() == NO_FRAMES) {
-                    (_, _, true) => (OTHER, 0),
-                    (true, _, _) => state_category(s.state).unwrap_or((OTHER, 0)),
-                    (false, true, _) => (C_FUNCTION, 0),
-                    (false, false, _) => (RUBY, 0),
+                // A state leaf is always innermost, so the state's category covers it.
+                let own = match (frame.label.as_ref() == NO_FRAMES, key.is_c()) {
+                    (true, _) => (OTHER, 0),
+                    (false, true) => (C_FUNCTION, 0),
+                    (false, false) => (RUBY, 0),
                 };
                 let category = match depth == last {
                     true => state_category(s.state).unwrap_or(own),
@@ -122,16 +122,10 @@ struct Samples {
 
 /// Writes `profile` (with its state leaves) gzipped in the profiler's processed format.
 pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> {
-    if profile.timeline.is_empty() && super::stack_samples(profile) > 0 {
-        return Err(OutputError::NoTimeline);
-    }
+    let by_thread = super::samples_by_thread(profile)?;
     let period_us = sample_period_ns(profile).map_or(1000.0, |ns| ns / 1000.0);
     let mut tables = Tables::default();
     let stacks = stack_indexes(profile, &mut tables);
-    let mut by_thread: Vec<Vec<(u32, u32)>> = vec![Vec::new(); profile.threads.len()];
-    for (&at, &stack) in profile.timeline.at_us.iter().zip(&profile.timeline.stacks) {
-        by_thread[profile.stacks[stack as usize].thread as usize].push((at, stack));
-    }
     let mut threads = Vec::new();
     for (index, samples) in by_thread.iter().enumerate() {
         if samples.is_empty() {

@@ -303,6 +303,20 @@ pub(crate) fn check(profile: &Profile) -> Result<(), String> {
     profile.timeline.check(profile.stacks.len())
 }
 
+/// Each thread's samples in time order, from the profile's timeline: (µs, stack index) by
+/// thread index, for the formats that draw time (timeline, firefox). NoTimeline when the
+/// profile has samples but no timeline (an older file, or a part of a profile).
+pub(crate) fn samples_by_thread(profile: &Profile) -> Result<Vec<Vec<(u32, u32)>>, OutputError> {
+    if profile.timeline.is_empty() && stack_samples(profile) > 0 {
+        return Err(OutputError::NoTimeline);
+    }
+    let mut by_thread: Vec<Vec<(u32, u32)>> = vec![Vec::new(); profile.threads.len()];
+    for (&at, &stack) in profile.timeline.at_us.iter().zip(&profile.timeline.stacks) {
+        by_thread[profile.stacks[stack as usize].thread as usize].push((at, stack));
+    }
+    Ok(by_thread)
+}
+
 /// Samples in the stacks (what every format shows; `Profile::samples` should agree).
 pub(crate) fn stack_samples(profile: &Profile) -> u64 {
     profile.stacks.iter().map(|s| s.count).sum()

@@ -36,17 +36,11 @@ struct Event {
 }
 
 pub fn write(profile: &Profile, out: &mut dyn Write) -> Result<(), OutputError> {
-    if profile.timeline.is_empty() && super::stack_samples(profile) > 0 {
-        return Err(OutputError::NoTimeline);
-    }
+    let by_thread = super::samples_by_thread(profile)?;
     let period_us = sample_period_ns(profile).map_or(1000.0, |ns| ns / 1000.0);
     let mut names = Interner::default();
     let chains = chains(profile, &mut names);
     let duration_ms = profile.duration_ns as f64 / 1e6;
-    let mut by_thread: Vec<Vec<(u32, u32)>> = vec![Vec::new(); profile.threads.len()];
-    for (&at, &stack) in profile.timeline.at_us.iter().zip(&profile.timeline.stacks) {
-        by_thread[profile.stacks[stack as usize].thread as usize].push((at, stack));
-    }
     let mut profiles = Vec::new();
     let mut sizes = Vec::new();
     for (thread, samples) in by_thread.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
