@@ -5,7 +5,8 @@
 #
 #   script/rubies ext trixie && ruby bench/otel.rb [ROUNDS]      (default 7)
 #
-# Runs on trixie's Ruby 3.3 (outside its chroot) with the SDK from ../shared/gems:
+# Runs on trixie's Ruby 3.3 (outside its chroot) with the SDK from RUBYSPY_OTEL_SDK (a copy
+# kept by hand: no registry here serves it):
 # - attach/detach: `OpenTelemetry::Context.with_current(ctx) {}` (an attach and a detach)
 #   and `tracer.in_span("x") {}` (a span made, attached, detached, finished), in ns, with
 #   the SDK alone, with rbspy_ext loaded and its bridge off (RUBYSPY_OTEL=0), and with the
@@ -21,8 +22,8 @@ require_relative "support"
 
 ROOT = File.expand_path("..", __dir__)
 OTEL_ROUNDS = Integer(ARGV[0] || 7)
-GEMS = Dir[File.expand_path("../shared/gems/*/lib", ROOT)].sort
-abort "no OpenTelemetry gems in ../shared/gems" if GEMS.empty?
+GEMS = Dir[File.join(File.expand_path(ENV.fetch("RUBYSPY_OTEL_SDK", "/nonexistent")), "*", "lib")].sort
+abort "no OpenTelemetry gems: RUBYSPY_OTEL_SDK=DIR names a directory of the SDK's gems" if GEMS.empty?
 RUBY = [File.join(ROOT, "script", "rubies"), "run", "trixie", "outside", "--chdir", ROOT, "--"].freeze
 
 CHILD = <<~'RUBY'

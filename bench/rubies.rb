@@ -40,7 +40,6 @@ RESULT_PREFIX = "RUBIES-RESULT "
 # fraction of this; a Ruby that takes longer is stuck.
 CHILD_TIMEOUT = Integer(ENV.fetch("TIMEOUT", 300))
 # The JIT variants worth a row beside the plain Rubies (YJIT from 3.2, ZJIT from 4.0).
-JIT_VARIANTS = %w[3.2:outside:yjit 4.0:outside:yjit 4.0:outside:zjit 4.1:outside:yjit 4.1:outside:zjit].freeze
 
 # ---------------------------------------------------------------------------------------
 # The child: measures one Ruby and prints its result.
@@ -222,30 +221,31 @@ end
 # ---------------------------------------------------------------------------------------
 # The parent: one child per Ruby, then the table.
 
-# `script/rubies list`: [[NAME, VERSION, chroot|upstream], ...].
+# `script/rubies list`: [[NAME, VERSION, KIND, JITS], ...] (KIND chroot, source,
+# source-unknown or extra; JITS "yjit,zjit" or "-").
 def listed_rubies
   IO.popen([File.join(ROOT, "script", "rubies"), "list"], err: File::NULL, &:read).lines
-    .map(&:split).map { |f| [f[0], f[1], f[4]] }
+    .map(&:split).map { |f| [f[0], f[1], f[4], f[5].to_s] }
 rescue SystemCallError
   []
 end
 
-# Every mode of a listed Ruby (chroot Rubies run inside and outside, upstream ones only
-# outside), followed by its JIT variants.
-def modes_of(name, kind)
-  base = kind == "upstream" ? ["#{name}:outside"] : ["#{name}:inside", "#{name}:outside"]
-  base + JIT_VARIANTS.select { |v| v.start_with?("#{name}:") }
+# Every mode of a listed Ruby (chroot Rubies run inside and outside, the others only
+# outside), followed by one per JIT it has.
+def modes_of(name, kind, jits = "-")
+  base = kind == "chroot" ? ["#{name}:inside", "#{name}:outside"] : ["#{name}:outside"]
+  base + (jits.split(",") - ["-"]).map { |jit| "#{name}:outside:#{jit}" }
 end
 
 def specs_from(args)
   listed = listed_rubies
-  return ["host"] + listed.flat_map { |name, _, kind| modes_of(name, kind) } if args.empty?
+  return ["host"] + listed.flat_map { |name, _, kind, jits| modes_of(name, kind, jits) } if args.empty?
 
   args.flat_map do |arg|
     next [arg] if arg == "host" || arg.include?(":")
 
     entry = listed.find { |name, _, _| name == arg }
-    entry ? modes_of(entry[0], entry[2]) : [arg] # an unknown name: the child reports it
+    entry ? modes_of(entry[0], entry[2], entry[3]) : [arg] # an unknown name: the child reports it
   end
 end
 

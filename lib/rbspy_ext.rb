@@ -16,6 +16,7 @@ require_relative "rbspy_ext/allocations"
 require_relative "rbspy_ext/recorder"
 require_relative "rbspy_ext/profile"
 require_relative "rbspy_ext/state"
+require_relative "rbspy_ext/trace"
 require_relative "rbspy_ext/server"
 # The Rails integration tags requests and jobs by itself (rbspy_ext/rails.rb); Rack apps use
 # RubySpy::Rack::Tags and RubySpy::Rack::Pprof (rbspy_ext/rack.rb), loaded on first use.

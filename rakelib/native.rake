@@ -6,14 +6,15 @@ require_relative "../lib/rbspy_ext/version"
 # The precompiled ("fat") platform gem: one library per Ruby series, as the rb-sys gems do.
 module NativeGem
   PLATFORM = "x86_64-linux"
-  # The Rubies it carries, as script/rubies names them (host: this machine's own Ruby; 3.0,
-  # 3.2, 4.0: upstream builds, the series no Debian suite has). Every library is compiled and
-  # linked in the bullseye chroot, so none needs a glibc newer than bullseye's 2.31
-  # (script/rubies, ext_one). 4.1 stays source-gem only until 4.1.0 is released.
-  RUBIES = %w[bullseye 3.0 host 3.2 trixie sid 4.0].freeze
-  # Every Ruby series there has been from the oldest to the newest we could carry: those
-  # between them that we do not carry are the ones required_ruby_version must exclude.
-  RUBY_SERIES = %w[2.7 3.0 3.1 3.2 3.3 3.4 4.0].freeze
+  # The Rubies it carries, as script/rubies names them (host: this machine's own Ruby): the
+  # series Debian has. A library for 3.0, 3.2 or 4.0 needs that Ruby's headers and
+  # RbConfig to build against, and no registry these machines reach serves one: those
+  # series install the source gem. Every library is compiled and linked in the bullseye
+  # chroot, so none needs a glibc newer than bullseye's 2.31 (script/rubies, ext_one).
+  RUBIES = %w[bullseye host trixie sid].freeze
+  # Every Ruby series there has been from the oldest to the newest we carry: those between
+  # them that we do not carry are the ones required_ruby_version must exclude.
+  RUBY_SERIES = %w[2.7 3.0 3.1 3.2 3.3 3.4].freeze
   # Gem::Requirement has no "not 3.2.x": each patch release of a missing series is excluded
   # with its own !=. No series has had more than a dozen.
   PATCHES_EXCLUDED = 0..29

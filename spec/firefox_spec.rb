@@ -226,6 +226,9 @@ RSpec.describe "the firefox format, in the Firefox Profiler's own CLI" do
     before do
       skip "the app is served inside a chroot (RUBYSPY_TARGET_RUBY=trixie:inside), not by #{target_ruby}" unless target_ruby.inside?
       skip "no Rails in #{target_ruby}'s chroot (script/rubies build trixie installs it there)" unless File.exist?(target_ruby.host_path("/usr/bin/rails"))
+      missing = RubySpyTest::TargetRuby.otel_sdk_missing
+      skip missing if missing
+      target_ruby.otel_gem_libs # the app's Gemfile names the SDK's gems where the chroot sees them
     end
 
     it "shows each request's span as a marker named by its action, over the time the app's span took" do

@@ -4,10 +4,12 @@ require_relative "spec_helper"
 require "rbspy_ext"
 require "json"
 
-# OpenTelemetry's context for readers outside (OTEP 4719 and 4947), written by the gem from
-# what the real OpenTelemetry SDK does (../shared/gems) and read from outside by the spy.
-# The SDK needs Ruby 3.3+: these run in the script/rubies matrix (trixie's 3.3, sid's 3.4)
-# and are skipped on the host's 3.1 and wherever the SDK does not load.
+# OpenTelemetry's context for readers outside (OTEP 4719 and 4947), written by the gem and
+# read from outside by the spy and by readers that share no code with it. Two writers publish
+# the same records: RubySpy.trace (a tracer of the app's own, everywhere), and the real
+# OpenTelemetry SDK through the bridge, which no registry here serves: it runs where a
+# developer names a copy kept by hand (RUBYSPY_OTEL_SDK), on Ruby 3.3+, and says why not
+# elsewhere. Everything about the records but the bridge runs with either.
 RSpec.describe "OpenTelemetry context" do
   include RubySpyTest::Recording
   include RubySpyTest::GoPprof
@@ -15,14 +17,24 @@ RSpec.describe "OpenTelemetry context" do
   let(:ruby) { RubySpyTest::TargetRuby.current }
 
   before do
-    skip "the OpenTelemetry SDK needs Ruby 3.3+ (target: #{ruby}, #{ruby.version})" if ruby.version < Gem::Version.new("3.3")
     skip "no rbspy_ext built for #{ruby}: run script/rubies ext #{ruby.name}" unless ruby.extension?
-    skip "no OpenTelemetry gems in ../shared/gems" unless ruby.otel_gem_libs
+  end
+
+  # Which writer the fixture uses: set by each context below.
+  def self.writer(name)
+    let(:writer) { name }
+    return unless name == :sdk
+
+    before do
+      skip "the OpenTelemetry SDK needs Ruby 3.3+ (target: #{ruby}, #{ruby.version})" if ruby.version < Gem::Version.new("3.3")
+      missing = RubySpyTest::TargetRuby.otel_sdk_missing
+      skip missing if missing
+    end
   end
 
   def start_spans(mode, *args, on: ruby)
-    target = start_target("otel_spans", mode, *args, ruby: on,
-                                                    env: { "RUBYSPY_OTEL_GEMS" => ruby.otel_gem_libs.join(File::PATH_SEPARATOR) })
+    env = writer == :sdk ? { "RUBYSPY_OTEL_GEMS" => ruby.otel_gem_libs.join(File::PATH_SEPARATOR) } : {}
+    target = start_target("otel_spans", mode, *args, ruby: on, env: env)
     skip target.info["skip"] if target.info["skip"]
     target
   end
@@ -63,20 +75,6 @@ RSpec.describe "OpenTelemetry context" do
     fields
   end
 
-  it "names each thread's trace, span, local root and endpoint in a snapshot" do
-    target = start_spans("threads")
-    threads = RubySpy.snapshot(target.pid, threads: :all)
-    target.info["workers"].each do |w|
-      thread = threads.find { |t| t[:name] == w["name"] }
-      expect(thread[:tags]).to include(
-        "trace id": w["span"]["trace_id"], "span id": w["span"]["span_id"],
-        "local root span id": w["root"]["span_id"], "trace endpoint": "GET /spin/#{w['name'][-1]}"
-      )
-    end
-    main = threads.find { |t| t[:main] } || threads.first
-    expect(main[:tags].keys).not_to include(:"trace id")
-  end
-
   # Samples of +profile+ whose stack passes through a frame labelled +label+.
   def samples_through(profile, label)
     profile.stacks.select { |s| s[:frames].any? { |f| f.label == label } }.sum { |s| s[:samples] }
@@ -100,47 +98,6 @@ RSpec.describe "OpenTelemetry context" do
       expect(mine.select(local_root_span_id: w["root"]["span_id"]).samples).to eq(mine.samples)
     end
     expect(profile.group_by(:trace_id).keys.compact.sort).to eq(target.info["workers"].map { |w| w["span"]["trace_id"] }.sort)
-  end
-
-  it "labels every sample of each thread with that thread's trace, read in user space" do
-    target = start_spans("threads")
-    profile = record_until_samples(target.pid, samples: 600, rate: 500)
-    expect_worker_traces(target, profile)
-    # The raw format keeps the labels: a saved profile selects the same samples.
-    Dir.mktmpdir do |dir|
-      path = File.join(dir, "profile.raw")
-      File.binwrite(path, profile.render(:raw))
-      expect_worker_traces(target, RubySpy::Profile.load(path))
-    end
-  end
-
-  it "keeps the labels in what the process's own pprof listener serves" do
-    # The listener reads its own memory through /proc, which a chroot has only when mounted.
-    target = start_spans("threads", "listen", on: ruby.with_proc)
-    out = go_pprof("-traces", "http://127.0.0.1:#{target.info['port']}/debug/pprof/profile?seconds=2")
-    target.info["workers"].each do |w|
-      spinning = traces(out).select { |s| s[:functions].include?("Object#spin_#{w['name'][-1]}") }
-      expect(spinning).not_to be_empty
-      expect(spinning.map { |s| s[:labels].values_at("trace id", "span id") }.uniq)
-        .to eq([[w["span"]["trace_id"], w["span"]["span_id"]]])
-    end
-  end
-
-  it "labels every sample of each thread with that thread's trace in the kernel too (BPF)" do
-    skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
-
-    target = start_spans("threads")
-    expect_worker_traces(target, record_until_samples(target.pid, samples: 600, mode: :bpf, rate: 999))
-  end
-
-  {
-    "fibers" => "two fibers taking turns on one thread",
-    "async" => "two Async tasks on one thread (Debian's ruby-async)"
-  }.each do |mode, what|
-    it "labels each fiber's samples with its own span: #{what}" do
-      target = start_spans(mode)
-      expect_fiber_spans(target)
-    end
   end
 
   # Each fiber's samples in its own method carry its own span and trace, none the other's,
@@ -197,59 +154,123 @@ RSpec.describe "OpenTelemetry context" do
     { trace_id: trace_id.unpack1("H*"), span_id: span_id.unpack1("H*"), valid: valid, flags: flags, attrs: attrs }
   end
 
-  it "is read by a reader that knows only the OTEPs: gdb finds otel_thread_ctx_v1 by name, per thread" do
-    skip "no gdb (Debian's gdb)" unless system("gdb", "--version", out: File::NULL, err: File::NULL)
-    # gdb on the host does not find the files of a process in a chroot by the paths it
-    # names them with; the same Ruby run outside the chroot is read instead.
-    skip "gdb reads #{ruby} from outside its chroot: the :outside run covers this" if ruby.inside?
+  {
+    trace_api: "RubySpy.trace (no tracer but the app's own)",
+    sdk: "the OpenTelemetry SDK, through the bridge"
+  }.each do |name, what|
+    context "written by #{what}" do
+      writer name
 
-    target = start_spans("threads")
-    _, attributes, = process_context(target.pid)
-    # gdb resolves the TLS variable through glibc's libthread_db, from its .dynsym name
-    # alone: the pointer, for every thread (the threads stopped meanwhile, as the OTEP's
-    # readers read them).
-    out = IO.popen(["gdb", "-p", target.pid.to_s, "-batch", "-iex", "set auto-load safe-path /",
-                    "-ex", "thread apply all print/x (unsigned long)otel_thread_ctx_v1"], err: %i[child out], &:read)
-    # gdb loads the target glibc's own libthread_db, and Debian 12's gdb cannot use sid's.
-    skip "gdb cannot follow this glibc's threads (its libthread_db): #{ruby}" if out.include?("Unable to find libthread_db")
-    pointers = out.scan(/^Thread \d+ \(.*?"([^"]*)"\):\n\$\d+ = (0x\h+)$/).to_h { |name, ptr| [name, Integer(ptr)] }
-    target.info["workers"].each do |w|
-      expect(pointers[w["name"]]).to be_positive, "gdb said:\n#{out}"
-      record = otep_record(target.pid, pointers[w["name"]], attributes["threadlocal.attribute_key_map"])
-      expect(record).to include(trace_id: w["span"]["trace_id"], span_id: w["span"]["span_id"], valid: 1, flags: 1)
-      expect(record[:attrs]).to eq("trace endpoint" => "GET /spin/#{w['name'][-1]}",
-                                   "local root span id" => w["root"]["span_id"])
+      it "names each thread's trace, span, local root and endpoint in a snapshot" do
+        target = start_spans("threads")
+        threads = RubySpy.snapshot(target.pid, threads: :all)
+        target.info["workers"].each do |w|
+          thread = threads.find { |t| t[:name] == w["name"] }
+          expect(thread[:tags]).to include(
+            "trace id": w["span"]["trace_id"], "span id": w["span"]["span_id"],
+            "local root span id": w["root"]["span_id"], "trace endpoint": "GET /spin/#{w['name'][-1]}"
+          )
+        end
+        main = threads.find { |t| t[:main] } || threads.first
+        expect(main[:tags].keys).not_to include(:"trace id")
+      end
+
+      it "labels every sample of each thread with that thread's trace, read in user space" do
+        target = start_spans("threads")
+        profile = record_until_samples(target.pid, samples: 600, rate: 500)
+        expect_worker_traces(target, profile)
+        # The raw format keeps the labels: a saved profile selects the same samples.
+        Dir.mktmpdir do |dir|
+          path = File.join(dir, "profile.raw")
+          File.binwrite(path, profile.render(:raw))
+          expect_worker_traces(target, RubySpy::Profile.load(path))
+        end
+      end
+
+      it "keeps the labels in what the process's own pprof listener serves" do
+        # The listener reads its own memory through /proc, which a chroot has only when mounted.
+        target = start_spans("threads", "listen", on: ruby.with_proc)
+        out = go_pprof("-traces", "http://127.0.0.1:#{target.info['port']}/debug/pprof/profile?seconds=2")
+        target.info["workers"].each do |w|
+          spinning = traces(out).select { |s| s[:functions].include?("Object#spin_#{w['name'][-1]}") }
+          expect(spinning).not_to be_empty
+          expect(spinning.map { |s| s[:labels].values_at("trace id", "span id") }.uniq)
+            .to eq([[w["span"]["trace_id"], w["span"]["span_id"]]])
+        end
+      end
+
+      it "labels every sample of each thread with that thread's trace in the kernel too (BPF)" do
+        skip "loading BPF programs needs root (CAP_BPF and CAP_PERFMON)" unless Process.uid.zero?
+
+        target = start_spans("threads")
+        expect_worker_traces(target, record_until_samples(target.pid, samples: 600, mode: :bpf, rate: 999))
+      end
+
+      {
+        "fibers" => "two fibers taking turns on one thread",
+        "async" => "two Async tasks on one thread (Debian's ruby-async)"
+      }.each do |mode, kind|
+        it "labels each fiber's samples with its own span: #{kind}" do
+          target = start_spans(mode)
+          expect_fiber_spans(target)
+        end
+      end
+
+      it "is read by a reader that knows only the OTEPs: gdb finds otel_thread_ctx_v1 by name, per thread" do
+        skip "no gdb (Debian's gdb)" unless system("gdb", "--version", out: File::NULL, err: File::NULL)
+        # gdb on the host does not find the files of a process in a chroot by the paths it
+        # names them with; the same Ruby run outside the chroot is read instead.
+        skip "gdb reads #{ruby} from outside its chroot: the :outside run covers this" if ruby.inside?
+
+        target = start_spans("threads")
+        _, attributes, = process_context(target.pid)
+        # gdb resolves the TLS variable through glibc's libthread_db, from its .dynsym name
+        # alone: the pointer, for every thread (the threads stopped meanwhile, as the OTEP's
+        # readers read them).
+        out = IO.popen(["gdb", "-p", target.pid.to_s, "-batch", "-iex", "set auto-load safe-path /",
+                        "-ex", "thread apply all print/x (unsigned long)otel_thread_ctx_v1"], err: %i[child out], &:read)
+        # gdb loads the target glibc's own libthread_db, and Debian 12's gdb cannot use sid's.
+        skip "gdb cannot follow this glibc's threads (its libthread_db): #{ruby}" if out.include?("Unable to find libthread_db")
+        pointers = out.scan(/^Thread \d+ \(.*?"([^"]*)"\):\n\$\d+ = (0x\h+)$/).to_h { |name, ptr| [name, Integer(ptr)] }
+        target.info["workers"].each do |w|
+          expect(pointers[w["name"]]).to be_positive, "gdb said:\n#{out}"
+          record = otep_record(target.pid, pointers[w["name"]], attributes["threadlocal.attribute_key_map"])
+          expect(record).to include(trace_id: w["span"]["trace_id"], span_id: w["span"]["span_id"], valid: 1, flags: 1)
+          expect(record[:attrs]).to eq("trace endpoint" => "GET /spin/#{w['name'][-1]}",
+                                       "local root span id" => w["root"]["span_id"])
+        end
+      end
+
+      it "publishes a forked child's own process context, and its threads' traces" do
+        target = start_spans("fork")
+        child = target.info["child"]
+        expect(child).to be_a(Integer)
+        _, attributes, = process_context(child)
+        expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
+        # The parent's mapping is not inherited (MADV_DONTFORK): the child made its own.
+        expect(File.read("/proc/#{child}/maps").scan("OTEL_CTX").size).to eq(1)
+        worker = target.info["workers"].first
+        thread = RubySpy.snapshot(child, threads: :all).find { |t| t[:name] == worker["name"] }
+        expect(thread[:tags]).to include("trace id": worker["span"]["trace_id"], "span id": worker["span"]["span_id"])
+      ensure
+        Process.kill(:KILL, child) if child.is_a?(Integer) && (Process.kill(0, child) rescue false)
+      end
+
+      it "publishes the process context in an OTEL_CTX mapping, and otel_thread_ctx_v1 as a TLS symbol" do
+        target = start_spans("threads")
+        start, attributes, maps = process_context(target.pid)
+        expect(start).to eq(target.info["otel_ctx"])
+        expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
+        expect(attributes["threadlocal.schema_version"]).to eq("tlsdesc_v1_dev")
+        expect(attributes["threadlocal.attribute_key_map"]).to eq(target.info["key_map"])
+        expect(target.info["key_map"].first(2)).to eq(["trace endpoint", "local root span id"])
+
+        so = maps.map { |l| l.split[5] }.compact.find { |p| p.end_with?("rbspy_ext.so") }
+        # The path as this process sees it (the kernel names it from the reader's root).
+        symbols = IO.popen(["readelf", "--dyn-syms", "--wide", so], &:read)
+        expect(symbols.lines.grep(/\botel_thread_ctx_v1$/).first&.split&.at(3)).to eq("TLS")
+      end
     end
-  end
-
-  it "publishes a forked child's own process context, and its threads' traces" do
-    target = start_spans("fork")
-    child = target.info["child"]
-    expect(child).to be_a(Integer)
-    _, attributes, = process_context(child)
-    expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
-    # The parent's mapping is not inherited (MADV_DONTFORK): the child made its own.
-    expect(File.read("/proc/#{child}/maps").scan("OTEL_CTX").size).to eq(1)
-    worker = target.info["workers"].first
-    thread = RubySpy.snapshot(child, threads: :all).find { |t| t[:name] == worker["name"] }
-    expect(thread[:tags]).to include("trace id": worker["span"]["trace_id"], "span id": worker["span"]["span_id"])
-  ensure
-    Process.kill(:KILL, child) if child.is_a?(Integer) && (Process.kill(0, child) rescue false)
-  end
-
-  it "publishes the process context in an OTEL_CTX mapping, and otel_thread_ctx_v1 as a TLS symbol" do
-    target = start_spans("threads")
-    start, attributes, maps = process_context(target.pid)
-    expect(start).to eq(target.info["otel_ctx"])
-    expect(attributes["service.name"]).to eq("rbspy-otel-fixture")
-    expect(attributes["threadlocal.schema_version"]).to eq("tlsdesc_v1_dev")
-    expect(attributes["threadlocal.attribute_key_map"]).to eq(target.info["key_map"])
-    expect(target.info["key_map"].first(2)).to eq(["trace endpoint", "local root span id"])
-
-    so = maps.map { |l| l.split[5] }.compact.find { |p| p.end_with?("rbspy_ext.so") }
-    # The path as this process sees it (the kernel names it from the reader's root).
-    symbols = IO.popen(["readelf", "--dyn-syms", "--wide", so], &:read)
-    expect(symbols.lines.grep(/\botel_thread_ctx_v1$/).first&.split&.at(3)).to eq("TLS")
   end
 
   describe "in Rails 7.2 on Puma 6.6, with the Rack and ActionPack instrumentations" do
@@ -264,8 +285,12 @@ RSpec.describe "OpenTelemetry context" do
     # Where the SDK ends a span, after taking its end time.
     FINISH = "OpenTelemetry::SDK::Trace::Span#finish"
 
+    writer :sdk
+
     before do
       skip "the app is served inside a chroot (RUBYSPY_TARGET_RUBY=trixie:inside), not by #{ruby}" unless ruby.inside?
+      # The app's Gemfile names the SDK's gems where the chroot sees them.
+      ruby.otel_gem_libs
       skip "no Rails in #{ruby}'s chroot (script/rubies build trixie installs it there)" unless File.exist?(ruby.host_path("/usr/bin/rails"))
     end
 

@@ -35,6 +35,46 @@ RSpec.describe RubySpy::Rack do
       expect(ids.uniq.size).to be > 20
     end
 
+    it "runs requests with a W3C traceparent under the caller's trace, named by the route, where no tracer runs" do
+      server = start_server("sinatra_app")
+      sent = Queue.new
+      # A trace of its own for each greeting; the streamed body's requests carry none.
+      traceparent = lambda do |path|
+        next {} unless path.start_with?("/hello/")
+
+        ids = [Random.bytes(16).unpack1("H*"), Random.bytes(8).unpack1("H*")]
+        sent << ids
+        { "traceparent" => "00-#{ids[0]}-#{ids[1]}-01" }
+      end
+      profile = under_load(server, ["/hello/ann", "/stream"], threads: 4, headers: traceparent) do
+        RubySpy.record(server.pid, rate: 999, duration: 3)
+      end
+      parents = Array.new(sent.size) { sent.pop }.to_h
+      traced = 0
+      profile.group_by(:trace_id).each do |trace_id, part|
+        greeting = samples_in(part, "Greeter#greet_slowly").values.sum
+        streaming = samples_in(part, "Greeter#chunk_slowly").values.sum
+        if trace_id.nil?
+          expect(greeting).to eq(0), "#{greeting} samples of a greeting carry no trace"
+          next
+        end
+        expect(parents).to include(trace_id)
+        expect(streaming).to eq(0), "a streamed request, which sent no traceparent, under #{trace_id}"
+        # The caller's span is the span, and the local root: the one a backend has.
+        expect(part.group_by(:span_id).keys).to eq([parents[trace_id]])
+        expect(part.group_by(:local_root_span_id).keys).to eq([parents[trace_id]])
+        # The path until Sinatra has matched the route, the route from then on.
+        expect(part.group_by(:trace_endpoint).keys - ["GET /hello/ann", "GET /hello/:name"]).to eq([])
+        routed = samples_in(part.select(trace_endpoint: "GET /hello/:name"), "Greeter#greet_slowly").values.sum
+        expect(routed).to eq(greeting)
+        traced += greeting
+      end
+      expect(traced).to be > 200
+      traces = profile.group_by(:trace_id).keys.compact.size
+      expect(traces).to be > 20
+      puts "\n#{traced} samples of greetings under #{traces} of the #{parents.size} traces sent, each its own"
+    end
+
     it "uses the client's X-Request-Id, adds extra tags, and restores the caller's tags after a raising app" do
       seen = nil
       app = ->(env) { seen = RubySpy.tags.dup; env["PATH_INFO"] == "/boom" ? raise("boom") : [200, {}, ["ok"]] }

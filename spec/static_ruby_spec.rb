@@ -7,9 +7,9 @@ require "tmpdir"
 
 # Statically linked Rubies (`--disable-shared`, rbenv's and ruby-build's default: the VM is in
 # the executable, which exports `ruby_version` but hides `ruby_current_vm_ptr` and
-# `ruby_global_symbols` in its `.symtab`): the upstream 3.0, 4.0 and head (4.1-dev) builds from
-# script/rubies, as installed and as a copy run through `strip --strip-all`, which leaves only
-# `.dynsym`. Either way the snapshot must equal the target's own backtrace_locations, or fail
+# `ruby_global_symbols` in its `.symtab`): the source builds of script/rubies (3.3.8 and 3.4.5,
+# as rbenv builds them) and any static Ruby of RUBYSPY_EXTRA_RUBIES, as installed and as a copy
+# run through `strip --strip-all`, which leaves only `.dynsym`. Either way the snapshot must equal the target's own backtrace_locations, or fail
 # with a RubySpy::Error; never garbage frames.
 RSpec.describe "statically linked Rubies" do
   # Runs fixtures with one Ruby executable, as users start it.
@@ -28,11 +28,11 @@ RSpec.describe "statically linked Rubies" do
   end
 
   statics = IO.popen([File.join(RubySpyTest::ROOT, "script", "rubies"), "list"], &:read).lines
-              .map(&:split).select { |f| f[4] == "upstream" && Dir[File.join(f[2], "lib", "libruby.so*")].empty? }
+              .map(&:split).select { |f| %w[source extra].include?(f[4]) && Dir[File.join(f[2], "lib", "libruby.so*")].empty? }
 
   if statics.empty?
-    it "has upstream static Rubies to run (script/rubies build installs them from ../shared/rubies)" do
-      skip "no upstream Ruby installed: script/rubies build"
+    it "has static Rubies to run (script/rubies build builds them from Debian's source tarballs)" do
+      skip "no static Ruby built: script/rubies build src-3.3 src-3.4"
     end
   end
 

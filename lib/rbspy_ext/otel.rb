@@ -45,7 +45,7 @@ module RubySpy
 
         ::OpenTelemetry::Context.singleton_class.prepend(ContextHook)
         hook_sdk
-        ::Process.singleton_class.prepend(ForkHook) if ::Process.respond_to?(:_fork)
+        hook_fork
         @installed = true
         publish_process
         context_changed(::OpenTelemetry::Context.current)
@@ -61,7 +61,23 @@ module RubySpy
       # Publishes the process context with the SDK's resource attributes now.
       # @api private
       def publish_process
+        @published = true
         NativeOTel.publish_process(resource_attributes)
+      end
+
+      # Publishes the process context unless it is out already, for a writer other than the
+      # SDK ({RubySpy.trace}): a forked child publishes its own too. With RUBYSPY_OTEL=0,
+      # nothing. With the SDK, its resource; without, +service.name+ from OTEL_SERVICE_NAME,
+      # as the SDK would name it.
+      # @return [Boolean] whether the process context is published
+      # @api private
+      def publish_once
+        return true if @published
+        return false if ENV[ENV_SWITCH] == "0"
+
+        hook_fork
+        publish_process
+        true
       end
 
       # +context+ was attached in this fiber, +previous+ (a State or nil) being the state
@@ -179,8 +195,20 @@ module RubySpy
         ::OpenTelemetry::SDK.singleton_class.prepend(ConfigureHook)
       end
 
-      # The SDK's resource attributes as [key, value] Strings (none before it is configured).
+      def hook_fork
+        return if @fork_hooked || !::Process.respond_to?(:_fork)
+
+        ::Process.singleton_class.prepend(ForkHook)
+        @fork_hooked = true
+      end
+
+      # The SDK's resource attributes as [key, value] Strings (none before it is configured);
+      # without the SDK, the service's name as the SDK's default resource gives it.
       def resource_attributes
+        unless defined?(::OpenTelemetry.tracer_provider)
+          return [["service.name", ENV.fetch("OTEL_SERVICE_NAME", "unknown_service:ruby")]]
+        end
+
         provider = ::OpenTelemetry.tracer_provider
         resource = provider.instance_variable_get(:@resource) if provider
         return [] unless resource.respond_to?(:attribute_enumerator)

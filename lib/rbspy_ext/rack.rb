@@ -10,6 +10,8 @@ module RubySpy
     ENDPOINT_KEY = "rubyspy.endpoint"
     # Set while {Tags} handles the request.
     TAGGED_KEY = "rubyspy.tagged"
+    # The request's trace from its +traceparent+ header, as {RubySpy.trace}'s arguments.
+    TRACE_KEY = "rubyspy.trace"
 
     # Middleware that runs each request inside {RubySpy.tag}: +endpoint+ (the method and
     # route, e.g. "GET /hello/:name" in Sinatra, or the path where no route is known) and
@@ -17,6 +19,12 @@ module RubySpy
     # whatever +extra+ returns. A body the server reads after +call+ returns (streaming) is
     # read under the same tags. The tags end with the request, by exception too, and never
     # cross to another thread or fiber.
+    #
+    # Where no tracer runs in the app (the OpenTelemetry bridge, {OTel}, is not installed), a
+    # request with a valid W3C +traceparent+ header runs under its trace ({RubySpy.trace}):
+    # its samples carry the caller's trace id, and its parent span's id as the span and the
+    # local root span (the one span of this request that a backend has), with the route
+    # (Sinatra's, once matched) or the path as the endpoint.
     #
     # @example config.ru
     #   use RubySpy::Rack::Tags
@@ -26,12 +34,15 @@ module RubySpy
       # @param endpoint [Boolean] tag +endpoint+ (Rails turns this off here: its controllers
       #   tag "controller#action" themselves)
       # @param extra [#call, nil] called with the Rack env; returns a Hash of more tags
-      def initialize(app, endpoint: true, extra: nil)
+      # @param traceparent [Boolean] take the trace of a request's +traceparent+ header
+      #   where no tracer in the app does
+      def initialize(app, endpoint: true, extra: nil, traceparent: true)
         raise TypeError, "extra must respond to #call, got #{extra.class}" unless extra.nil? || extra.respond_to?(:call)
 
         @app = app
         @endpoint = endpoint
         @extra = extra
+        @traceparent = traceparent
         Sinatra.install if defined?(::Sinatra::Base)
       end
 
@@ -39,12 +50,34 @@ module RubySpy
       # @return [Array] the Rack response
       def call(env)
         env[TAGGED_KEY] = true
+        path = "#{env['REQUEST_METHOD']} #{env['SCRIPT_NAME']}#{env['PATH_INFO']}"
         tags = { request_id: Tags.request_id(env) }
-        tags[:endpoint] = "#{env['REQUEST_METHOD']} #{env['SCRIPT_NAME']}#{env['PATH_INFO']}" if @endpoint
+        tags[:endpoint] = path if @endpoint
         tags.merge!(@extra.call(env)) if @extra
-        status, headers, body = RubySpy.tag(**tags) { @app.call(env) }
+        Tags.take_trace(env, path) if @traceparent
+        status, headers, body = Tags.traced(env) { RubySpy.tag(**tags) { @app.call(env) } }
         tags[:endpoint] = env[ENDPOINT_KEY] if env[ENDPOINT_KEY]
-        [status, headers, TaggedBody.wrap(body, tags)]
+        [status, headers, TaggedBody.wrap(body, tags, env[TRACE_KEY])]
+      end
+
+      # Puts the trace of +env+'s +traceparent+ header in +env[TRACE_KEY]+, named +endpoint+,
+      # unless the header is missing or invalid, or a tracer in the app takes it.
+      # @api private
+      def self.take_trace(env, endpoint)
+        return if RubySpy::OTel.installed?
+
+        parent = RubySpy::TraceIds.traceparent(env["HTTP_TRACEPARENT"])
+        return unless parent
+
+        env[TRACE_KEY] = { trace_id: parent[:trace_id], span_id: parent[:span_id],
+                           local_root_span_id: parent[:span_id], endpoint: endpoint, sampled: parent[:sampled] }
+      end
+
+      # Runs the block under +env[TRACE_KEY]+'s trace, or as it is where there is none.
+      # @api private
+      def self.traced(env, &block)
+        trace = env[TRACE_KEY]
+        trace ? RubySpy.trace(**trace, &block) : yield
       end
 
       # The request's id: the one Rails' RequestId middleware chose, the client's
@@ -61,17 +94,19 @@ module RubySpy
     # arrays are returned as they are.
     # @api private
     class TaggedBody
-      def self.wrap(body, tags)
-        body.respond_to?(:to_ary) ? body : new(body, tags)
+      def self.wrap(body, tags, trace)
+        body.respond_to?(:to_ary) ? body : new(body, tags, trace)
       end
 
-      def initialize(body, tags)
+      def initialize(body, tags, trace)
         @body = body
         @tags = tags
+        @trace = trace
       end
 
       def each(&block)
-        RubySpy.tag(**@tags) { @body.each(&block) }
+        read = -> { RubySpy.tag(**@tags) { @body.each(&block) } }
+        @trace ? RubySpy.trace(**@trace, &read) : read.call
       end
 
       def close
@@ -109,7 +144,8 @@ module RubySpy
           return super unless route && env[TAGGED_KEY]
 
           env[ENDPOINT_KEY] = route
-          RubySpy.tag(endpoint: route) { super }
+          env[TRACE_KEY] = env[TRACE_KEY].merge(endpoint: route) if env[TRACE_KEY]
+          Tags.traced(env) { RubySpy.tag(endpoint: route) { super } }
         end
       end
     end

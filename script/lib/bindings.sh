@@ -4,13 +4,16 @@
 # release that script/add-ruby measured comes out of script/generate-bindings the same.
 #
 # Downloads and extracted trees are kept in ${RBSPY_EXT_CACHE:-$HOME/.cache/rbspy_ext}/ruby-src
-# (never in the checkout: the ../shared/rubies sources must not be committed).
+# (never in the checkout: upstream trees taken from public repositories must not be committed).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cache=${RBSPY_EXT_CACHE:-$HOME/.cache/rbspy_ext}
 src_cache=$cache/ruby-src
 mkdir -p "$src_cache"
 mirror=${RBSPY_EXT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-shared_rubies=${RBSPY_EXT_SHARED_RUBIES:-$root/../shared/rubies}
+# Upstream trees (TREE-src.tar.xz, `git archive`s) a developer keeps by hand, for releases
+# whose source no registry here serves (3.0.3, 3.2.11, 4.0.2, 4.1.0-dev): unset, their rows
+# cannot be measured again (their committed layouts stand).
+ruby_trees=${RBSPY_EXT_RUBY_TREES:-}
 releases_file=$root/script/lib/ruby-releases.txt
 
 # Fills `releases` ("release|source|headers") and `aliases` ("release=measured-as") from
@@ -49,7 +52,7 @@ confdir_for() {
 # What to do when that config.h is missing.
 confdir_hint() {
   case $1 in
-    srcruby:*) echo "run script/rubies build, or $shared_rubies/install ${1#srcruby:}" ;;
+    srcruby:*) echo "install that Ruby by hand at /opt/srcrubies/${1#srcruby:} (no registry here serves it)" ;;
     *) echo "run script/rubies build" ;;
   esac
 }
@@ -68,13 +71,13 @@ ruby_for() {
 fetch_tree() {
   local source=$1 src tarball
   case $source in
-    shared:*)
-      src=$src_cache/shared/${source#shared:}
+    tree:*)
+      src=$src_cache/trees/${source#tree:}
       if [ ! -f "$src/vm_core.h" ]; then
-        tarball=$shared_rubies/src/${source#shared:}-src.tar.xz
+        tarball=${ruby_trees:-\$RBSPY_EXT_RUBY_TREES}/${source#tree:}-src.tar.xz
         [ -f "$tarball" ] || { echo "no $tarball for $source" >&2; return 1; }
-        mkdir -p "$src_cache/shared"
-        tar -C "$src_cache/shared" -xf "$tarball" || return 1
+        mkdir -p "$src_cache/trees"
+        tar -C "$src_cache/trees" -xf "$tarball" || return 1
       fi ;;
     pool/*)
       # ruby3.3_3.3.8.orig.tar.xz holds ruby-3.3.8/.
@@ -86,7 +89,7 @@ fetch_tree() {
           { echo "could not download $mirror/$source" >&2; return 1; }
         tar -C "$src_cache" -xf "$src_cache/$tarball" || return 1
       fi ;;
-    *) echo "unknown source '$source' (pool/... or shared:TREE)" >&2; return 1 ;;
+    *) echo "unknown source '$source' (pool/... or tree:TREE)" >&2; return 1 ;;
   esac
   echo "$src"
 }
@@ -334,7 +337,7 @@ measure_release() {
   fi
   src=$(fetch_tree "$source") || return 1
   case $source in
-    shared:*) generate_headers "$src" "$(ruby_for "$headers")" ||
+    tree:*) generate_headers "$src" "$(ruby_for "$headers")" ||
       { echo "$release: could not make $src's generated headers" >&2; return 1; } ;;
   esac
   check_copies "$src" "$release" || return 1

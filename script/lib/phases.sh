@@ -1,7 +1,8 @@
 # Phases of a long script, timed: `phase NAME COMMAND...` runs COMMAND and records its wall
 # time and outcome; the table of every phase, the total and the slowest examples of every
 # rspec run (script/lib/slowest.rb, from the JSON rspec wrote in $PHASES_DIR) are printed when
-# the script exits, pass or fail, so a slow or failed run says where its time went.
+# the script exits, pass or fail, so a slow or failed run says where its time went; the last
+# line says what was not run, and why (script/lib/not_run.rb).
 # Sourced by script/test.
 
 PHASES_DIR=${PHASES_DIR:-tmp/ci}
@@ -74,6 +75,11 @@ phases_report() {
       echo "--- the 10 slowest examples of every rspec run"
       ruby script/lib/slowest.rb 10 "$PHASES_DIR"/rspec/*.json || true
     fi
+    # The last line: what was not run here, and why (script/lib/not_run.rb).
+    echo
+    script/rubies list >"$PHASES_DIR/rubies.list" 2>/dev/null || true
+    ruby script/lib/not_run.rb "$PHASES_DIR/rubies.list" "$PHASES_DIR"/rspec/*.json 2>/dev/null ||
+      echo "not run here: unknown (script/lib/not_run.rb failed)"
   } >&2
   return "$rc"
 }

@@ -98,9 +98,9 @@ module RubySpyTest
           raise "#{name} is not built (script/rubies build #{name})" unless line
 
           @version, @root, @ruby = line[1..3]
-          @upstream = line[4] == "upstream"
-          # An upstream Ruby lives on the host, at its own prefix: nothing to chroot into.
-          @root = "/" if @upstream
+          @on_host = line[4] != "chroot"
+          # A Ruby built from source lives on the host, at its own prefix: nothing to chroot into.
+          @root = "/" if @on_host
           @gem = @ruby.sub(%r{/ruby(?=[\d.]*\z)}, "/gem")
         end
       end
@@ -109,9 +109,9 @@ module RubySpyTest
         @name == "host"
       end
 
-      # Runs on the host's filesystem (the host's Ruby, or an upstream build there).
+      # Runs on the host's filesystem (the host's Ruby, or a Ruby built from source there).
       def on_host?
-        host? || @upstream
+        host? || @on_host
       end
 
       def series

@@ -4,15 +4,22 @@ require "open3"
 require "tmpdir"
 
 module RubySpyTest
-  # Go's own pprof client (`go tool pprof`, from golang-go) reading what a scraper would.
+  # Go's own pprof client (`go tool pprof`, the first go on PATH: golang-go's, or a newer Go's)
+  # reading what a scraper would.
   module GoPprof
+    # Where Go keeps the pprof it builds: a Go from 1.24 on ships no prebuilt pprof and
+    # builds it at its first `go tool pprof` (seconds of CPU), then runs it from this cache.
+    # script/setup builds it there once per machine.
+    GOCACHE = File.join(ENV.fetch("RBSPY_EXT_CACHE") { File.join(Dir.home, ".cache", "rbspy_ext") }, "go-build")
+
     module_function
 
-    # Runs `go tool pprof ARGS` with a private cache and returns its output; raises with that
-    # output when it fails.
+    # Runs `go tool pprof ARGS` with a private home (pprof keeps state there) and returns its
+    # output; raises with that output when it fails.
     def go_pprof(*args)
       Dir.mktmpdir do |dir|
-        out, status = Open3.capture2e({ "PPROF_TMPDIR" => dir, "HOME" => dir }, "go", "tool", "pprof", *args)
+        env = { "PPROF_TMPDIR" => dir, "HOME" => dir, "GOCACHE" => GOCACHE }
+        out, status = Open3.capture2e(env, "go", "tool", "pprof", *args)
         raise "go tool pprof #{args.join(' ')} failed:\n#{out}" unless status.success?
 
         out

@@ -170,7 +170,8 @@ module RubySpyTest
     # +statuses+ (200 for a path not there). With +reconnect+ each request comes on a new
     # connection: in Puma's cluster mode a connection stays with the worker that accepted
     # it, so a few kept-alive ones can all land in the same worker.
-    def under_load(server, paths, threads: 3, statuses: {}, reconnect: false)
+    # +headers+, when given, is called with each request's path and returns more headers.
+    def under_load(server, paths, threads: 3, statuses: {}, reconnect: false, headers: nil)
       stop = false
       failures = Queue.new
       clients = Array.new(threads) do |i|
@@ -180,7 +181,8 @@ module RubySpyTest
           until stop
             path = paths[n % paths.size]
             http = http.tap(&:finish).tap(&:start) if reconnect && n > i
-            response = http.get(path, Server.proxy_headers(path))
+            extra = headers ? headers.call(path) : {}
+            response = http.get(path, Server.proxy_headers(path).merge(extra))
             failures << "#{path}: #{response.code}" unless response.code == statuses.fetch(path, 200).to_s
             n += 1
           end

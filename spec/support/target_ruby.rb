@@ -98,12 +98,28 @@ module RubySpyTest
       dup.tap { |ruby| ruby.instance_variable_set(:@proc, true) }
     end
 
-    # The lib directories of the OpenTelemetry gems in ../shared/gems (README there), as this
-    # Ruby's targets see them (copied into the chroot at the same path when inside one), or
-    # nil where there are none.
+    # Where a developer keeps OpenTelemetry's Ruby SDK by hand: a directory of gems, each a
+    # directory with its gemspec and lib/ (the SDK, its API, the Rack and ActionPack
+    # instrumentations and what they need). No registry these machines reach serves it, so
+    # CI runs without it and the specs that need it say so.
+    OTEL_SDK_ENV = "RUBYSPY_OTEL_SDK"
+
+    # Why the SDK's specs cannot run here, or nil when they can.
+    def self.otel_sdk_missing
+      dir = ENV.fetch(OTEL_SDK_ENV, "")
+      return "no OpenTelemetry Ruby SDK (#{OTEL_SDK_ENV}=DIR names a copy kept by hand; no registry here serves it)" if dir.empty?
+      return "#{OTEL_SDK_ENV}=#{dir}: no gem directories with a lib/ there" if Dir[File.join(dir, "*", "lib")].empty?
+
+      nil
+    end
+
+    # The lib directories of the OpenTelemetry gems in RUBYSPY_OTEL_SDK, as this Ruby's
+    # targets see them (copied into the chroot at the same path when inside one), or nil
+    # where there are none.
     def otel_gem_libs
-      gems = File.expand_path("../shared/gems", ROOT)
-      return nil unless File.directory?(gems)
+      return nil if TargetRuby.otel_sdk_missing
+
+      gems = File.expand_path(ENV.fetch(OTEL_SDK_ENV))
 
       if inside? && !File.directory?(File.join(@root, gems))
         FileUtils.mkdir_p(File.join(@root, File.dirname(gems)))
@@ -112,9 +128,9 @@ module RubySpyTest
       Dir[File.join(gems, "*", "lib")].sort + logger_lib
     end
 
-    # The API needs the logger gem, a bundled gem from Ruby 4.0 that the upstream builds in
-    # ../shared/rubies do not install: Debian's (sid's Ruby 3.4, pure Ruby) stands in, from
-    # a directory holding links to it alone.
+    # The API needs the logger gem, a bundled gem from Ruby 4.0 that a Ruby built without its
+    # bundled gems lacks: Debian's (sid's Ruby 3.4, pure Ruby) stands in, from a directory
+    # holding links to it alone.
     def logger_lib
       return [] if host? || inside? || version < Gem::Version.new("4.0")
 
