@@ -116,6 +116,9 @@ static size_t max_end(void) {
         offsetof(struct rb_iseq_constant_body, insns_info.succ_index_table) + 8,
         offsetof(struct rb_iseq_constant_body, parent_iseq) + 8,
         offsetof(struct rb_iseq_constant_body, local_iseq) + 8,
+#if RV == 304
+        offsetof(struct rb_iseq_constant_body, builtin_attrs) + 8,
+#endif
     };
     size_t m = 0;
     for (size_t i = 0; i < sizeof(ends) / sizeof(ends[0]); i++) if (ends[i] > m) m = ends[i];
@@ -264,6 +267,14 @@ int main(void) {
     SOMEOFF(body_mandatory_only_iseq, struct rb_iseq_constant_body, mandatory_only_iseq);
 #else
     NONE(body_mandatory_only_iseq);
+#endif
+#if RV == 304
+    /* builtin_attrs' first byte holds BUILTIN_ATTR_C_TRACE (x86_64 is little-endian). */
+    _Static_assert(BUILTIN_ATTR_C_TRACE < 0x100, "C_TRACE is not in builtin_attrs' first byte");
+    printf("    body_c_trace: Some((%zu, 0x%x)),\n", offsetof(struct rb_iseq_constant_body, builtin_attrs),
+           (unsigned)BUILTIN_ATTR_C_TRACE);
+#else
+    NONE(body_c_trace);
 #endif
     U(body_read_size, max_end());
     U(insn_info_entry_size, sizeof(struct iseq_insn_info_entry));

@@ -135,6 +135,12 @@ pub struct Layout {
     pub body_local_iseq: usize,
     /// Builtin methods with `Primitive.mandatory_only?` run a second iseq (3.1+).
     pub body_mandatory_only_iseq: Option<usize>,
+    /// Ruby 3.4's `builtin_attrs` byte holding `BUILTIN_ATTR_C_TRACE`, and that bit: a method
+    /// written in Ruby inside the VM with `Primitive.attr! :c_trace` (under YJIT `Array#each`,
+    /// `#map`, `#select`) shows in backtraces as a C method does (vm_backtrace.c,
+    /// `backtrace_each`). None before 3.4, and from 4.0, whose rule for every internal frame
+    /// covers these (`locates_internal_frames_at_their_caller`).
+    pub body_c_trace: Option<(usize, u8)>,
     /// Bytes of the body the walker reads in one go (covers every `body_*` field above).
     pub body_read_size: usize,
     pub insn_info_entry_size: usize,
@@ -321,6 +327,13 @@ impl Layout {
     /// such frames at their own `<internal:...>` location.
     pub fn locates_internal_frames_at_their_caller(&self) -> bool {
         self.api_version >= 400
+    }
+
+    /// Whether the iseq body read as `body` (`body_read_size` bytes) has 3.4's
+    /// `BUILTIN_ATTR_C_TRACE` (`body_c_trace`).
+    pub fn is_c_traced(&self, body: &[u8]) -> bool {
+        self.body_c_trace
+            .is_some_and(|(at, bit)| body.get(at).is_some_and(|byte| byte & bit != 0))
     }
 
     /// `symbols_last_id` is 4.0's `next_id`, one past the last ID serial, where before it was

@@ -565,5 +565,10 @@ fn shape_ivar<M: Memory>(
     Err(ObjectError::Shape("shape tree too deep", class))
 }
 
+/// The imemo type of an object whose flags are given, if it is a T_IMEMO.
+pub(crate) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {
+    (flags & l.t_mask == l.t_imemo).then_some((flags >> l.fl_ushift) & 0xf)
+}
+
 #[cfg(test)]
 mod tests;

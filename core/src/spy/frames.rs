@@ -5,8 +5,7 @@ use super::*;
 use crate::lines::LineTable;
 use crate::memory::{field, Memory, ReadBatch, Span};
 use crate::memory::{word, word32};
-use crate::objects::{is_heap_object, label_module, read_array_entry, read_string};
-use rbspy_ext_bindings::Layout;
+use crate::objects::{imemo_type, is_heap_object, label_module, read_array_entry, read_string};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
@@ -29,6 +28,9 @@ pub(super) struct IseqInfo {
     pub(super) is_method: bool,
     /// `body.type` (ISEQ_TYPE_*).
     pub(super) kind: u32,
+    /// Ruby 3.4: the iseq has `Primitive.attr! :c_trace`, and backtraces show its frames as
+    /// a C method's (`Layout::body_c_trace`).
+    pub(super) c_trace: bool,
     pub(super) lines: LineTable,
     /// Qualified labels by owner class.
     pub(super) qualified: FxHashMap<u64, Arc<str>>,
@@ -267,6 +269,7 @@ impl<M: Memory> Walker<'_, M> {
             local_iseq: local,
             is_method: kind == l.iseq_type_method,
             kind,
+            c_trace: l.is_c_traced(&b),
             lines,
             qualified: FxHashMap::default(),
         })
@@ -400,9 +403,11 @@ impl<M: Memory> Walker<'_, M> {
                     "method frame without a method entry".into(),
                 ));
             }
-            let is_method = info.is_method;
+            let (is_method, c_trace) = (info.is_method, info.c_trace);
             let frame = self.iseq_frame(f, owner)?;
-            if hides_internal && frame.path.starts_with(INTERNAL_PATH) {
+            if c_trace {
+                out.push_c_traced(frame);
+            } else if hides_internal && frame.path.starts_with(INTERNAL_PATH) {
                 out.push_internal(frame, is_method);
             } else {
                 out.push_ruby(frame);
@@ -591,9 +596,4 @@ impl<M: Memory> Walker<'_, M> {
             c_function: false,
         })
     }
-}
-
-/// The imemo type of an object whose flags are given, if it is a T_IMEMO.
-pub(super) fn imemo_type(l: &Layout, flags: u64) -> Option<u64> {
-    (flags & l.t_mask == l.t_imemo).then_some((flags >> l.fl_ushift) & 0xf)
 }

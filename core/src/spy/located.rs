@@ -48,6 +48,19 @@ impl Located {
         self.push_cfunc(frame);
     }
 
+    /// Ruby 3.4: a method with `Primitive.attr! :c_trace` (under YJIT `Array#each`) is
+    /// located as a C function is, at its caller's location (vm_backtrace.c,
+    /// `backtrace_each`), though it is written in Ruby (`c_function` stays false, as its
+    /// `source_location` says).
+    pub(super) fn push_c_traced(&mut self, frame: Frame) {
+        self.push_cfunc(Frame {
+            path: Arc::from(""),
+            absolute_path: None,
+            lineno: 0,
+            ..frame
+        });
+    }
+
     /// A Ruby frame: its location is its own, and that of every frame waiting for it.
     pub(super) fn push_ruby(&mut self, frame: Frame) {
         for idx in self.waiting.drain(..) {
@@ -117,5 +130,24 @@ mod tests {
                 ("<main>".into(), "app.rb".into(), 2)
             ]
         );
+    }
+
+    /// `[1].each { sleep }` under 3.4's YJIT: `Array#each` (c_trace) keeps the C function it
+    /// called, and both show the block's caller's location, as Ruby 3.4 prints them.
+    #[test]
+    fn a_c_traced_method_is_located_as_a_c_function_and_keeps_what_it_called() {
+        let mut l = Located::with_capacity(4);
+        l.push_cfunc(frame("Kernel#sleep", "", 0, true));
+        l.push_c_traced(frame("Array#each", "<internal:array>", 228, false));
+        l.push_ruby(frame("<main>", "app.rb", 3, false));
+        assert_eq!(
+            shown(&l),
+            [
+                ("Kernel#sleep".into(), "app.rb".into(), 3),
+                ("Array#each".into(), "app.rb".into(), 3),
+                ("<main>".into(), "app.rb".into(), 3)
+            ]
+        );
+        assert!(!l.frames[1].c_function);
     }
 }

@@ -441,15 +441,31 @@ macro_rules! layout {
         } else {
             l.none("body_mandatory_only_iseq");
         });
+        // 3.4's BUILTIN_ATTR_C_TRACE (0x08, vm_core.h), in builtin_attrs' first byte; 4.0's
+        // rule for internal frames covers it.
+        since!($rv >= 304 {
+            since!($rv >= 400 {
+                l.none("body_c_trace");
+            } else {
+                l.some_bit("body_c_trace", (offset_of!(Body, builtin_attrs), 0x08));
+            });
+        } else {
+            l.none("body_c_trace");
+        });
         // The probe's max_end(): the end of the last of these, each read as 8 bytes.
-        let body_read_size = [
+        #[allow(unused_mut)]
+        let mut ends = vec![
             offset_of!(Body, type_),
             offset_of!(Body, iseq_encoded),
             offset_of!(Body, location.first_lineno),
             offset_of!(Body, insns_info.succ_index_table),
             offset_of!(Body, parent_iseq),
             offset_of!(Body, local_iseq),
-        ]
+        ];
+        since!($rv >= 304 {
+            since!($rv >= 400 {} else { ends.push(offset_of!(Body, builtin_attrs)); });
+        } else {});
+        let body_read_size = ends
         .into_iter()
         .map(|off| off + 8)
         .max()
