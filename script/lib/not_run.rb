@@ -1,10 +1,12 @@
 # frozen_string_literal: true
 
 # The last line of script/test's summary: what was not run here, and why. First the Rubies
-# and JITs that no lane ran (no registry these machines reach serves a Ruby 4.0 or 4.1, so
-# they run only where a developer names one in RUBYSPY_EXTRA_RUBIES), then every example
-# that skipped itself, grouped by its reason, with how many skipped and in which runs (from
-# the JSON each rspec run wrote, tmp/ci/rspec/RUN.json).
+# and JITs that no run had (no registry these machines reach serves a Ruby 4.0 or 4.1, so
+# they run only where a developer names one in RUBYSPY_EXTRA_RUBIES), then the examples
+# that no run ran, grouped by why they skipped themselves (from the JSON each rspec run
+# wrote, tmp/ci/rspec/RUN.json). An example that skips in one run by design and runs in
+# another (most of the matrix's: "checked once, on the host's Ruby") was run, and is not
+# listed.
 #   ruby script/lib/not_run.rb LIST FILE...   (LIST: what `script/rubies list` printed)
 require "json"
 
@@ -18,25 +20,26 @@ unless missing.empty?
 end
 absent << "ZJIT (Ruby 4.0+)" unless series.any? { |s| Gem::Version.new(s) >= Gem::Version.new("4.0") }
 
-skipped = Hash.new { |h, k| h[k] = [0, []] }
+# Each example (by id: the same in every run) and the reasons it skipped for, nil where it ran.
+outcomes = Hash.new { |h, k| h[k] = [] }
 ARGV.each do |file|
-  run = File.basename(file, ".json")
   JSON.parse(File.read(file)).fetch("examples", []).each do |e|
-    next unless e["status"] == "pending"
-
-    # One reason whatever the run: the target named in a message is the run's.
-    reason = e["pending_message"].to_s.sub(/\ANo reason given\z/, "").strip
-    reason = "(no reason given)" if reason.empty?
-    skipped[reason][0] += 1
-    skipped[reason][1] |= [run]
+    outcomes[e["id"]] << (e["status"] == "pending" ? e["pending_message"].to_s.strip : nil)
   end
 rescue JSON::ParserError, Errno::ENOENT
   next # a run killed before it wrote its report
 end
-examples = skipped.sort_by { |_, (n, _)| -n }.map do |reason, (n, runs)|
-  shown = runs.size > 3 ? "#{runs.first(3).join(', ')} and #{runs.size - 3} more" : runs.join(", ")
-  "#{reason} (#{n} in #{shown})"
+# Reasons that send an example to another run ("needs Ruby 3.3+", "not by host Ruby",
+# "see the JIT runs"), rather than name what is missing here.
+ELSEWHERE = /\bneeds? Ruby\b|\bnot by\b|\bsee the\b|\bcovers this\b/
+# Of an example's reasons, one that names what is missing, then the most frequent.
+never = outcomes.reject { |_, reasons| reasons.include?(nil) }.transform_values do |reasons|
+  reasons.tally.max_by { |reason, n| [reason.match?(ELSEWHERE) ? 0 : 1, n] }.first
 end
+by_reason = never.values.tally.sort_by { |reason, n| [-n, reason] }
 parts = absent
-parts << "#{skipped.sum { |_, (n, _)| n }} examples skipped: #{examples.join('; ')}" unless skipped.empty?
+unless by_reason.empty?
+  parts << "#{never.size} example#{'s' unless never.size == 1} in no run: " +
+           by_reason.map { |reason, n| "#{reason.empty? ? '(no reason given)' : reason} (#{n})" }.join("; ")
+end
 puts "not run here: #{parts.empty? ? 'nothing' : parts.join('; ')}"

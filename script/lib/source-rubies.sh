@@ -13,20 +13,35 @@
 # Both need the host's libraries (they were built on, or for, this Debian).
 
 srcrubies=$cache/srcrubies
-# NAME|SOURCE (a path under Debian's pool)|configure arguments beyond --prefix
-# src-3.4-bp is 3.4.5 again with every control frame one word longer (VM_DEBUG_BP_CHECK
-# adds `bp_check` to rb_control_frame_t) and no JIT (YJIT's Rust mirrors the frame as
-# Ruby ships it): a Ruby whose layout no table of ours describes. It is listed, not run in
-# the matrix (list's kind is `source-unknown`): its frames are what the layout from its own
-# DWARF must get right.
+# NAME|KIND|SOURCE (a path under Debian's pool)|configure arguments beyond --prefix
+# KIND source-unknown: src-3.4-bp is 3.4.5 again with every control frame one word longer
+# (VM_DEBUG_BP_CHECK adds `bp_check` to rb_control_frame_t) and no JIT (YJIT's Rust mirrors
+# the frame as Ruby ships it): a Ruby whose layout no table of ours describes. It is
+# listed, not run in the matrix: its frames are what the layout from its own DWARF must get
+# right.
 source_builds=(
-  "src-3.3|pool/main/r/ruby3.3/ruby3.3_3.3.8.orig.tar.xz|--enable-yjit"
-  "src-3.4|pool/main/r/ruby3.4/ruby3.4_3.4.5.orig.tar.xz|--enable-yjit"
-  "src-3.4-bp|pool/main/r/ruby3.4/ruby3.4_3.4.5.orig.tar.xz|--disable-yjit cppflags=-DVM_DEBUG_BP_CHECK=1"
+  "src-3.3|source|pool/main/r/ruby3.3/ruby3.3_3.3.8.orig.tar.xz|--enable-yjit"
+  "src-3.4|source|pool/main/r/ruby3.4/ruby3.4_3.4.5.orig.tar.xz|--enable-yjit"
+  "src-3.4-bp|source-unknown|pool/main/r/ruby3.4/ruby3.4_3.4.5.orig.tar.xz|--disable-yjit cppflags=-DVM_DEBUG_BP_CHECK=1"
 )
 source_names=()
 for _build in "${source_builds[@]}"; do source_names+=("${_build%%|*}"); done
 unset _build
+
+# The KIND of a source build.
+source_kind() {
+  local entry kind
+  for entry in "${source_builds[@]}"; do
+    [[ ${entry%%|*} == "$1" ]] && { IFS='|' read -r _ kind _ <<<"$entry"; echo "$kind"; return; }
+  done
+}
+
+# The source builds of KIND (source or source-unknown), built or not.
+source_names_of() {
+  local name
+  for name in "${source_names[@]}"; do [[ $(source_kind "$name") == "$1" ]] && echo "$name"; done
+  return 0
+}
 # What a source build needs from Debian besides build-essential: the headers of the
 # libraries its default extensions link (openssl, psych's libyaml, zlib, fiddle's libffi,
 # bignum's gmp, readline for irb).
@@ -77,7 +92,7 @@ build_source() {
   local name=$1 entry source conf src tarball tree build prefix=$srcrubies/$1 start=$SECONDS
   [[ -f $prefix/$marker_name ]] && { log "$name: already built ($prefix)"; return; }
   for entry in "${source_builds[@]}"; do [[ ${entry%%|*} == "$name" ]] && break; done
-  IFS='|' read -r _ source conf <<<"$entry"
+  IFS='|' read -r _ _ source conf <<<"$entry"
   ensure_source_packages
   # rustc for YJIT: rustup's (script/setup), which non-login shells may not have on PATH.
   if [[ -f $HOME/.cargo/env ]]; then . "$HOME/.cargo/env"; fi
@@ -162,8 +177,7 @@ list_hostbuilt() {
     [[ -f $srcrubies/$name/$marker_name ]] || continue
     read -r version bin jits <"$srcrubies/$name/$marker_name"
     [[ -n $jits ]] || jits=$(jits_of "$bin") # a marker older than its JITS field
-    kind=source
-    [[ $name == src-3.4-bp ]] && kind=source-unknown
+    kind=$(source_kind "$name")
     echo "$name $version $srcrubies/$name $bin $kind ${jits:--}"
   done
   while read -r name bin; do

@@ -9,10 +9,11 @@ module RubySpyTest
   # Which Ruby runs the fixture targets. RUBYSPY_TARGET_RUBY=NAME:inside|outside[:JIT] picks a
   # Ruby from script/rubies (NAME as in `script/rubies list`): `inside` runs a Debian Ruby in
   # its chroot (container-style: the paths in the target's /proc/PID/maps do not exist for the
-  # reader), `outside` runs the same binary on the host through the chroot's loader, or an
-  # upstream Ruby as itself. JIT (yjit or zjit) turns that JIT on in every target (--yjit,
-  # --zjit); mn=N starts every target with RUBY_MN_THREADS=N (M:N threads, 3.3+), unless a
-  # spec sets its own. Unset: the Ruby running the specs.
+  # reader), `outside` runs the same binary on the host through the chroot's loader, or a
+  # Ruby built from source (or one of RUBYSPY_EXTRA_RUBIES) as itself. JIT (yjit or zjit)
+  # turns that JIT on in every target (--yjit, --zjit); mn=N starts every target with
+  # RUBY_MN_THREADS=N (M:N threads, 3.3+), unless a spec sets its own. Unset: the Ruby
+  # running the specs.
   class TargetRuby
     JITS = %w[yjit zjit].freeze
 
@@ -46,8 +47,8 @@ module RubySpyTest
 
       @root = line[2]
       @version = line[1]
-      upstream = line[4] == "upstream"
-      raise ArgumentError, "#{@name} is an upstream build with no chroot: use #{@name}:outside" if upstream && inside?
+      on_host = line[4] != "chroot"
+      raise ArgumentError, "#{@name} runs on the host as itself, with no chroot: use #{@name}:outside" if on_host && inside?
 
       sync_fixtures if inside?
     end
