@@ -35,6 +35,13 @@ module RubySpy
     @endpoints = {}.compare_by_identity
 
     class << self
+      # In a forked child: its own process context (the parent's mapping is not inherited).
+      # @api private
+      def forked
+        NativeOTel.after_fork
+        @published &&= Process.pid
+      end
+
       # Hooks the OpenTelemetry API (and the SDK, when loaded) and publishes the process
       # context. Does nothing without the API, with RUBYSPY_OTEL=0, or when done already.
       # @return [Boolean] whether the bridge is on
@@ -61,7 +68,7 @@ module RubySpy
       # Publishes the process context with the SDK's resource attributes now.
       # @api private
       def publish_process
-        @published = true
+        @published = Process.pid
         NativeOTel.publish_process(resource_attributes)
       end
 
@@ -72,11 +79,17 @@ module RubySpy
       # @return [Boolean] whether the process context is published
       # @api private
       def publish_once
-        return true if @published
+        return true if @published == Process.pid
         return false if ENV[ENV_SWITCH] == "0"
 
-        hook_fork
-        publish_process
+        if @published
+          # A forked child the fork hook did not see (Ruby before 3.1 has no Process._fork):
+          # its own process context, now.
+          forked
+        else
+          hook_fork
+          publish_process
+        end
         true
       end
 
@@ -282,7 +295,7 @@ module RubySpy
     module ForkHook
       def _fork
         pid = super
-        NativeOTel.after_fork if pid.zero?
+        RubySpy::OTel.forked if pid.zero?
         pid
       end
     end

@@ -170,11 +170,22 @@ jits_of() {
   echo "${jits[*]:--}"
 }
 
-# list's lines for the source builds and the extras: NAME VERSION ROOT BIN KIND JITS.
+# list's lines for the source builds and the extras: NAME VERSION ROOT BIN KIND JITS. With
+# --planned, a source build not built yet too, as it will be: its tarball's version, YJIT
+# where its configure asks for it (script/test plans its runs before it builds them).
 list_hostbuilt() {
-  local name bin version kind jits
+  local name bin version kind jits entry source conf
   for name in "${source_names[@]}"; do
-    [[ -f $srcrubies/$name/$marker_name ]] || continue
+    if [[ ! -f $srcrubies/$name/$marker_name ]]; then
+      [[ ${1-} == --planned ]] || continue
+      for entry in "${source_builds[@]}"; do [[ ${entry%%|*} == "$name" ]] && break; done
+      IFS='|' read -r _ kind source conf <<<"$entry"
+      version=${source##*_}
+      jits=-
+      [[ " $conf " == *" --enable-yjit "* ]] && jits=yjit
+      echo "$name ${version%%.orig*} $srcrubies/$name $srcrubies/$name/bin/ruby $kind $jits"
+      continue
+    fi
     read -r version bin jits <"$srcrubies/$name/$marker_name"
     [[ -n $jits ]] || jits=$(jits_of "$bin") # a marker older than its JITS field
     kind=$(source_kind "$name")
