@@ -130,11 +130,18 @@ pub fn record(pairs: &[(ID, VALUE)], trace: Option<&Trace>) -> Option<Box<[u16]>
         }
     }
     if !pairs.is_empty() {
+        // Names and texts before the lock: `to_s` runs Ruby, which may switch threads, and
+        // another thread making a record would then wait for the lock holding the GVL, and
+        // this one for the GVL holding the lock (seen: spec/fork_spec.rb's tagging threads
+        // hung once records were on).
+        let texts: Vec<(String, String)> = pairs
+            .iter()
+            // SAFETY: IDs of Symbols and VALUEs the State keeps alive, with the GVL.
+            .map(|&(id, value)| unsafe { (id_name(id), value_text(value)) })
+            .collect();
         let mut p = published();
         let before = p.keys.len();
-        for &(id, value) in pairs {
-            // SAFETY: IDs of Symbols and VALUEs the State keeps alive, with the GVL.
-            let (name, text) = unsafe { (id_name(id), value_text(value)) };
+        for (name, text) in texts {
             match key_index(&mut p.keys, &name) {
                 Some(key) => r.attrs.push((key, text)),
                 None => _ = KEYS_FULL.fetch_add(1, Ordering::Relaxed),
