@@ -139,19 +139,9 @@ RSpec.describe "OpenTelemetry context" do
     [start, attributes, maps]
   end
 
-  # OTEP 4947's record at +address+ in process +pid+, decoded as the OTEP lays it out (no
-  # code of the writer's): trace-id, span-id, valid, trace-flags, attrs-data-size, then
-  # {key index, length, bytes} entries, named through +key_map+.
+  # OTEP 4947's record at +address+ in process +pid+, read as any reader would.
   def otep_record(pid, address, key_map)
-    trace_id, span_id, valid, flags, size = peek(pid, address, 28).unpack("a16 a8 C C S")
-    data = peek(pid, address + 28, size)
-    attrs = {}
-    until data.empty?
-      key, length = data.unpack("C C")
-      attrs[key_map.fetch(key)] = data.byteslice(2, length).force_encoding(Encoding::UTF_8)
-      data = data.byteslice(2 + length..)
-    end
-    { trace_id: trace_id.unpack1("H*"), span_id: span_id.unpack1("H*"), valid: valid, flags: flags, attrs: attrs }
+    RubySpyTest::OtepRecord.decode(key_map) { |offset, length| peek(pid, address + offset, length) }
   end
 
   {

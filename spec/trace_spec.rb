@@ -10,23 +10,11 @@ RSpec.describe "RubySpy.trace" do
   TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
   SPAN = "00f067aa0ba902b7"
 
-  # The current fiber's OTEP 4947 record, decoded from the OTEP's table (trace-id, span-id,
-  # valid, trace-flags, attrs-data-size, then {key, length, bytes}), attributes named by the
-  # published key map; nil when the fiber has none.
+  # The current fiber's OTEP 4947 record, decoded from the OTEP's table, attributes named by
+  # the published key map; nil when the fiber has none.
   def record
     bytes = RubySpy::State.current&.otel_record
-    return nil unless bytes
-
-    trace_id, span_id, valid, flags, size = bytes.unpack("a16 a8 C C S")
-    data = bytes.byteslice(28, size)
-    keys = RubySpy::NativeOTel.key_map
-    attrs = {}
-    until data.empty?
-      key, length = data.unpack("C C")
-      attrs[keys.fetch(key)] = data.byteslice(2, length).force_encoding(Encoding::UTF_8)
-      data = data.byteslice(2 + length..)
-    end
-    { trace_id: trace_id.unpack1("H*"), span_id: span_id.unpack1("H*"), valid: valid, flags: flags, attrs: attrs }
+    bytes && RubySpyTest::OtepRecord.decode(RubySpy::NativeOTel.key_map) { |offset, length| bytes.byteslice(offset, length) }
   end
 
   it "makes the trace current for the block, with its local root and endpoint, and puts back none after" do
