@@ -2,6 +2,7 @@
 
 require_relative "spec_helper"
 require "rbspy_ext"
+require "open3"
 
 # RubySpy.trace in this process: what it takes, refuses and puts back. What readers outside
 # see of it (snapshots, both samplers, gdb, the process context) is spec/otel_spec.rb's,
@@ -54,6 +55,30 @@ RSpec.describe "RubySpy.trace" do
       expect(RubySpy.tags).to eq(tenant: "acme")
       expect(record).to include(trace_id: "0" * 32)
     end
+  end
+
+  # In a process of its own: the bridge comes on at its first trace, after the tags around it
+  # were set, which this process's other examples cannot show once one has traced.
+  it "records the tags around the process's first trace once the trace ends" do
+    script = <<~RUBY
+      require "rbspy_ext"
+      require_relative #{File.expand_path("support/otep_record", __dir__).dump}
+      decode = lambda do
+        bytes = RubySpy::State.current.otel_record
+        bytes && RubySpyTest::OtepRecord.decode(RubySpy::NativeOTel.key_map) { |o, l| bytes.byteslice(o, l) }
+      end
+      RubySpy.tag(tenant: "acme") do
+        before = decode.call
+        RubySpy.trace(trace_id: "#{TRACE}", span_id: "#{SPAN}") {}
+        $stdout.binmode.write(Marshal.dump([before, decode.call]))
+      end
+    RUBY
+    out, err, status = Open3.capture3(RbConfig.ruby, "-I", File.expand_path("../lib", __dir__), "-e", script,
+                                      binmode: true)
+    expect(status).to be_success, err
+    before, after = Marshal.load(out)
+    expect(before).to be_nil
+    expect(after).to include(trace_id: "0" * 32, attrs: { "tenant" => "acme" })
   end
 
   it "is inherited by threads and fibers started inside it, and is each fiber's own" do

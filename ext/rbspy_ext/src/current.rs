@@ -36,15 +36,22 @@ fn apply(ruby: &Ruby, state: Value) -> Result<Value, Error> {
 }
 
 /// `previous` (a `RubySpy::State` or nil) as it is put back: with the endpoint its trace's
-/// local root has now, when it was made before a rename (`otel::renamed`).
+/// local root has now, when it was made before a rename (`otel::renamed`), and with an
+/// OpenTelemetry record, when it was made before the bridge came on (`RubySpy.tag` around
+/// the process's first `RubySpy.trace`: its samples after the trace would be untagged).
 pub(crate) fn refreshed(previous: VALUE) -> VALUE {
-    let Some(trace) = state_of(previous).and_then(|s| s.trace()) else {
+    let Some(state) = state_of(previous) else {
         return previous;
     };
-    let (Some(now), Ok(ruby)) = (crate::otel::renamed(trace), Ruby::get()) else {
+    let renamed = state.trace().and_then(|trace| crate::otel::renamed(trace));
+    let unrecorded = !state.has_record() && crate::otel::is_on();
+    let (true, Ok(ruby)) = (renamed.is_some() || unrecorded, Ruby::get()) else {
         return previous;
     };
-    match State::traced(state_of(previous), Some(std::sync::Arc::new(now))) {
+    let trace = renamed
+        .map(std::sync::Arc::new)
+        .or_else(|| state.trace().cloned());
+    match State::traced(Some(state), trace) {
         Some(state) => state.into_value_with(&ruby).as_raw(),
         None => previous,
     }

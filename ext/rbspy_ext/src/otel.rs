@@ -72,6 +72,11 @@ pub fn renamed(trace: &Trace) -> Option<Trace> {
 
 /// Whether States carry records: from the bridge's first publication of the process context.
 static ON: AtomicBool = AtomicBool::new(false);
+/// Whether States made now carry records.
+pub fn is_on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
 /// Tags left out of records: their name came after the key map's 256 entries were taken.
 static KEYS_FULL: AtomicU64 = AtomicU64::new(0);
 /// Entries of records that would have taken a record past the OTEP's 640 bytes.
@@ -116,7 +121,7 @@ fn published() -> MutexGuard<'static, Published> {
 /// The OTEP 4947 record of a State holding `pairs` under `trace`, or None while the bridge
 /// is off. With the GVL (tag names and values are read through Ruby).
 pub fn record(pairs: &[(ID, VALUE)], trace: Option<&Trace>) -> Option<Box<[u16]>> {
-    if !ON.load(Ordering::Relaxed) {
+    if !is_on() {
         return None;
     }
     let mut r = Record::default();

@@ -92,6 +92,11 @@ impl State {
         (!pairs.is_empty() || trace.is_some()).then(|| State::new(pairs, trace))
     }
 
+    /// Whether this state carries an OpenTelemetry record (it was made with the bridge on).
+    pub(crate) fn has_record(&self) -> bool {
+        self.record.is_some()
+    }
+
     /// The trace this state was made under.
     pub(crate) fn trace(&self) -> Option<&Arc<Trace>> {
         self.trace.as_ref()
