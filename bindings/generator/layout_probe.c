@@ -255,7 +255,7 @@ int main(void) {
     OFF(body_iseq_size, struct rb_iseq_constant_body, iseq_size);
     OFF(body_iseq_encoded, struct rb_iseq_constant_body, iseq_encoded);
     OFF(body_location_pathobj, struct rb_iseq_constant_body, location.pathobj);
-    OFF(body_location_base_label, struct rb_iseq_constant_body, location.base_label);
+    SOMEOFF(body_location_base_label, struct rb_iseq_constant_body, location.base_label);
     OFF(body_location_label, struct rb_iseq_constant_body, location.label);
     OFF(body_location_first_lineno, struct rb_iseq_constant_body, location.first_lineno);
     OFF(body_insns_info_body, struct rb_iseq_constant_body, insns_info.body);

@@ -9,14 +9,18 @@
 //! census's [`HeapLayout`], defined in heap.rs). Never edit either by hand: `script/add-ruby`
 //! adds a release (docs/adding-a-ruby.md).
 
+mod fields;
 mod generated;
 mod heap;
 mod heap_generated;
+pub mod members;
 
+pub use fields::{Field, FieldValue};
 pub use generated::{LAYOUTS, VERSIONS};
 pub use heap::{Fields, HeapLayout, RactorHeaps, ShapeList, Shapes};
 pub use heap_generated::HEAP_LAYOUTS;
 
+fields::layout_struct! {
 /// Offsets (in bytes) and constants of one distinct Ruby VM layout.
 ///
 /// Field names follow Ruby's own `struct.field` path so each can be checked against the
@@ -125,7 +129,9 @@ pub struct Layout {
     pub body_iseq_size: usize,
     pub body_iseq_encoded: usize,
     pub body_location_pathobj: usize,
-    pub body_location_base_label: usize,
+    /// None where a block's method name comes from its `local_iseq`'s label (4.1.0,
+    /// upstream PR #18551 removed `base_label`).
+    pub body_location_base_label: Option<usize>,
     pub body_location_label: usize,
     pub body_location_first_lineno: usize,
     pub body_insns_info_body: usize,
@@ -310,6 +316,7 @@ pub struct Layout {
     /// it. None where `ids` is an Array of chunks.
     pub id_dir: Option<(usize, usize)>,
 }
+}
 
 impl Layout {
     /// Backtraces label rescue, ensure and eval code like the code it belongs to (the nearest
@@ -491,7 +498,7 @@ mod tests {
                 l.body_iseq_encoded,
                 l.body_location_pathobj,
                 l.body_location_label,
-                l.body_location_base_label,
+                l.body_location_base_label.unwrap_or(0),
                 l.body_location_first_lineno,
                 l.body_insns_info_body,
                 l.body_insns_info_size,

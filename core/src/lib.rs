@@ -21,6 +21,7 @@ pub mod bpf;
 pub mod census;
 pub mod context;
 pub mod cost;
+pub mod dwarf;
 pub mod error;
 pub mod heap_sites;
 pub mod image;

@@ -231,7 +231,6 @@ impl<M: Memory> Walker<'_, M> {
             label = self.clause_label(&b, label)?;
         }
         let label: Arc<str> = label.into();
-        let base_label: Arc<str> = strings(self, word(&b, l.body_location_base_label))?.into();
         let (path, absolute_path) = self.read_pathobj(word(&b, l.body_location_pathobj))?;
         let size = word32(&b, l.body_iseq_size);
         let lines = LineTable::read(
@@ -244,18 +243,37 @@ impl<M: Memory> Walker<'_, M> {
         )
         .map_err(|e| self.target.object_moved("reading a line table", e))?;
         let local = word(&b, l.body_local_iseq);
-        let in_method = if local == 0 {
-            false
-        } else {
-            let local_body = self
-                .target
-                .read_word(local, l.iseq_body, "reading a local iseq")?;
-            let mut t = [0u8; 4];
-            self.target
-                .mem
-                .read(field(local_body, l.body_type), &mut t)
-                .map_err(self.target.moved("reading a local iseq"))?;
-            u32::from_le_bytes(t) == l.iseq_type_method
+        let local_body = match local {
+            0 => None,
+            _ => Some(
+                self.target
+                    .read_word(local, l.iseq_body, "reading a local iseq")?,
+            ),
+        };
+        let in_method = match local_body {
+            None => false,
+            Some(local_body) => {
+                let mut t = [0u8; 4];
+                self.target
+                    .mem
+                    .read(field(local_body, l.body_type), &mut t)
+                    .map_err(self.target.moved("reading a local iseq"))?;
+                u32::from_le_bytes(t) == l.iseq_type_method
+            }
+        };
+        // A Ruby without `base_label` (4.1.0) derives it from the local iseq's label
+        // (iseq.c, `rb_iseq_base_label`): a block's method name; an iseq's own for the rest.
+        let base_label: Arc<str> = match (l.body_location_base_label, local_body) {
+            (Some(at), _) => strings(self, word(&b, at))?.into(),
+            (None, Some(local_body)) if local_body != body => {
+                let v = self.target.read_word(
+                    local_body,
+                    l.body_location_label,
+                    "reading a local iseq's label",
+                )?;
+                strings(self, v)?.into()
+            }
+            (None, _) => label.clone(),
         };
         Ok(IseqInfo {
             body,

@@ -425,7 +425,7 @@ macro_rules! layout {
         l.dec("body_iseq_size", offset_of!(Body, iseq_size));
         l.dec("body_iseq_encoded", offset_of!(Body, iseq_encoded));
         l.dec("body_location_pathobj", offset_of!(Body, location.pathobj));
-        l.dec("body_location_base_label", offset_of!(Body, location.base_label));
+        l.some("body_location_base_label", offset_of!(Body, location.base_label));
         l.dec("body_location_label", offset_of!(Body, location.label));
         l.dec("body_location_first_lineno", offset_of!(Body, location.first_lineno));
         l.dec("body_insns_info_body", offset_of!(Body, insns_info.body));

@@ -1,0 +1,272 @@
+//! A target's layout from its own debug information. A Ruby built from source with default
+//! flags (ruby-build, rbenv, asdf, mise, `./configure && make install`) carries full DWARF in
+//! its `ruby` or `libruby.so`; a distribution's sits in a separate debug file. Read from
+//! there, every offset and constant of the `Layout` describes that very binary: a release
+//! no table knows yet, a preview, a patch release that moved a field, a patched Ruby.
+//!
+//! Only the types the layout needs are read (`types`), each field by its recipe in
+//! bindings' `members` (the list the header probe measures too) and `rules`. Layouts are
+//! kept by build-id, in memory and under `~/.cache/rbspy_ext/layouts/`.
+
+mod find;
+mod rules;
+mod types;
+
+pub use find::hex;
+pub use types::TypeError;
+
+use find::{Elf, Identity};
+use object::{Object, ObjectSection};
+use rbspy_ext_bindings::{FieldValue, Layout};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// A layout read from debug information.
+#[derive(Debug, Clone)]
+pub struct DebugLayout {
+    pub layout: &'static Layout,
+    /// The file the DWARF was read from (the binary, or its separate debug file).
+    pub path: String,
+    /// The binary's build-id, in hex.
+    pub build_id: Option<String>,
+    /// Whether it came from the cache (memory or disk) rather than the DWARF itself.
+    pub cached: bool,
+}
+
+/// Debug information that exists but cannot give a layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unusable {
+    pub path: String,
+    pub detail: String,
+}
+
+/// Layouts already read, by build-id (or path, for a binary without one).
+static KEPT: Mutex<Vec<(String, DebugLayout)>> = Mutex::new(Vec::new());
+
+/// The layout of Ruby `version` in the binary the target maps as `name`, read through
+/// `file` (a path this process can open: /proc/PID/map_files, or through /proc/PID/root),
+/// with separate debug files looked for under `root` (the target's /proc/PID/root) first.
+/// `Ok(None)` when there is no debug information to read.
+pub fn layout_for(
+    file: &Path,
+    name: &str,
+    root: &Path,
+    version: &str,
+) -> Result<Option<DebugLayout>, Unusable> {
+    let unusable = |path: &Path, detail: String| Unusable {
+        path: path.display().to_string(),
+        detail,
+    };
+    let Some(binary) = Elf::open(file) else {
+        return Ok(None);
+    };
+    let id = find::identity(&binary).map_err(|d| unusable(file, d))?;
+    let build_id = id.build_id.as_deref().map(hex);
+    let key = build_id
+        .clone()
+        .unwrap_or_else(|| format!("{name}@{version}"));
+    if let Some(kept) = kept(&key) {
+        return Ok(Some(kept));
+    }
+    if let Some(layout) = build_id.as_deref().and_then(|b| disk::load(b, version)) {
+        return Ok(Some(keep(key, layout, name, build_id, true)));
+    }
+    let source = if id.has_dwarf {
+        binary
+    } else {
+        match separate(root, name, &id)? {
+            Some(elf) => elf,
+            None => return Ok(None),
+        }
+    };
+    let layout = read(&source, version).map_err(|d| unusable(&source.path, d))?;
+    if let Some(b) = build_id.as_deref() {
+        disk::store(b, &source.path, &layout, version);
+    }
+    let path = source.path.display().to_string();
+    Ok(Some(keep(key, layout, &path, build_id, false)))
+}
+
+fn kept(key: &str) -> Option<DebugLayout> {
+    let kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    kept.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, l)| DebugLayout {
+            cached: true,
+            ..l.clone()
+        })
+}
+
+/// Keeps `layout` for the process's life: one per distinct binary attached to.
+fn keep(
+    key: String,
+    layout: Layout,
+    path: &str,
+    build_id: Option<String>,
+    cached: bool,
+) -> DebugLayout {
+    let layout: &'static Layout = Box::leak(Box::new(layout));
+    let kept = DebugLayout {
+        layout,
+        path: path.to_string(),
+        build_id,
+        cached,
+    };
+    KEPT.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((key, kept.clone()));
+    kept
+}
+
+/// The first separate debug file of the binary that exists, checked to be its own.
+fn separate(root: &Path, name: &str, id: &Identity) -> Result<Option<Elf>, Unusable> {
+    for path in find::candidates(root, name, id) {
+        let Some(elf) = Elf::open(&path) else {
+            continue;
+        };
+        let theirs = find::identity(&elf).map_err(|detail| Unusable {
+            path: path.display().to_string(),
+            detail,
+        })?;
+        let refuse = |detail: String| {
+            Err(Unusable {
+                path: path.display().to_string(),
+                detail,
+            })
+        };
+        match (&id.build_id, &theirs.build_id, &id.debuglink) {
+            (Some(ours), Some(their), _) if ours != their => {
+                return refuse(format!(
+                    "its build-id {} is not the binary's {}: it belongs to another build",
+                    hex(their),
+                    hex(ours)
+                ));
+            }
+            (None, _, Some((_, crc))) | (_, None, Some((_, crc)))
+                if find::crc32(&path) != Some(*crc) =>
+            {
+                return refuse(format!(
+                    "its CRC-32 is not {crc:#010x}, which the binary's .gnu_debuglink names"
+                ));
+            }
+            _ => {}
+        }
+        if !theirs.has_dwarf {
+            return refuse("it holds no .debug_info".into());
+        }
+        return Ok(Some(elf));
+    }
+    Ok(None)
+}
+
+/// Sections the type reader uses; gimli gets empty ones for the rest.
+const SECTIONS: &[gimli::SectionId] = &[
+    gimli::SectionId::DebugInfo,
+    gimli::SectionId::DebugAbbrev,
+    gimli::SectionId::DebugStr,
+    gimli::SectionId::DebugStrOffsets,
+    gimli::SectionId::DebugLineStr,
+    // Read by gimli for each unit's header (its line program's, its address base).
+    gimli::SectionId::DebugLine,
+    gimli::SectionId::DebugAddr,
+];
+
+/// The layout the DWARF of `elf` describes.
+fn read(elf: &Elf, version: &str) -> Result<Layout, String> {
+    let file = elf.parse()?;
+    let mut data: HashMap<gimli::SectionId, Cow<[u8]>> = HashMap::new();
+    for id in SECTIONS {
+        if let Some(section) = file.section_by_name(id.name()) {
+            let bytes = section
+                .uncompressed_data()
+                .map_err(|e| format!("{}: {e}", id.name()))?;
+            data.insert(*id, bytes);
+        }
+    }
+    let dwarf = gimli::Dwarf::load(|id| {
+        let bytes: &[u8] = data.get(&id).map_or(&[], |b| b);
+        Ok::<_, gimli::Error>(gimli::EndianSlice::new(bytes, gimli::LittleEndian))
+    })
+    .map_err(|e| e.to_string())?;
+    let types = types::Types::index(dwarf, &rules::wanted()).map_err(describe)?;
+    rules::build(&types, version, NAME).map_err(describe)
+}
+
+/// What every layout read from debug information is called (`Layout::name`).
+pub const NAME: &str = "debug info";
+
+fn describe(e: TypeError) -> String {
+    match e {
+        TypeError::Corrupt(d) => format!("its DWARF does not parse: {d}"),
+        TypeError::Missing(d) => format!("its DWARF lacks {d}, which the stack walker needs"),
+    }
+}
+
+/// The fields where `a` and `b` differ, by name.
+pub fn differences(a: &Layout, b: &Layout) -> Vec<&'static str> {
+    a.fields()
+        .into_iter()
+        .zip(b.fields())
+        .filter(|(x, y)| x.1 != y.1)
+        .map(|(x, _)| x.0)
+        .collect()
+}
+
+/// Layouts on disk, one file per build-id: `field value` lines after a header naming the
+/// version and the DWARF's path. Any file that does not read back whole is ignored (and
+/// rewritten).
+mod disk {
+    use super::*;
+
+    fn dir() -> Option<PathBuf> {
+        match std::env::var_os("RUBYSPY_LAYOUT_CACHE") {
+            Some(d) if d.is_empty() || d == "0" => None,
+            Some(d) => Some(PathBuf::from(d)),
+            None => {
+                let base = std::env::var_os("XDG_CACHE_HOME")
+                    .map(PathBuf::from)
+                    .or_else(|| {
+                        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache"))
+                    })?;
+                Some(base.join("rbspy_ext").join("layouts"))
+            }
+        }
+    }
+
+    /// Bumped when the recipes change, so a layout cached by an older build is read again.
+    const FORMAT: &str = "rbspy_ext layout 1";
+
+    pub(super) fn load(build_id: &str, version: &str) -> Option<Layout> {
+        if !build_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let text = std::fs::read_to_string(dir()?.join(format!("{build_id}.layout"))).ok()?;
+        let mut lines = text.lines();
+        if lines.next()? != FORMAT || lines.next()? != format!("version {version}") {
+            return None;
+        }
+        let values: HashMap<&str, FieldValue> = lines
+            .filter_map(|l| l.split_once(' '))
+            .filter_map(|(f, v)| Some((f, FieldValue::parse(v)?)))
+            .collect();
+        Layout::from_fields(NAME, |f| values.get(f).copied().ok_or(()), |_, _| ()).ok()
+    }
+
+    pub(super) fn store(build_id: &str, source: &Path, layout: &Layout, version: &str) {
+        let Some(dir) = dir() else {
+            return;
+        };
+        let mut text = format!("{FORMAT}\nversion {version}\n");
+        for (field, value) in layout.fields() {
+            text.push_str(&format!("{field} {value}\n"));
+        }
+        text.push_str(&format!("# read from {}\n", source.display()));
+        // Written aside and renamed: a reader never sees half a file.
+        let tmp = dir.join(format!(".{build_id}.{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, dir.join(format!("{build_id}.layout")));
+        }
+    }
+}
