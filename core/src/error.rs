@@ -56,6 +56,18 @@ pub enum Error {
         version: String,
         detail: String,
     },
+    #[error(
+        "process {pid} runs Ruby {version}, which no table of this build knows, and its debug \
+         information in {path} cannot give its layout: {detail}. Install the debug file that \
+         matches the binary (or remove a wrong one), or try `force_version:` with the nearest \
+         supported release"
+    )]
+    DebugInfo {
+        pid: i32,
+        version: String,
+        path: String,
+        detail: String,
+    },
     #[error("process {pid} exited while it was being read")]
     ProcessExited { pid: i32 },
     #[error(

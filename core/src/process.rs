@@ -265,14 +265,7 @@ const WANTED: &[&str] = &[
 /// through /proc/PID/root and the plain path are fallbacks for unprivileged readers of their
 /// own processes.
 fn map_mapped_file(pid: i32, mapping: &Mapping) -> Result<MappedFile> {
-    let candidates = [
-        format!(
-            "/proc/{pid}/map_files/{:x}-{:x}",
-            mapping.start, mapping.end
-        ),
-        format!("/proc/{pid}/root{}", mapping.path),
-        mapping.path.clone(),
-    ];
+    let candidates = mapped_file_candidates(pid, mapping);
     let mut last = None;
     for c in &candidates {
         match fs::File::open(c).and_then(|f| MappedFile::new(&f)) {
@@ -285,6 +278,16 @@ fn map_mapped_file(pid: i32, mapping: &Mapping) -> Result<MappedFile> {
         &format!("opening {}", mapping.path),
         last.expect("at least one candidate"),
     ))
+}
+
+/// Paths to the file behind `mapping`, in the order this process may open them.
+pub fn mapped_file_candidates(pid: i32, mapping: &Mapping) -> [String; 3] {
+    let (start, end) = (mapping.start, mapping.end);
+    [
+        format!("/proc/{pid}/map_files/{start:x}-{end:x}"),
+        format!("/proc/{pid}/root{}", mapping.path),
+        mapping.path.clone(),
+    ]
 }
 
 /// A file mapped read-only, unmapped when dropped. Mapped rather than read: an extension

@@ -28,7 +28,7 @@ module RubySpy
       command = argv.shift
       # Without native code every command fails the same way: say why before parsing options
       # (the formats, for one, come from the extension).
-      if %w[snapshot record report tags top heap].include?(command) && RubySpy::Native.unsupported_reason
+      if %w[snapshot record report tags top heap layout].include?(command) && RubySpy::Native.unsupported_reason
         raise RubySpy::UnsupportedPlatform, RubySpy::Native.unsupported_message
       end
       case command
@@ -36,11 +36,12 @@ module RubySpy
       when "record" then record(argv)
       when "report" then report(argv)
       when "tags" then tags(argv)
+      when "layout" then layout(argv)
       when "top" then top(argv)
       when "heap" then Heap.run(argv)
       when nil, "-h", "--help", "help" then puts(top_help) || 0
       when "-V", "--version", "version" then puts("rubyspy #{RubySpy::VERSION}") || 0
-      else raise Usage, "unknown command #{command.inspect} (snapshot, record, top, heap, report, tags)"
+      else raise Usage, "unknown command #{command.inspect} (snapshot, record, top, heap, report, tags, layout)"
       end
     rescue Usage, OptionParser::ParseError => e
       warn "rubyspy: #{e.message}"
@@ -60,6 +61,7 @@ module RubySpy
           heap       which classes fill a process's heap (a census read from outside), and what grew
           report     render a raw profile in another format
           tags       print each thread's tags (RubySpy.tag) and where BPF programs find them
+          layout     print the struct layout a process is read with, and where it came from
         Common: --verbose shows backtraces of errors; rubyspy --version prints the version.
       HELP
     end
@@ -155,6 +157,24 @@ module RubySpy
       handle.thread_snapshots.each do |t|
         puts "#{thread_title(t)}: #{t[:tags].empty? ? "(no tags)" : tag_text(t[:tags])}"
       end
+      0
+    end
+
+    # `rubyspy layout --pid PID`: where the layout came from (its debug information or a
+    # table), whether the table agrees, then every field.
+    def layout(argv)
+      options = {}
+      parser = OptionParser.new do |opts|
+        opts.banner = "Usage: rubyspy layout --pid PID"
+        pid_option(opts, options)
+        opts.on("-h", "--help") { puts opts; return 0 }
+      end
+      parser.parse!(argv)
+      raise Usage, "layout needs --pid PID" unless options[:pid]
+
+      layout = RubySpy.attach(options[:pid], force_version: options[:force_version]).layout
+      puts layout[:lines]
+      layout[:fields].each { |name, value| puts "#{name} #{value.nil? ? "none" : value.inspect}" }
       0
     end
 

@@ -18,6 +18,11 @@ module RubySpy
   # The target runs a Ruby whose struct layout RubySpy does not know.
   class UnsupportedVersion < Error; end
 
+  # The target's Ruby is one no table of this build knows, and the debug information that
+  # would give its layout is unusable: truncated or corrupt, of another build (its build-id
+  # differs), or lacking a member the stack walker needs (the message names it).
+  class DebugInfoError < UnsupportedVersion; end
+
   # The target exited while it was being read.
   class ProcessExited < Error; end
 

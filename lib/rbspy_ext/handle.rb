@@ -101,6 +101,18 @@ module RubySpy
     #   @return [Integer, nil] the offset of +ruby_profiler_state+ from a thread pointer in
     #     this process (its +ruby_profiler_state_tp_offset+), nil if it has not loaded
     #     rbspy_ext; what a BPF program needs (docs/profiler-state.md)
-    def_delegators :@native, :pid, :ruby_version, :warning, :read_calls, :profiler_state_offset
+    # @!method layout
+    #   Where the struct layout this handle reads with came from, and its fields.
+    #   @return [Hash] +:source+ (+:debug_info+, the target's own DWARF, or +:table+, this
+    #     build's table), +:lines+ (what +rubyspy layout+ prints first: +"source: debug info
+    #     PATH (build-id HEX)"+ or +"source: table NAME"+, then +"table NAME agrees"+ or
+    #     +"table NAME differs: FIELD, ..."+), +:table+ (the table's layout of the same
+    #     release, nil if none), and for debug info +:path+, +:build_id+, +:cached+ and
+    #     +:differs+ (the fields where the table's layout differs, which the DWARF's wins
+    #     over), for a table +:unusable+ (why the debug information was not used, if any);
+    #     +:fields+ maps each field to its value (an Integer, nil, or a pair)
+    #   @example
+    #     RubySpy.attach(pid).layout[:lines] #=> ["source: debug info /usr/local/bin/ruby (build-id 4f...)", "table 3.4 agrees"]
+    def_delegators :@native, :pid, :ruby_version, :warning, :read_calls, :profiler_state_offset, :layout
   end
 end

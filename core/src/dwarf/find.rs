@@ -62,13 +62,12 @@ pub fn hex(bytes: &[u8]) -> String {
 /// order, each inside `root` and then on this machine.
 pub(super) fn candidates(root: &Path, binary: &str, id: &Identity) -> Vec<PathBuf> {
     let mut relative: Vec<String> = Vec::new();
+    let dirs = debug_dirs();
     if let Some(build_id) = id.build_id.as_deref().filter(|b| b.len() >= 2) {
         let hex = hex(build_id);
-        relative.push(format!(
-            "/usr/lib/debug/.build-id/{}/{}.debug",
-            &hex[..2],
-            &hex[2..]
-        ));
+        for d in &dirs {
+            relative.push(format!("{d}/.build-id/{}/{}.debug", &hex[..2], &hex[2..]));
+        }
     }
     if let Some((name, _)) = &id.debuglink {
         // A link names a file, never a path (gdb ignores one with a slash).
@@ -78,15 +77,26 @@ pub(super) fn candidates(root: &Path, binary: &str, id: &Identity) -> Vec<PathBu
                 .map_or_else(String::new, |d| d.display().to_string());
             relative.push(format!("{dir}/{name}"));
             relative.push(format!("{dir}/.debug/{name}"));
-            relative.push(format!("/usr/lib/debug{dir}/{name}"));
+            relative.extend(dirs.iter().map(|d| format!("{d}{dir}/{name}")));
         }
     }
-    let mut out = Vec::new();
-    for r in &relative {
-        out.push(root.join(r.trim_start_matches('/')));
-    }
+    let mut out: Vec<PathBuf> = (relative.iter())
+        .map(|r| root.join(r.trim_start_matches('/')))
+        .collect();
     out.extend(relative.iter().map(PathBuf::from));
     out
+}
+
+/// Where separate debug files live: gdb's `debug-file-directory`, `/usr/lib/debug` unless
+/// `RUBYSPY_DEBUG_FILE_DIRECTORY` names others (colon-separated, as gdb's setting).
+fn debug_dirs() -> Vec<String> {
+    match std::env::var("RUBYSPY_DEBUG_FILE_DIRECTORY") {
+        Ok(dirs) if !dirs.is_empty() => (dirs.split(':'))
+            .filter(|d| !d.is_empty())
+            .map(|d| d.trim_end_matches('/').to_string())
+            .collect(),
+        _ => vec!["/usr/lib/debug".to_string()],
+    }
 }
 
 /// gdb's check of a debuglink target: the CRC-32 (IEEE, as zlib's) of the whole file.

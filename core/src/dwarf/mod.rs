@@ -17,7 +17,8 @@ pub use types::TypeError;
 
 use find::{Elf, Identity};
 use object::{Object, ObjectSection};
-use rbspy_ext_bindings::{FieldValue, Layout};
+pub use rbspy_ext_bindings::FieldValue;
+use rbspy_ext_bindings::Layout;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -70,23 +71,29 @@ pub fn layout_for(
     if let Some(kept) = kept(&key) {
         return Ok(Some(kept));
     }
-    if let Some(layout) = build_id.as_deref().and_then(|b| disk::load(b, version)) {
-        return Ok(Some(keep(key, layout, name, build_id, true)));
+    if let Some((layout, path)) = build_id.as_deref().and_then(|b| disk::load(b, version)) {
+        return Ok(Some(keep(key, layout, &path, build_id, true)));
     }
-    let source = if id.has_dwarf {
-        binary
+    // The binary itself is named as the target names it (not /proc/PID/map_files/...).
+    let (source, shown) = if id.has_dwarf {
+        (binary, name.to_string())
     } else {
         match separate(root, name, &id)? {
-            Some(elf) => elf,
+            Some(elf) => {
+                let shown = elf.path.display().to_string();
+                (elf, shown)
+            }
             None => return Ok(None),
         }
     };
-    let layout = read(&source, version).map_err(|d| unusable(&source.path, d))?;
+    let layout = read(&source, version).map_err(|detail| Unusable {
+        path: shown.clone(),
+        detail,
+    })?;
     if let Some(b) = build_id.as_deref() {
-        disk::store(b, &source.path, &layout, version);
+        disk::store(b, &shown, &layout, version);
     }
-    let path = source.path.display().to_string();
-    Ok(Some(keep(key, layout, &path, build_id, false)))
+    Ok(Some(keep(key, layout, &shown, build_id, false)))
 }
 
 fn kept(key: &str) -> Option<DebugLayout> {
@@ -238,7 +245,8 @@ mod disk {
     /// Bumped when the recipes change, so a layout cached by an older build is read again.
     const FORMAT: &str = "rbspy_ext layout 1";
 
-    pub(super) fn load(build_id: &str, version: &str) -> Option<Layout> {
+    /// The layout kept for `build_id`, and the path it was read from.
+    pub(super) fn load(build_id: &str, version: &str) -> Option<(Layout, String)> {
         if !build_id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
@@ -247,14 +255,16 @@ mod disk {
         if lines.next()? != FORMAT || lines.next()? != format!("version {version}") {
             return None;
         }
-        let values: HashMap<&str, FieldValue> = lines
-            .filter_map(|l| l.split_once(' '))
-            .filter_map(|(f, v)| Some((f, FieldValue::parse(v)?)))
+        let pairs: Vec<(&str, &str)> = lines.filter_map(|l| l.split_once(' ')).collect();
+        let source = pairs.iter().find(|(k, _)| *k == "source")?.1.to_string();
+        let values: HashMap<&str, FieldValue> = (pairs.iter())
+            .filter_map(|(f, v)| Some((*f, FieldValue::parse(v)?)))
             .collect();
-        Layout::from_fields(NAME, |f| values.get(f).copied().ok_or(()), |_, _| ()).ok()
+        let layout = Layout::from_fields(NAME, |f| values.get(f).copied().ok_or(()), |_, _| ());
+        Some((layout.ok()?, source))
     }
 
-    pub(super) fn store(build_id: &str, source: &Path, layout: &Layout, version: &str) {
+    pub(super) fn store(build_id: &str, source: &str, layout: &Layout, version: &str) {
         let Some(dir) = dir() else {
             return;
         };
@@ -262,7 +272,7 @@ mod disk {
         for (field, value) in layout.fields() {
             text.push_str(&format!("{field} {value}\n"));
         }
-        text.push_str(&format!("# read from {}\n", source.display()));
+        text.push_str(&format!("source {source}\n"));
         // Written aside and renamed: a reader never sees half a file.
         let tmp = dir.join(format!(".{build_id}.{}", std::process::id()));
         if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, text).is_ok() {

@@ -10,7 +10,7 @@ use crate::process::{
     Replaced, RubyBinary,
 };
 use crate::vm::{check_vm, find_vm, VmRoots};
-use rbspy_ext_bindings::{layout_for_version, Layout};
+use rbspy_ext_bindings::Layout;
 
 /// What attaching to a process found, fixed for the spy's life: the process, its memory, the
 /// layout of its Ruby, and the VM's roots.
@@ -20,6 +20,7 @@ pub(super) struct Target<M: Memory> {
     pub(super) layout: &'static Layout,
     pub(super) version: String,
     pub(super) warning: Option<String>,
+    pub(super) layout_source: layouts::LayoutSource,
     pub(super) vm: u64,
     /// Address of the word naming the thread that holds the GVL (0 when none does).
     pub(super) gvl_owner: u64,
@@ -81,11 +82,13 @@ impl Spy<ProcessMemory> {
             .force_version
             .clone()
             .unwrap_or_else(|| found.clone());
+        let (candidates, source) =
+            layouts::choose(pid, &maps, &binary, &found, config.force_version.as_deref())?;
         // The first candidate layout whose VM validates; an unknown patch release may have
         // any of its minor series' layouts (4.0.6 moved fields that 4.0.5 had).
         let mut first_error = None;
         let mut chosen = None;
-        for (layout, warning) in resolve_layout(pid, &wanted)? {
+        for (layout, warning) in candidates {
             match find_roots(pid, &mem, layout, &binary, &maps, config, &found) {
                 Ok(roots) => {
                     chosen = Some((layout, warning, roots));
@@ -97,7 +100,14 @@ impl Spy<ProcessMemory> {
             }
         }
         let Some((layout, warning, roots)) = chosen else {
-            let error = first_error.expect("resolve_layout gives at least one layout");
+            let error = first_error.expect("layouts::choose gives at least one layout");
+            // Debug information that was there but unusable is what to fix, not the table.
+            if let layouts::LayoutSource::Table {
+                unusable: Some(u), ..
+            } = &source
+            {
+                return Err(layouts::unusable_error(pid, &found, u));
+            }
             return Err(not_fitting(
                 pid,
                 identity.as_ref(),
@@ -117,6 +127,16 @@ impl Spy<ProcessMemory> {
             binary.symbol("ruby_global_symbols"),
         );
         spy.target.warning = warning;
+        // A table layout tried after the DWARF's did not fit is the table's.
+        spy.target.layout_source = match source {
+            layouts::LayoutSource::DebugInfo { .. } if layout.name != crate::dwarf::NAME => {
+                layouts::LayoutSource::Table {
+                    name: layout.name,
+                    unusable: Some((d_path(&source), "its layout did not fit".into())),
+                }
+            }
+            source => source,
+        };
         spy.target.identity = identity.map(|i| (i, std::time::Instant::now()));
         spy.target.writable = binary.writable.clone();
         spy.target.heap = heap_ranges(&maps);
@@ -132,6 +152,14 @@ impl Spy<ProcessMemory> {
             binary.variable("rb_yjit_enabled_p", 1),
         ];
         Ok(spy)
+    }
+}
+
+/// The file a layout from debug information was read from.
+fn d_path(source: &layouts::LayoutSource) -> String {
+    match source {
+        layouts::LayoutSource::DebugInfo { path, .. } => path.clone(),
+        layouts::LayoutSource::Table { .. } => String::new(),
     }
 }
 
@@ -258,72 +286,6 @@ pub(super) fn memory_error(pid: i32, context: &'static str, e: MemoryError) -> E
     }
 }
 
-/// The layouts to try for a version string: its own, or for an unknown patch release of a
-/// known minor series each distinct layout of that series, newest first (with a warning
-/// naming the release whose layout it is).
-pub(super) fn resolve_layout(
-    pid: i32,
-    version: &str,
-) -> Result<Vec<(&'static Layout, Option<String>)>> {
-    let not_a_version = || Error::UnsupportedVersion {
-        pid,
-        version: version.to_string(),
-        detail: "not a MAJOR.MINOR.PATCH version".into(),
-    };
-    let parts: Vec<u32> = version
-        .split('.')
-        .map(|p| p.parse::<u32>())
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|_| not_a_version())?;
-    if parts.len() != 3 {
-        return Err(not_a_version());
-    }
-    if let Some(layout) = layout_for_version(version) {
-        return Ok(vec![(layout, None)]);
-    }
-    let series = layouts_of_minor(parts[0], parts[1]);
-    if series.is_empty() {
-        let (oldest, newest) = rbspy_ext_bindings::supported_range();
-        return Err(Error::UnsupportedVersion {
-            pid,
-            version: version.to_string(),
-            detail: format!(
-                "supported: Ruby {oldest} to {newest}, and newer patch releases of those minor \
-                 series"
-            ),
-        });
-    }
-    Ok(series
-        .into_iter()
-        .map(|(known, layout)| {
-            let warning = format!(
-                "Ruby {version} is newer than the layout table; using the layout of {known}"
-            );
-            (layout, Some(warning))
-        })
-        .collect())
-}
-
-/// Each distinct layout of the releases `major.minor.*` in the table, with the newest
-/// release that has it, newest first.
-fn layouts_of_minor(major: u32, minor: u32) -> Vec<(&'static str, &'static Layout)> {
-    let prefix = format!("{major}.{minor}.");
-    let mut releases: Vec<(u32, &'static str, usize)> = rbspy_ext_bindings::VERSIONS
-        .iter()
-        .filter_map(|(v, index)| Some((v.strip_prefix(&prefix)?.parse().ok()?, *v, *index)))
-        .collect();
-    releases.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-    let mut out: Vec<(&'static str, &'static Layout)> = Vec::new();
-    let mut seen = Vec::new();
-    for (_, v, index) in releases {
-        if !seen.contains(&index) {
-            seen.push(index);
-            out.push((v, &rbspy_ext_bindings::LAYOUTS[index]));
-        }
-    }
-    out
-}
-
 impl<M: Memory> Spy<M> {
     /// A spy over any memory source whose VM is already known: for tests and fuzzing
     /// against memory images (`symbols`: the address of `rb_symbols_t`, if known).
@@ -342,6 +304,10 @@ impl<M: Memory> Spy<M> {
                 layout,
                 version: version.to_string(),
                 warning: None,
+                layout_source: layouts::LayoutSource::Table {
+                    name: layout.name,
+                    unusable: None,
+                },
                 vm: roots.vm,
                 gvl_owner: roots.gvl_owner,
                 main_thread: roots.main_thread,

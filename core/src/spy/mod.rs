@@ -21,6 +21,7 @@ mod captured;
 mod envs;
 mod fits;
 mod frames;
+mod layouts;
 mod located;
 mod memo;
 mod parts;
@@ -36,6 +37,7 @@ mod zjit;
 pub use crate::model::{Frame, SampledThread, Tags, ThreadSelection};
 pub use captured::{Capture, CaptureLayout, CaptureThread, Captured, TRUNCATED_LABEL};
 use envs::Envs;
+pub use layouts::LayoutSource;
 pub use parts::ImageParts;
 pub use view::TargetView;
 use walker::{Prefetched, RawFrame, Walker, Wanted};
@@ -138,6 +140,16 @@ impl<M: Memory> Spy<M> {
     /// Set when the layout came from the newest known release of the same minor series.
     pub fn warning(&self) -> Option<&str> {
         self.target.warning.as_deref()
+    }
+
+    /// Where the layout this spy reads with came from (`rubyspy layout`).
+    pub fn layout_source(&self) -> &LayoutSource {
+        &self.target.layout_source
+    }
+
+    /// The layout this spy reads with.
+    pub fn layout(&self) -> &'static rbspy_ext_bindings::Layout {
+        self.target.layout
     }
 
     pub fn memory(&self) -> &M {

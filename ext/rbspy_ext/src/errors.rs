@@ -16,6 +16,7 @@ pub fn to_ruby(ruby: &Ruby, e: CoreError) -> Error {
         CoreError::PermissionDenied { .. } => "PermissionDenied",
         CoreError::NotRuby { .. } => "NotRubyProcess",
         CoreError::UnsupportedVersion { .. } => "UnsupportedVersion",
+        CoreError::DebugInfo { .. } => "DebugInfoError",
         CoreError::ProcessExited { .. } => "ProcessExited",
         CoreError::ProcessReplaced { .. } => "ProcessReplaced",
         CoreError::StackChanged { .. } => "StackChanged",

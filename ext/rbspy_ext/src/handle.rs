@@ -91,6 +91,52 @@ impl Handle {
         self.lock().warning().map(str::to_string)
     }
 
+    /// Where the layout came from and its fields: `{source:, lines:, path:, build_id:,
+    /// table:, differs:, fields:}` (`RubySpy::Handle#layout` documents them).
+    fn layout(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        use rbspy_ext_core::dwarf::FieldValue;
+        use rbspy_ext_core::spy::LayoutSource;
+        let spy = rb_self.lock();
+        let h = ruby.hash_new();
+        let source = spy.layout_source();
+        h.aset(ruby.to_symbol("lines"), ruby.ary_from_vec(source.lines()))?;
+        match source {
+            LayoutSource::DebugInfo {
+                path,
+                build_id,
+                table,
+                cached,
+            } => {
+                h.aset(ruby.to_symbol("source"), ruby.to_symbol("debug_info"))?;
+                h.aset(ruby.to_symbol("path"), path.as_str())?;
+                h.aset(ruby.to_symbol("build_id"), build_id.clone())?;
+                h.aset(ruby.to_symbol("cached"), *cached)?;
+                h.aset(ruby.to_symbol("table"), table.as_ref().map(|t| t.0))?;
+                let differs = table.as_ref().map(|t| ruby.ary_from_vec(t.1.clone()));
+                h.aset(ruby.to_symbol("differs"), differs)?;
+            }
+            LayoutSource::Table { name, unusable } => {
+                h.aset(ruby.to_symbol("source"), ruby.to_symbol("table"))?;
+                h.aset(ruby.to_symbol("table"), *name)?;
+                let why = unusable
+                    .as_ref()
+                    .map(|(path, why)| format!("{path}: {why}"));
+                h.aset(ruby.to_symbol("unusable"), why)?;
+            }
+        }
+        let fields = ruby.hash_new();
+        for (name, value) in spy.layout().fields() {
+            let v: Value = match value {
+                FieldValue::Num(n) => ruby.integer_from_u64(n).as_value(),
+                FieldValue::Absent => ruby.qnil().as_value(),
+                FieldValue::Pair(a, b) => ruby.ary_from_vec(vec![a, b]).as_value(),
+            };
+            fields.aset(ruby.to_symbol(name), v)?;
+        }
+        h.aset(ruby.to_symbol("fields"), fields)?;
+        Ok(h)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Spy> {
         // A panic while locked was already reported; the caches stay usable.
         self.spy.lock().unwrap_or_else(|p| p.into_inner())
@@ -206,6 +252,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
     class.define_method("pid", method!(Handle::pid, 0))?;
     class.define_method("ruby_version", method!(Handle::ruby_version, 0))?;
     class.define_method("warning", method!(Handle::warning, 0))?;
+    class.define_method("layout", method!(Handle::layout, 0))?;
     class.define_method("snapshot_ids", method!(Handle::snapshot_ids, 0))?;
     class.define_method("read_calls", method!(Handle::read_calls, 0))?;
     class.define_method(
