@@ -62,6 +62,9 @@ impl LayoutSource {
     }
 }
 
+/// A layout to try, with the warning it brings.
+pub(super) type Candidate = (&'static Layout, Option<String>);
+
 /// The layouts to try for the target, in order, with the warning each brings, and where
 /// the first came from. `force_version` skips the debug information: it asks for a
 /// table's layout.
@@ -71,7 +74,7 @@ pub(super) fn choose(
     binary: &RubyBinary,
     found: &str,
     forced: Option<&str>,
-) -> Result<(Vec<(&'static Layout, Option<String>)>, LayoutSource)> {
+) -> Result<(Vec<Candidate>, LayoutSource)> {
     let table = |version: &str, unusable: Option<(String, String)>| {
         let layouts = resolve_layout(pid, version)?;
         let name = layouts[0].0.name;
