@@ -20,6 +20,15 @@ RSpec.describe "RubySpy version handling" do
 
   it "uses the newest known layout of the same minor series for a newer patch release, with a warning" do
     major, minor, = target.ruby_version.split(".")
+    differs = RubySpy.attach(target.pid).layout[:differs]
+    if differs&.any?
+      # A build whose own debug information says the tables do not describe it (src-3.4-bp):
+      # a table's layout, forced, is refused, never read into wrong frames.
+      # (NotRubyProcess while the target is young, UnsupportedVersion past its start-up.)
+      expect { RubySpy.attach(target.pid, force_version: "#{major}.#{minor}.99").snapshot }
+        .to raise_error(RubySpy::Error, /not whole control frames/)
+      next
+    end
     handle = RubySpy.attach(target.pid, force_version: "#{major}.#{minor}.99")
     expect(handle.warning).to match(/#{major}\.#{minor}\.99 is newer than the layout table; using the layout of #{major}\.#{minor}\.\d+/)
     expect(handle.snapshot).to eq(RubySpy.snapshot(target.pid))
@@ -63,11 +72,5 @@ RSpec.describe "RubySpy version handling" do
     end
     expect(refused).not_to be_empty
     expect(target.health_problems).to eq([])
-  end
-
-  # How long process +pid+ has run, from /proc (start time in clock ticks, system uptime).
-  def process_age(pid)
-    ticks = File.read("/proc/#{pid}/stat").split(")").last.split[19].to_f
-    File.read("/proc/uptime").split.first.to_f - ticks / Etc.sysconf(Etc::SC_CLK_TCK)
   end
 end

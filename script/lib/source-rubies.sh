@@ -16,9 +16,8 @@ srcrubies=$cache/srcrubies
 # NAME|KIND|SOURCE (a path under Debian's pool)|configure arguments beyond --prefix
 # KIND source-unknown: src-3.4-bp is 3.4.5 again with every control frame one word longer
 # (VM_DEBUG_BP_CHECK adds `bp_check` to rb_control_frame_t) and no JIT (YJIT's Rust mirrors
-# the frame as Ruby ships it): a Ruby whose layout no table of ours describes. It is
-# listed, not run in the matrix: its frames are what the layout from its own DWARF must get
-# right.
+# the frame as Ruby ships it): a Ruby whose layout no table of ours describes. The matrix
+# runs it like the others, read through the layout its own DWARF gives (core/src/dwarf/).
 source_builds=(
   "src-3.3|source|pool/main/r/ruby3.3/ruby3.3_3.3.8.orig.tar.xz|--enable-yjit"
   "src-3.4|source|pool/main/r/ruby3.4/ruby3.4_3.4.5.orig.tar.xz|--enable-yjit"

@@ -156,13 +156,26 @@ impl Builder<'_, '_> {
         })
     }
 
-    /// The fields whose value is not one member's offset: see each arm.
+    /// The fields whose value is not one member's offset, by area.
     fn rule(&self, field: &'static str, p: &[(&str, &str)]) -> Result<FieldValue> {
+        let found = match self.vm_rule(field, p)? {
+            Some(v) => Some(v),
+            None => match self.iseq_rule(field, p)? {
+                Some(v) => Some(v),
+                None => match self.object_rule(field, p)? {
+                    Some(v) => Some(v),
+                    None => self.symbol_rule(field, p)?,
+                },
+            },
+        };
+        found.ok_or_else(|| TypeError::Missing(format!("a rule for {field}")))
+    }
+
+    /// The VM's, the threads' and the GC's, and the frames' under 4.1's ZJIT.
+    fn vm_rule(&self, field: &'static str, p: &[(&str, &str)]) -> Result<Option<FieldValue>> {
         let num = FieldValue::Num;
         let zjit = || self.has("rb_control_frame_t", "_iseq");
-        let shapes = || self.has("rb_vm_t", "shape_list");
-        let chunks = || self.types.member("struct sym_id_entry", "str");
-        Ok(match field {
+        Ok(Some(match field {
             "api_version" => num(self.api_version),
             // The unblocking function tells a queued thread from one on the ubf list only
             // where both lists share one node (before 3.3).
@@ -196,6 +209,14 @@ impl Builder<'_, '_> {
             "zjit_frame_pc" => num(0),
             "zjit_frame_iseq" => num(if zjit()? { 8 } else { 0 }),
             "zjit_return_c_frame" => num(u64::from(zjit()?)),
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The iseqs', their line tables' and the method definitions'.
+    fn iseq_rule(&self, field: &'static str, p: &[(&str, &str)]) -> Result<Option<FieldValue>> {
+        let num = FieldValue::Num;
+        Ok(Some(match field {
             // 3.4's BUILTIN_ATTR_C_TRACE; from 4.0 every internal frame is located at its
             // caller (Layout::locates_internal_frames_at_their_caller), these with them.
             "body_c_trace" => match (
@@ -260,6 +281,15 @@ impl Builder<'_, '_> {
                     _ => num(bit),
                 }
             }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The strings', the classes' and 3.2's shapes'.
+    fn object_rule(&self, field: &'static str, p: &[(&str, &str)]) -> Result<Option<FieldValue>> {
+        let num = FieldValue::Num;
+        let shapes = || self.has("rb_vm_t", "shape_list");
+        Ok(Some(match field {
             "rstring_embed_len_mask" | "rstring_embed_len_shift" => match self.first(&[
                 ("struct RString", "len"),
                 ("struct RString", "as.embed.len"),
@@ -309,6 +339,15 @@ impl Builder<'_, '_> {
                 0
             }),
             "shape_invalid_id" => num(if shapes()? { u32::MAX as u64 } else { 0 }), // INVALID_SHAPE_ID
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The symbol table's (4.1's chunks and their directory).
+    fn symbol_rule(&self, field: &'static str, p: &[(&str, &str)]) -> Result<Option<FieldValue>> {
+        let num = FieldValue::Num;
+        let chunks = || self.types.member("struct sym_id_entry", "str");
+        Ok(Some(match field {
             "id_chunk_data" => match chunks()? {
                 Some(_) => self.off(p[0].0, p[0].1)?,
                 None => FieldValue::Absent,
@@ -328,8 +367,8 @@ impl Builder<'_, '_> {
                 (Some(capa), Some(entries)) => FieldValue::Pair(capa.offset, entries.offset),
                 _ => FieldValue::Absent,
             },
-            other => return Err(TypeError::Missing(format!("a rule for {other}"))),
-        })
+            _ => return Ok(None),
+        }))
     }
 }
 

@@ -382,6 +382,7 @@ pub(crate) fn new_aggregator<M: Memory>(
     notes
         .into_iter()
         .chain(spy.warning().map(str::to_string))
+        .chain(spy.layout_source().note())
         .for_each(|n| agg.note(n));
     agg
 }

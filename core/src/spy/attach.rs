@@ -101,22 +101,17 @@ impl Spy<ProcessMemory> {
         }
         let Some((layout, warning, roots)) = chosen else {
             let error = first_error.expect("layouts::choose gives at least one layout");
-            // Debug information that was there but unusable is what to fix, not the table.
-            if let layouts::LayoutSource::Table {
-                unusable: Some(u), ..
-            } = &source
-            {
-                return Err(layouts::unusable_error(pid, &found, u));
-            }
-            return Err(not_fitting(
-                pid,
-                identity.as_ref(),
-                &binary,
-                &mem,
-                &found,
-                &wanted,
-                error,
-            ));
+            return Err(layouts::refusal(&source, pid, &found).unwrap_or_else(|| {
+                not_fitting(
+                    pid,
+                    identity.as_ref(),
+                    &binary,
+                    &mem,
+                    &found,
+                    &wanted,
+                    error,
+                )
+            }));
         };
         let mut spy = Spy::with_memory(
             pid,
@@ -127,16 +122,7 @@ impl Spy<ProcessMemory> {
             binary.symbol("ruby_global_symbols"),
         );
         spy.target.warning = warning;
-        // A table layout tried after the DWARF's did not fit is the table's.
-        spy.target.layout_source = match source {
-            layouts::LayoutSource::DebugInfo { .. } if layout.name != crate::dwarf::NAME => {
-                layouts::LayoutSource::Table {
-                    name: layout.name,
-                    unusable: Some((d_path(&source), "its layout did not fit".into())),
-                }
-            }
-            source => source,
-        };
+        spy.target.layout_source = layouts::settled(source, layout);
         spy.target.identity = identity.map(|i| (i, std::time::Instant::now()));
         spy.target.writable = binary.writable.clone();
         spy.target.heap = heap_ranges(&maps);
@@ -152,14 +138,6 @@ impl Spy<ProcessMemory> {
             binary.variable("rb_yjit_enabled_p", 1),
         ];
         Ok(spy)
-    }
-}
-
-/// The file a layout from debug information was read from.
-fn d_path(source: &layouts::LayoutSource) -> String {
-    match source {
-        layouts::LayoutSource::DebugInfo { path, .. } => path.clone(),
-        layouts::LayoutSource::Table { .. } => String::new(),
     }
 }
 

@@ -261,20 +261,7 @@ impl<M: Memory> Walker<'_, M> {
                 u32::from_le_bytes(t) == l.iseq_type_method
             }
         };
-        // A Ruby without `base_label` (4.1.0) derives it from the local iseq's label
-        // (iseq.c, `rb_iseq_base_label`): a block's method name; an iseq's own for the rest.
-        let base_label: Arc<str> = match (l.body_location_base_label, local_body) {
-            (Some(at), _) => strings(self, word(&b, at))?.into(),
-            (None, Some(local_body)) if local_body != body => {
-                let v = self.target.read_word(
-                    local_body,
-                    l.body_location_label,
-                    "reading a local iseq's label",
-                )?;
-                strings(self, v)?.into()
-            }
-            (None, _) => label.clone(),
-        };
+        let base_label = self.base_label(&b, body, local_body, &label)?;
         Ok(IseqInfo {
             body,
             encoded: word(&b, l.body_iseq_encoded),
@@ -291,35 +278,6 @@ impl<M: Memory> Walker<'_, M> {
             lines,
             qualified: FxHashMap::default(),
         })
-    }
-
-    /// The label Ruby 3.4 gives the iseq whose body is `b`: for rescue, ensure and eval code,
-    /// the label of the nearest ancestor of another kind (`calculate_iseq_label`); `label`,
-    /// its own, for any other iseq.
-    fn clause_label(&self, b: &[u8], label: String) -> std::result::Result<String, Attempt> {
-        let l = self.target.layout;
-        let mem = &self.target.mem;
-        let mut label = label;
-        let mut body = b.to_vec();
-        for _ in 0..64 {
-            let kind = word32(&body, l.body_type);
-            if ![l.iseq_type_rescue, l.iseq_type_ensure, l.iseq_type_eval].contains(&kind) {
-                break;
-            }
-            let parent = word(&body, l.body_parent_iseq);
-            if parent == 0 {
-                break;
-            }
-            let parent_body =
-                self.target
-                    .read_word(parent, l.iseq_body, "reading a parent iseq")?;
-            body = mem
-                .read_vec(parent_body, l.body_read_size)
-                .map_err(self.target.moved("reading a parent iseq"))?;
-            label = read_string(mem, l, word(&body, l.body_location_label))
-                .map_err(|e| self.target.object_moved("reading an iseq label", e))?;
-        }
-        Ok(label)
     }
 
     /// An iseq's `pathobj` is either the path String or a frozen [path, realpath] Array.

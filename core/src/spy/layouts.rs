@@ -29,6 +29,15 @@ pub enum LayoutSource {
 }
 
 impl LayoutSource {
+    /// A profile's note of where its layout came from: for one from debug information, and
+    /// for a table used because the debug information was unusable; None for a plain table.
+    pub fn note(&self) -> Option<String> {
+        match self {
+            LayoutSource::Table { unusable: None, .. } => None,
+            _ => Some(format!("layout {}", self.lines().join("; "))),
+        }
+    }
+
     /// `source: debug info PATH (build-id HEX)` or `source: table NAME`, then, where both
     /// exist, `table NAME agrees` or `table NAME differs: FIELD, ...` (`rubyspy layout`).
     pub fn lines(&self) -> Vec<String> {
@@ -106,6 +115,29 @@ pub(super) fn choose(
                 Err(_) => Err(unusable_error(pid, found, &unusable)),
             }
         }
+    }
+}
+
+/// Where the layout chosen came from: a table layout tried after the DWARF's did not fit
+/// is the table's.
+pub(super) fn settled(source: LayoutSource, chosen: &'static Layout) -> LayoutSource {
+    match source {
+        LayoutSource::DebugInfo { path, .. } if chosen.name != dwarf::NAME => LayoutSource::Table {
+            name: chosen.name,
+            unusable: Some((path, "its layout did not fit".into())),
+        },
+        source => source,
+    }
+}
+
+/// Where no layout fitted: debug information that was there but unusable is what to fix,
+/// not the table.
+pub(super) fn refusal(source: &LayoutSource, pid: i32, found: &str) -> Option<Error> {
+    match source {
+        LayoutSource::Table {
+            unusable: Some(u), ..
+        } => Some(unusable_error(pid, found, u)),
+        _ => None,
     }
 }
 

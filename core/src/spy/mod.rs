@@ -21,6 +21,7 @@ mod captured;
 mod envs;
 mod fits;
 mod frames;
+mod labels;
 mod layouts;
 mod located;
 mod memo;

@@ -1,5 +1,7 @@
 # frozen_string_literal: true
 
+require "etc"
+
 module RubySpyTest
   # Waiting until a process is in a state, rather than sleeping for a time that a busy
   # machine may not be able to keep to. Included into every example group (spec_helper.rb)
@@ -27,6 +29,13 @@ module RubySpyTest
         end
         sleep interval
       end
+    end
+
+    # How long process +pid+ has run, from /proc (start time in clock ticks, system uptime):
+    # what attach.rs measures before it calls a layout that does not fit the wrong one.
+    def process_age(pid)
+      ticks = File.read("/proc/#{pid}/stat").split(")").last.split[19].to_f
+      File.read("/proc/uptime").split.first.to_f - ticks / Etc.sysconf(Etc::SC_CLK_TCK)
     end
   end
 end
