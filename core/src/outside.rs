@@ -66,6 +66,12 @@ pub fn elf(data: &[u8]) {
     let _ = process::parse_binary(data, "fuzzed", 0x5555_0000_0000, WANTED);
 }
 
+/// An ELF file's debug information, read as a target's layout (core/src/dwarf/): any bytes
+/// give a layout or an error, within bounded time and memory.
+pub fn debug_info(data: &[u8]) {
+    let _ = crate::dwarf::layout_from_bytes(data, "3.4.5");
+}
+
 /// /proc/PID/maps text, and the heap ranges the census takes from it.
 pub fn maps(data: &[u8]) {
     let maps = process::parse_maps(&String::from_utf8_lossy(data));

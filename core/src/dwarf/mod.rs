@@ -182,15 +182,50 @@ const SECTIONS: &[gimli::SectionId] = &[
 
 /// The layout the DWARF of `elf` describes.
 fn read(elf: &Elf, version: &str) -> Result<Layout, String> {
-    let file = elf.parse()?;
+    read_object(elf.parse()?, version)
+}
+
+/// The layout the DWARF of the ELF file `data` describes (the `debug_info` fuzz target's
+/// entry: a file whole in memory).
+pub fn layout_from_bytes(data: &[u8], version: &str) -> Result<Layout, String> {
+    let file = object::File::parse(data).map_err(|e| format!("not an ELF file: {e}"))?;
+    read_object(file, version)
+}
+
+/// Most a compressed section may inflate to, for each byte it holds: zlib's deflate cannot
+/// do better than about 1032 to 1, and a header claiming more is not believed (it would
+/// have the reader allocate what it says).
+const MAX_INFLATION: u64 = 1100;
+
+fn read_object<'d, R: object::ReadRef<'d>>(
+    file: object::File<'d, R>,
+    version: &str,
+) -> Result<Layout, String> {
     let mut data: HashMap<gimli::SectionId, Cow<[u8]>> = HashMap::new();
     for id in SECTIONS {
-        if let Some(section) = file.section_by_name(id.name()) {
-            let bytes = section
-                .uncompressed_data()
-                .map_err(|e| format!("{}: {e}", id.name()))?;
-            data.insert(*id, bytes);
+        let Some(section) = file.section_by_name(id.name()) else {
+            continue;
+        };
+        let range = section
+            .compressed_file_range()
+            .map_err(|e| format!("{}: {e}", id.name()))?;
+        if range.uncompressed_size
+            > range
+                .compressed_size
+                .saturating_mul(MAX_INFLATION)
+                .max(1 << 20)
+        {
+            return Err(format!(
+                "{} claims {} bytes inflated from {}",
+                id.name(),
+                range.uncompressed_size,
+                range.compressed_size
+            ));
         }
+        let bytes = section
+            .uncompressed_data()
+            .map_err(|e| format!("{}: {e}", id.name()))?;
+        data.insert(*id, bytes);
     }
     let dwarf = gimli::Dwarf::load(|id| {
         let bytes: &[u8] = data.get(&id).map_or(&[], |b| b);
