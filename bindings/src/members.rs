@@ -151,7 +151,14 @@ pub const MEMBERS: &[(&str, Recipe)] = &[
     ("body_insns_info_size", Off(&[(BODY, "insns_info.size")])),
     (
         "body_insns_info_succ_index_table",
-        Off(&[(BODY, "insns_info.succ_index_table")]),
+        // 4.1.0 shares the slot with `positions` (upstream PR #18464).
+        Off(&[
+            (BODY, "insns_info.succ_index_table"),
+            (
+                BODY,
+                "insns_info.positions_or_succ_index_table.succ_index_table",
+            ),
+        ]),
     ),
     ("body_parent_iseq", Off(&[(BODY, "parent_iseq")])),
     ("body_local_iseq", Off(&[(BODY, "local_iseq")])),

@@ -194,8 +194,14 @@ pub(super) fn resolve_layout(
     if parts.len() != 3 {
         return Err(not_a_version());
     }
-    if let Some(layout) = layout_for_version(version) {
-        return Ok(vec![(layout, None)]);
+    // Every layout the table has for the release itself, in its order: a release and the
+    // dev builds before it share a version string (4.1.0), and the first that fits wins.
+    let own: Vec<Candidate> = (rbspy_ext_bindings::VERSIONS.iter())
+        .filter(|(v, _)| *v == version)
+        .map(|(_, i)| (&rbspy_ext_bindings::LAYOUTS[*i], None))
+        .collect();
+    if !own.is_empty() {
+        return Ok(own);
     }
     let series = layouts_of_minor(parts[0], parts[1]);
     if series.is_empty() {
