@@ -1,5 +1,5 @@
 //! Layouts read from the debug information of the Rubies built from source here
-//! (script/rubies: `~/.cache/rbspy_ext/srcrubies/NAME`, or `RBSPY_EXT_SRCRUBIES`), against
+//! (script/rubies: `$RBSPY_EXT_CACHE/srcrubies/NAME`, `~/.cache/rbspy_ext` by default), against
 //! the table's layout of the same release, field by field. A Ruby built with flags that
 //! move its structs (`source-unknown`, e.g. VM_DEBUG_BP_CHECK) must differ exactly where
 //! it does.
@@ -9,12 +9,12 @@ use std::path::{Path, PathBuf};
 
 /// (name, version, binary) of every complete source build.
 fn source_rubies() -> Vec<(String, String, PathBuf)> {
-    let dir = std::env::var_os("RBSPY_EXT_SRCRUBIES")
+    let cache = std::env::var_os("RBSPY_EXT_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/rbspy_ext/srcrubies")
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/rbspy_ext")
         });
+    let dir = cache.join("srcrubies");
     let mut out = Vec::new();
     for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
         let marker = entry.path().join(".rbspy_ext-complete");
