@@ -96,6 +96,8 @@ RSpec.describe "layouts from debug information" do
         when "source" then expect(lines[1]).to eq("table #{table} agrees")
         when "source-unknown" then expect(lines[1]).to eq("table #{table} differs: cfp_size")
         end
+        # The heap census's layout, from the same DWARF: gc.c's structs are the series' own.
+        expect(lines[2]).to eq("heap: debug info; its series' table agrees") unless kind == "extra"
         fields = lines.drop(2).to_h { |l| l.split(" ", 2) }
         # gdb reads the same DWARF its own way: an oracle for a few fields of each kind.
         { "cfp_size" => "sizeof(rb_control_frame_t)", "thread_ec" => "&((rb_thread_t *)0)->ec",
@@ -104,7 +106,8 @@ RSpec.describe "layouts from debug information" do
           expect(Integer(fields.fetch(field))).to eq(gdb(bin, expr)), field
         end
         expect(Dir[File.join(@cache, "*.layout")].map { |f| File.basename(f, ".layout") }).to eq([build_id(bin)])
-        expect(read_afresh(target.pid)[:layout]).to include(source: "debug_info", cached: true, path: bin)
+        expect(read_afresh(target.pid)[:layout]).to include(source: "debug_info", cached: true, path: bin,
+                                                             heap: "debug_info", heap_differs: [])
 
         # A profile says so too: its notes, which pprof keeps as comments and the Firefox
         # format in its meta.
@@ -114,7 +117,7 @@ RSpec.describe "layouts from debug information" do
                                         "record", "--pid", target.pid.to_s, "--duration", "0.3",
                                         "-f", "raw", "-f", "pprof", "-f", "firefox", "-o", out)
         expect(status).to be_success, err
-        note = "layout #{lines[0..(kind == "extra" ? 0 : 1)].join("; ")}"
+        note = "layout #{lines.take_while { |l| l.match?(/\A(source:|table |heap:)/) }.join("; ")}"
         expect(RubySpy::Profile.load("#{out}.raw").notes).to include(note)
         written = Dir["#{out}.*"].to_h { |f| [File.basename(f).delete_prefix("profile."), f] }
         expect(written.keys).to contain_exactly("raw", "pb.gz", "json.gz")

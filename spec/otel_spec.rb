@@ -240,7 +240,11 @@ RSpec.describe "OpenTelemetry context" do
         # The parent's mapping is not inherited (MADV_DONTFORK): the child made its own.
         expect(File.read("/proc/#{child}/maps").scan("OTEL_CTX").size).to eq(1)
         worker = target.info["workers"].first
-        thread = RubySpy.snapshot(child, threads: :all).find { |t| t[:name] == worker["name"] }
+        # The worker spins: a snapshot whose read of its stack kept changing leaves it out, so
+        # it is looked for until one has it (seen missing once with two lanes beside it).
+        thread = wait_for("the child's worker in a snapshot of every thread") do
+          RubySpy.snapshot(child, threads: :all).find { |t| t[:name] == worker["name"] }
+        end
         expect(thread[:tags]).to include("trace id": worker["span"]["trace_id"], "span id": worker["span"]["span_id"])
       ensure
         Process.kill(:KILL, child) if child.is_a?(Integer) && (Process.kill(0, child) rescue false)

@@ -94,6 +94,18 @@ macro_rules! pair_field {
 }
 pair_field!(u8, usize);
 
+impl Field for (usize, u8) {
+    fn value(&self) -> FieldValue {
+        FieldValue::Pair(self.0 as u64, self.1 as u64)
+    }
+    fn from_value(value: FieldValue) -> Option<Self> {
+        match value {
+            FieldValue::Pair(a, b) => Some((usize::try_from(a).ok()?, u8::try_from(b).ok()?)),
+            _ => None,
+        }
+    }
+}
+
 /// Declares `Layout` with its `name` and its other fields, and `Layout::FIELDS`,
 /// `Layout::fields` and `Layout::from_fields` over those others.
 macro_rules! layout_struct {

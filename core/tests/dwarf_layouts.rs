@@ -60,6 +60,14 @@ fn debug_info_layouts_agree_with_the_table() {
             };
             eprintln!("  {f}: dwarf {} table {}", v(got.layout), v(table));
         }
+        // The heap census's layout: VM_DEBUG_BP_CHECK moves no gc.c struct, so every build's
+        // equals its series' measured one.
+        let heap = got.heap.clone().expect("a series with a heap layout");
+        let (_, heap_differs) = heap.unwrap_or_else(|why| panic!("{name}: heap: {why}"));
+        assert!(
+            heap_differs.is_empty(),
+            "{name}: heap differs in {heap_differs:?}"
+        );
         match build_kind(&name) {
             Some((kind, _)) if kind == "source" => assert!(differ.is_empty(), "{name}: {differ:?}"),
             Some((_, conf)) if conf.contains("VM_DEBUG_BP_CHECK") => {

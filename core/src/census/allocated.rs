@@ -5,10 +5,10 @@
 //! a job (ext/rbspy_ext/src/tracker/arming.rs); read from outside, they give the count that
 //! core/tests/live_ruby.rs compares with the target's own `GC.stat`.
 use super::heaps::objspaces;
-use super::walk::heap_layout;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::{field, Memory};
 use crate::spy::TargetView;
+use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout};
 
 /// The words whose sum is the count of objects allocated, in the VM's objspace (or, where
 /// each Ractor owns its heap, the main Ractor's: the first the GC lists), and on 4.0 in the
@@ -75,4 +75,18 @@ fn main_ractor_cache<M: Memory>(t: &TargetView<'_, M>, cache: usize) -> Result<u
         }),
         cache => Ok(cache),
     }
+}
+
+/// The target's heap layout: from its own debug information where it has some, else
+/// measured from its release's gc.c.
+pub(super) fn heap_layout<M: Memory>(target: &TargetView<'_, M>) -> Result<&'static HeapLayout> {
+    let measured = || heap_layout_for_version(target.version());
+    target
+        .debug_heap_layout()
+        .or_else(measured)
+        .ok_or_else(|| Error::UnsupportedVersion {
+            pid: target.pid(),
+            version: target.version().to_string(),
+            detail: "no heap layout measured for this series".into(),
+        })
 }

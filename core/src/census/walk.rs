@@ -10,6 +10,7 @@
 //! pages a lazy sweep had not reached (pages.rs) take one more batch of reads each, and
 //! which metaclasses Ruby hides one read or two per metaclass (singletons.rs). The heap's
 //! layout is `rbspy_ext_bindings::HeapLayout`, measured from each release's gc.c.
+use super::allocated::heap_layout;
 use super::classes;
 use super::heaps::{addresses, gc_state, objspaces, Objspace};
 use super::pages::{self, page_list_read, read_headers, Page, Reread};
@@ -18,10 +19,10 @@ use super::singletons::{self, ClassSlot};
 use super::{Census, ClassRow, NOT_COUNTED, TYPE_NAMES};
 use super::{T_ARRAY, T_CLASS, T_HASH, T_ICLASS, T_IMEMO, T_MOVED, T_NODE, T_NONE, T_OBJECT};
 use super::{T_STRING, T_ZOMBIE};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::{field, word, Memory};
 use crate::spy::TargetView;
-use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout, Shapes};
+use rbspy_ext_bindings::{HeapLayout, Layout, Shapes};
 use rustc_hash::FxHashMap;
 use std::time::Instant;
 
@@ -101,15 +102,6 @@ impl<'a> Count<'a> {
 struct Heap<'a, M: Memory> {
     t: TargetView<'a, M>,
     h: &'static HeapLayout,
-}
-
-/// The target's heap layout, measured from its release's gc.c.
-pub(super) fn heap_layout<M: Memory>(target: &TargetView<'_, M>) -> Result<&'static HeapLayout> {
-    heap_layout_for_version(target.version()).ok_or_else(|| Error::UnsupportedVersion {
-        pid: target.pid(),
-        version: target.version().to_string(),
-        detail: "no heap layout measured for this series".into(),
-    })
 }
 
 /// Counts the target's live objects by class and type, reading its heap pages while it

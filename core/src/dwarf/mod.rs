@@ -9,6 +9,7 @@
 //! kept by build-id, in memory and under `~/.cache/rbspy_ext/layouts/`.
 
 mod find;
+mod heap;
 mod rules;
 mod types;
 
@@ -18,7 +19,7 @@ pub use types::TypeError;
 use find::{Elf, Identity};
 use object::{Object, ObjectSection};
 pub use rbspy_ext_bindings::FieldValue;
-use rbspy_ext_bindings::Layout;
+use rbspy_ext_bindings::{heap_layout_for_version, HeapLayout, Layout};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,6 +35,20 @@ pub struct DebugLayout {
     pub build_id: Option<String>,
     /// Whether it came from the cache (memory or disk) rather than the DWARF itself.
     pub cached: bool,
+    /// The heap census's layout over the series' (`heap.rs`), with the fields where the
+    /// series' differs; or why the DWARF could not give it. None where the census knows no
+    /// layout of the series.
+    pub heap: Option<HeapRead>,
+}
+
+/// The heap layout read from debug information, and the overlaid fields where the series'
+/// measured layout differs; or why it could not be read (the series' is then used).
+pub type HeapRead = Result<(&'static HeapLayout, Vec<&'static str>), String>;
+
+/// What one read of debug information gives.
+struct Read {
+    layout: Layout,
+    heap: Option<Result<HeapLayout, String>>,
 }
 
 /// Debug information that exists but cannot give a layout.
@@ -71,8 +86,8 @@ pub fn layout_for(
     if let Some(kept) = kept(&key) {
         return Ok(Some(kept));
     }
-    if let Some((layout, path)) = build_id.as_deref().and_then(|b| disk::load(b, version)) {
-        return Ok(Some(keep(key, layout, &path, build_id, true)));
+    if let Some((read, path)) = build_id.as_deref().and_then(|b| disk::load(b, version)) {
+        return Ok(Some(keep(key, read, version, &path, build_id, true)));
     }
     // The binary itself is named as the target names it (not /proc/PID/map_files/...).
     let (source, shown) = if id.has_dwarf {
@@ -86,14 +101,14 @@ pub fn layout_for(
             None => return Ok(None),
         }
     };
-    let layout = read(&source, version).map_err(|detail| Unusable {
+    let read = read(&source, version).map_err(|detail| Unusable {
         path: shown.clone(),
         detail,
     })?;
     if let Some(b) = build_id.as_deref() {
-        disk::store(b, &shown, &layout, version);
+        disk::store(b, &shown, &read, version);
     }
-    Ok(Some(keep(key, layout, &shown, build_id, false)))
+    Ok(Some(keep(key, read, version, &shown, build_id, false)))
 }
 
 fn kept(key: &str) -> Option<DebugLayout> {
@@ -109,17 +124,26 @@ fn kept(key: &str) -> Option<DebugLayout> {
 /// Keeps `layout` for the process's life: one per distinct binary attached to.
 fn keep(
     key: String,
-    layout: Layout,
+    read: Read,
+    version: &str,
     path: &str,
     build_id: Option<String>,
     cached: bool,
 ) -> DebugLayout {
-    let layout: &'static Layout = Box::leak(Box::new(layout));
+    let layout: &'static Layout = Box::leak(Box::new(read.layout));
+    let table = heap_layout_for_version(version);
+    let heap = read.heap.map(|h| {
+        h.map(|h| {
+            let h: &'static HeapLayout = Box::leak(Box::new(h));
+            (h, table.map_or_else(Vec::new, |t| heap::differences(h, t)))
+        })
+    });
     let kept = DebugLayout {
         layout,
         path: path.to_string(),
         build_id,
         cached,
+        heap,
     };
     KEPT.lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -181,7 +205,7 @@ const SECTIONS: &[gimli::SectionId] = &[
 ];
 
 /// The layout the DWARF of `elf` describes.
-fn read(elf: &Elf, version: &str) -> Result<Layout, String> {
+fn read(elf: &Elf, version: &str) -> Result<Read, String> {
     read_object(elf.parse()?, version)
 }
 
@@ -189,7 +213,7 @@ fn read(elf: &Elf, version: &str) -> Result<Layout, String> {
 /// entry: a file whole in memory).
 pub fn layout_from_bytes(data: &[u8], version: &str) -> Result<Layout, String> {
     let file = object::File::parse(data).map_err(|e| format!("not an ELF file: {e}"))?;
-    read_object(file, version)
+    read_object(file, version).map(|r| r.layout)
 }
 
 /// Most a compressed section may inflate to, for each byte it holds: zlib's deflate cannot
@@ -200,7 +224,7 @@ const MAX_INFLATION: u64 = 1100;
 fn read_object<'d, R: object::ReadRef<'d>>(
     file: object::File<'d, R>,
     version: &str,
-) -> Result<Layout, String> {
+) -> Result<Read, String> {
     let mut data: HashMap<gimli::SectionId, Cow<[u8]>> = HashMap::new();
     for id in SECTIONS {
         let Some(section) = file.section_by_name(id.name()) else {
@@ -232,8 +256,14 @@ fn read_object<'d, R: object::ReadRef<'d>>(
         Ok::<_, gimli::Error>(gimli::EndianSlice::new(bytes, gimli::LittleEndian))
     })
     .map_err(|e| e.to_string())?;
-    let types = types::Types::index(dwarf, &rules::wanted()).map_err(describe)?;
-    rules::build(&types, version, NAME).map_err(describe)
+    let types = types::Types::index(dwarf, &[rules::wanted(), heap::NAMES.to_vec()].concat())
+        .map_err(describe)?;
+    let layout = rules::build(&types, version, NAME).map_err(describe)?;
+    // The census's layout is not the walker's: a Ruby whose gc.c types do not read keeps
+    // the series' (and says why).
+    let heap = heap_layout_for_version(version)
+        .map(|table| heap::overlay(&types, table).map_err(describe));
+    Ok(Read { layout, heap })
 }
 
 /// What every layout read from debug information is called (`Layout::name`).
@@ -278,10 +308,10 @@ mod disk {
     }
 
     /// Bumped when the recipes change, so a layout cached by an older build is read again.
-    const FORMAT: &str = "rbspy_ext layout 1";
+    const FORMAT: &str = "rbspy_ext layout 2";
 
-    /// The layout kept for `build_id`, and the path it was read from.
-    pub(super) fn load(build_id: &str, version: &str) -> Option<(Layout, String)> {
+    /// What was kept for `build_id`, and the path it was read from.
+    pub(super) fn load(build_id: &str, version: &str) -> Option<(Read, String)> {
         if !build_id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
@@ -291,21 +321,41 @@ mod disk {
             return None;
         }
         let pairs: Vec<(&str, &str)> = lines.filter_map(|l| l.split_once(' ')).collect();
-        let source = pairs.iter().find(|(k, _)| *k == "source")?.1.to_string();
+        let text_of = |key: &str| pairs.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        let source = text_of("source")?.to_string();
         let values: HashMap<&str, FieldValue> = (pairs.iter())
             .filter_map(|(f, v)| Some((*f, FieldValue::parse(v)?)))
             .collect();
         let layout = Layout::from_fields(NAME, |f| values.get(f).copied().ok_or(()), |_, _| ());
-        Some((layout.ok()?, source))
+        let heap = match (heap_layout_for_version(version), text_of("heap_unusable")) {
+            (None, _) => None,
+            (Some(_), Some(why)) => Some(Err(why.to_string())),
+            (Some(table), None) => Some(Ok(heap::with_values(table, |f| {
+                values.get(format!("heap.{f}").as_str()).copied()
+            })?)),
+        };
+        Some((
+            Read {
+                layout: layout.ok()?,
+                heap,
+            },
+            source,
+        ))
     }
 
-    pub(super) fn store(build_id: &str, source: &str, layout: &Layout, version: &str) {
+    pub(super) fn store(build_id: &str, source: &str, read: &Read, version: &str) {
         let Some(dir) = dir() else {
             return;
         };
         let mut text = format!("{FORMAT}\nversion {version}\n");
-        for (field, value) in layout.fields() {
+        for (field, value) in read.layout.fields() {
             text.push_str(&format!("{field} {value}\n"));
+        }
+        match &read.heap {
+            Some(Ok(h)) => (heap::values(h).into_iter())
+                .for_each(|(field, value)| text.push_str(&format!("heap.{field} {value}\n"))),
+            Some(Err(why)) => text.push_str(&format!("heap_unusable {why}\n")),
+            None => {}
         }
         text.push_str(&format!("source {source}\n"));
         // Written aside and renamed: a reader never sees half a file.

@@ -139,7 +139,7 @@ impl Builder<'_, '_> {
                     .size,
             ),
             Recipe::Bits(p) => match self.first(p)? {
-                Some(m) => bits(m).ok_or_else(|| {
+                Some(m) => bits_of(m).ok_or_else(|| {
                     TypeError::Corrupt(format!("{field}: not a bitfield within one byte"))
                 })?,
                 None => FieldValue::Absent,
@@ -373,7 +373,7 @@ impl Builder<'_, '_> {
 }
 
 /// (byte offset, mask) of a bitfield that lies within one byte.
-fn bits(m: Member) -> Option<FieldValue> {
+pub(super) fn bits_of(m: Member) -> Option<FieldValue> {
     let (bit, width) = m.bits?;
     let (byte, shift) = (bit / 8, bit % 8);
     (width > 0 && shift + width <= 8)

@@ -5,7 +5,7 @@
 use crate::dwarf::{self, DebugLayout};
 use crate::error::{Error, Result};
 use crate::process::{mapped_file_candidates, Mapping, RubyBinary};
-use rbspy_ext_bindings::{layout_for_version, Layout};
+use rbspy_ext_bindings::{layout_for_version, HeapLayout, Layout};
 use std::path::Path;
 
 /// Where the layout a spy reads with came from.
@@ -19,6 +19,8 @@ pub enum LayoutSource {
         build_id: Option<String>,
         table: Option<(&'static str, Vec<&'static str>)>,
         cached: bool,
+        /// The heap census's layout from the same DWARF (`dwarf::HeapRead`).
+        heap: Option<dwarf::HeapRead>,
     },
     /// The table; `unusable` says why the target's debug information was not used, when it
     /// has some.
@@ -46,6 +48,7 @@ impl LayoutSource {
                 path,
                 build_id,
                 table,
+                heap,
                 ..
             } => {
                 let id = build_id
@@ -55,6 +58,16 @@ impl LayoutSource {
                 lines.extend(table.iter().map(|(name, differ)| match differ.is_empty() {
                     true => format!("table {name} agrees"),
                     false => format!("table {name} differs: {}", differ.join(", ")),
+                }));
+                lines.extend(heap.iter().map(|heap| match heap {
+                    Ok((_, differ)) if differ.is_empty() => {
+                        "heap: debug info; its series' table agrees".to_string()
+                    }
+                    Ok((_, differ)) => format!(
+                        "heap: debug info; its series' table differs: {}",
+                        differ.join(", ")
+                    ),
+                    Err(why) => format!("heap: its series' table ({why})"),
                 }));
                 lines
             }
@@ -101,6 +114,7 @@ pub(super) fn choose(
                 build_id: d.build_id.clone(),
                 table: known.map(|t| (t.name, dwarf::differences(d.layout, t))),
                 cached: d.cached,
+                heap: d.heap.clone(),
             };
             // Should the DWARF's layout not fit (a debug file of another build with no
             // build-id to tell), the table's layouts follow.
@@ -137,6 +151,17 @@ pub(super) fn refusal(source: &LayoutSource, pid: i32, found: &str) -> Option<Er
         LayoutSource::Table {
             unusable: Some(u), ..
         } => Some(unusable_error(pid, found, u)),
+        _ => None,
+    }
+}
+
+/// The heap census's layout from the target's debug information, when it gave one.
+pub(super) fn debug_heap(source: &LayoutSource) -> Option<&'static HeapLayout> {
+    match source {
+        LayoutSource::DebugInfo {
+            heap: Some(Ok((h, _))),
+            ..
+        } => Some(h),
         _ => None,
     }
 }

@@ -48,6 +48,11 @@ impl<M: Memory> TargetView<'_, M> {
         self.target.layout
     }
 
+    /// The heap layout the target's own debug information gave, if it did.
+    pub fn debug_heap_layout(&self) -> Option<&'static rbspy_ext_bindings::HeapLayout> {
+        super::layouts::debug_heap(&self.target.layout_source)
+    }
+
     /// The address of the target's `rb_vm_t`.
     pub fn vm(&self) -> u64 {
         self.target.vm

@@ -106,7 +106,18 @@ impl Handle {
                 build_id,
                 table,
                 cached,
+                heap,
             } => {
+                let heap_differs = heap
+                    .as_ref()
+                    .and_then(|h| h.as_ref().ok())
+                    .map(|(_, d)| ruby.ary_from_vec(d.clone()));
+                h.aset(ruby.to_symbol("heap_differs"), heap_differs)?;
+                let from_dwarf = matches!(heap, Some(Ok(_)));
+                h.aset(
+                    ruby.to_symbol("heap"),
+                    ruby.to_symbol(if from_dwarf { "debug_info" } else { "table" }),
+                )?;
                 h.aset(ruby.to_symbol("source"), ruby.to_symbol("debug_info"))?;
                 h.aset(ruby.to_symbol("path"), path.as_str())?;
                 h.aset(ruby.to_symbol("build_id"), build_id.clone())?;
@@ -117,6 +128,7 @@ impl Handle {
             }
             LayoutSource::Table { name, unusable } => {
                 h.aset(ruby.to_symbol("source"), ruby.to_symbol("table"))?;
+                h.aset(ruby.to_symbol("heap"), ruby.to_symbol("table"))?;
                 h.aset(ruby.to_symbol("table"), *name)?;
                 let why = unusable
                     .as_ref()
