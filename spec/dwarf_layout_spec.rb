@@ -185,6 +185,19 @@ RSpec.describe "layouts from debug information" do
         expect(frames_of(result)).to match_backtrace(target.frames, ruby_version: version)
       end
 
+      it "reads debug sections compressed with zlib and with zstd" do
+        %w[zlib zstd].each do |method|
+          compressed = File.join(@dir, "ruby-#{method}")
+          system("objcopy", "--compress-debug-sections=#{method}", bin, compressed, exception: true)
+          expect(IO.popen(["readelf", "-S", "-W", compressed], &:read)[/\.debug_info .*/]).to match(/ C /)
+          target = start_target("deep_mixed", ruby: BuiltRuby.new(compressed))
+          # A cache of its own: the copies share the build-id, whose layout is kept.
+          result = read_afresh(target.pid, "RUBYSPY_LAYOUT_CACHE" => File.join(@dir, "cache-#{method}"))
+          expect(result[:layout]).to include(source: "debug_info", path: compressed, heap: "debug_info", cached: false)
+          expect(frames_of(result)).to match_backtrace(target.frames, ruby_version: version)
+        end
+      end
+
       it "refuses a debug file of another build, a truncated one, and one without Ruby's types, saying which" do
         bare = File.join(@dir, "ruby")
         system("objcopy", "--strip-debug", bin, bare, exception: true)
