@@ -16,19 +16,6 @@ require "zlib"
 # that must find the debug information afresh runs in a process of its own with a cache of
 # its own: layouts are kept by build-id, which a stripped copy shares.
 RSpec.describe "layouts from debug information" do
-  BuiltRuby = Struct.new(:bin) do
-    def command(*args)
-      [bin, *args]
-    end
-
-    def mktmpdir(prefix)
-      [Dir.mktmpdir(prefix)] * 2
-    end
-
-    def to_s
-      bin
-    end
-  end
   SpiedFrame = Struct.new(:label, :base_label, :path, :absolute_path, :lineno, keyword_init: true)
 
   rubies = IO.popen([File.join(RubySpyTest::ROOT, "script", "rubies"), "list"], &:read).lines.map(&:split)
@@ -64,6 +51,11 @@ RSpec.describe "layouts from debug information" do
     result.fetch(:frames).map { |f| SpiedFrame.new(**f) }
   end
 
+  # Where a debug-file-directory under @dir keeps the debug file of build-id +id+.
+  def by_build_id(id)
+    File.join(@dir, "debug", ".build-id", id[0, 2], "#{id[2..]}.debug").tap { |f| FileUtils.mkdir_p(File.dirname(f)) }
+  end
+
   def build_id(bin)
     IO.popen(["readelf", "-n", bin], &:read)[/Build ID: (\h+)/, 1]
   end
@@ -85,7 +77,7 @@ RSpec.describe "layouts from debug information" do
     table = "#{version.split(".").first(2).join(".")}"
     describe "Ruby #{version} (#{name}, #{kind})" do
       it "is read with its own debug information, which gdb and (where it has one) the table agree with" do
-        target = start_target("nested_methods", ruby: BuiltRuby.new(bin))
+        target = start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(bin))
         out, err, status = Open3.capture3({ "RUBYSPY_LAYOUT_CACHE" => @cache }, RbConfig.ruby, "-I",
                                           File.join(RubySpyTest::ROOT, "lib"), File.join(RubySpyTest::ROOT, "exe", "rubyspy"),
                                           "layout", "--pid", target.pid.to_s)
@@ -126,7 +118,7 @@ RSpec.describe "layouts from debug information" do
       end
 
       it "reads a program 40 frames deep through blocks, methods, C calls and eval exactly" do
-        target = start_target("deep_mixed", ruby: BuiltRuby.new(bin))
+        target = start_target("deep_mixed", ruby: RubySpyTest::BinaryRuby.new(bin))
         expect(target.frames.size).to be >= 40
         result = read_afresh(target.pid)
         expect(result[:layout]).to include(source: "debug_info")
@@ -137,7 +129,7 @@ RSpec.describe "layouts from debug information" do
       it "with its debug information removed, is read by the table or refused, never wrongly" do
         stripped = File.join(@dir, "ruby")
         system("objcopy", "--strip-debug", bin, stripped, exception: true)
-        target = start_target("nested_methods", ruby: BuiltRuby.new(stripped))
+        target = start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(stripped))
         # Past its start-up (attach.rs): a layout that does not fit is then the wrong one.
         wait_for("the target to be past its start-up") { process_age(target.pid) > 2.2 }
         result = read_afresh(target.pid)
@@ -149,7 +141,7 @@ RSpec.describe "layouts from debug information" do
           expect(frames_of(result)).to match_backtrace(target.frames, ruby_version: version)
         end
         # The same build (its build-id) read once with its DWARF: the kept layout serves.
-        read_afresh(start_target("nested_methods", ruby: BuiltRuby.new(bin)).pid)
+        read_afresh(start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(bin)).pid)
         kept = read_afresh(target.pid)
         expect(kept[:layout]).to include(source: "debug_info", cached: true)
         expect(frames_of(kept)).to match_backtrace(target.frames, ruby_version: version)
@@ -160,13 +152,12 @@ RSpec.describe "layouts from debug information" do
         system("objcopy", "--only-keep-debug", bin, debug, exception: true)
         # By build-id under a debug-file-directory (gdb's; /usr/lib/debug by default).
         id = build_id(bin)
-        by_id = File.join(@dir, "debug", ".build-id", id[0, 2], "#{id[2..]}.debug")
-        FileUtils.mkdir_p(File.dirname(by_id))
+        by_id = by_build_id(id)
         FileUtils.cp(debug, by_id)
         bare = File.join(@dir, "bare", "ruby")
         FileUtils.mkdir_p(File.dirname(bare))
         system("objcopy", "--strip-debug", bin, bare, exception: true)
-        target = start_target("deep_mixed", ruby: BuiltRuby.new(bare))
+        target = start_target("deep_mixed", ruby: RubySpyTest::BinaryRuby.new(bare))
         result = read_afresh(target.pid, "RUBYSPY_DEBUG_FILE_DIRECTORY" => File.join(@dir, "debug"))
         expect(result[:layout]).to include(source: "debug_info", path: "/proc/#{target.pid}/root#{by_id}")
         expect(frames_of(result)).to match_backtrace(target.frames, ruby_version: version)
@@ -179,7 +170,7 @@ RSpec.describe "layouts from debug information" do
           system("objcopy", "--strip-debug", "--remove-section=.note.gnu.build-id", "--add-gnu-debuglink=ruby.debug",
                  bin, linked, exception: true)
         end
-        target = start_target("deep_mixed", ruby: BuiltRuby.new(linked))
+        target = start_target("deep_mixed", ruby: RubySpyTest::BinaryRuby.new(linked))
         result = read_afresh(target.pid)
         expect(result[:layout]).to include(source: "debug_info", path: "/proc/#{target.pid}/root#{File.join(@dir, "linked", ".debug", "ruby.debug")}")
         expect(frames_of(result)).to match_backtrace(target.frames, ruby_version: version)
@@ -190,7 +181,7 @@ RSpec.describe "layouts from debug information" do
           compressed = File.join(@dir, "ruby-#{method}")
           system("objcopy", "--compress-debug-sections=#{method}", bin, compressed, exception: true)
           expect(IO.popen(["readelf", "-S", "-W", compressed], &:read)[/\.debug_info .*/]).to match(/ C /)
-          target = start_target("deep_mixed", ruby: BuiltRuby.new(compressed))
+          target = start_target("deep_mixed", ruby: RubySpyTest::BinaryRuby.new(compressed))
           # A cache of its own: the copies share the build-id, whose layout is kept.
           result = read_afresh(target.pid, "RUBYSPY_LAYOUT_CACHE" => File.join(@dir, "cache-#{method}"))
           expect(result[:layout]).to include(source: "debug_info", path: compressed, heap: "debug_info", cached: false)
@@ -202,10 +193,9 @@ RSpec.describe "layouts from debug information" do
         bare = File.join(@dir, "ruby")
         system("objcopy", "--strip-debug", bin, bare, exception: true)
         id = build_id(bin)
-        by_id = File.join(@dir, "debug", ".build-id", id[0, 2], "#{id[2..]}.debug")
-        FileUtils.mkdir_p(File.dirname(by_id))
+        by_id = by_build_id(id)
         env = { "RUBYSPY_DEBUG_FILE_DIRECTORY" => File.join(@dir, "debug") }
-        target = start_target("nested_methods", ruby: BuiltRuby.new(bare))
+        target = start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(bare))
         other = rubies.find { |r| r[3] != bin && build_id(r[3]) != id }
         # A C program with debug information and the binary's very build-id.
         source = File.join(@dir, "hello.c")

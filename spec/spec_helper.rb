@@ -7,7 +7,8 @@ lib = File.expand_path("../lib", __dir__)
 $LOAD_PATH.unshift(lib) unless $LOAD_PATH.include?(lib)
 
 # spec/support/: paths.rb, proc_stat.rb (/proc/PID/stat), target_ruby.rb (which Ruby the
-# fixtures run on), target.rb (a started fixture), helpers/ (what examples call: targets,
+# fixtures run on), binary_ruby.rb (fixtures run by one ruby executable), target.rb (a
+# started fixture), helpers/ (what examples call: targets,
 # waiting, the CLI, child processes), and one file per area (frames, recording, servers...).
 Dir[File.join(__dir__, "support", "**", "*.rb")].sort.each { |f| require f }
 

@@ -12,20 +12,6 @@ require "tmpdir"
 # run through `strip --strip-all`, which leaves only `.dynsym`. Either way the snapshot must equal the target's own backtrace_locations, or fail
 # with a RubySpy::Error; never garbage frames.
 RSpec.describe "statically linked Rubies" do
-  # Runs fixtures with one Ruby executable, as users start it.
-  BinaryRuby = Struct.new(:bin) do
-    def command(*args)
-      [bin, *args]
-    end
-
-    def mktmpdir(prefix)
-      [Dir.mktmpdir(prefix)] * 2
-    end
-
-    def to_s
-      bin
-    end
-  end
 
   statics = IO.popen([File.join(RubySpyTest::ROOT, "script", "rubies"), "list"], &:read).lines
               .map(&:split).select { |f| %w[source extra].include?(f[4]) && Dir[File.join(f[2], "lib", "libruby.so*")].empty? }
@@ -41,7 +27,7 @@ RSpec.describe "statically linked Rubies" do
       it "reads the installed executable, through its .symtab, exactly" do
         symtab = IO.popen(["readelf", "-W", "-s", bin], &:read)
         expect(symtab).to match(/ ruby_current_vm_ptr$/)
-        target = start_target("nested_methods", ruby: BinaryRuby.new(bin))
+        target = start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(bin))
         expect(RubySpy.snapshot(target.pid)).to match_backtrace(target.frames, ruby_version: target.ruby_version)
       end
 
@@ -52,7 +38,7 @@ RSpec.describe "statically linked Rubies" do
           system("strip", "--strip-all", stripped, exception: true)
           expect(IO.popen(["readelf", "-W", "-S", stripped], &:read)).not_to include(".symtab")
 
-          target = start_target("nested_methods", ruby: BinaryRuby.new(stripped))
+          target = start_target("nested_methods", ruby: RubySpyTest::BinaryRuby.new(stripped))
           handle = RubySpy.attach(target.pid)
           expect(handle.ruby_version).to eq(version)
           expect(handle.snapshot).to match_backtrace(target.frames, ruby_version: target.ruby_version)
