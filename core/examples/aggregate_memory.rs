@@ -56,7 +56,7 @@ fn main() {
         if i % 4 == 0 {
             agg.tick_at(std::time::Duration::from_millis(i / 4));
         }
-        agg.add(&threads[(i % 4) as usize], state, &stack);
+        agg.add_frames(&threads[(i % 4) as usize], state, &stack);
     }
     let p = agg.finish(250_000_000_000);
     let timeline_bytes = p.timeline.at_us.capacity() * 4 + p.timeline.stacks.capacity() * 4;

@@ -62,7 +62,7 @@ impl Memory for Keeping {
 pub fn capture(pid: i32, census: bool) -> Result<Vec<u8>> {
     let mut warm = Spy::attach(pid)?;
     warm.snapshot()?;
-    let _ = warm.sample_threads(ThreadSelection::All);
+    let _ = warm.sample(ThreadSelection::All);
     let parts = warm.image_parts();
     let keeping = Keeping {
         process: ProcessMemory::new(pid),
@@ -72,7 +72,7 @@ pub fn capture(pid: i32, census: bool) -> Result<Vec<u8>> {
     spy.snapshot()?;
     let _ = spy.snapshot_tags();
     for _ in 0..2 {
-        let _ = spy.sample_threads(ThreadSelection::All);
+        let _ = spy.sample(ThreadSelection::All);
     }
     if census {
         census::take(spy.target_view(), CensusOptions::default())?;

@@ -149,6 +149,88 @@ pub struct SampledThread {
     pub tags: Tags,
 }
 
+/// Why a thread's sample was not taken: counted in `Profile::errors` by [`Dropped::name`]
+/// (the raw format keeps the names), never replaced by a guess.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dropped {
+    /// A thread (or its context) went away while the list or the contexts were read.
+    ThreadListChanged,
+    /// The thread's stack kept moving while read, through every retry.
+    StackMoved,
+    /// The thread's tags did not read the same around its stack, through every retry.
+    TagsChanged,
+    /// The target's memory did not read for a reason other than the process ending.
+    ReadFailed,
+    /// The BPF sampler caught a thread the recorder's thread list does not have.
+    NotInThreadList,
+    /// The BPF sampler could not read the thread's execution context.
+    ContextUnread,
+    /// The BPF sampler copied a thread's frames but not its value stack.
+    ValueStackUnread,
+    /// Every frame the BPF sampler copied has its locals below the value stack it copied.
+    ValueStackDeeper,
+    /// A stack the BPF sampler copied did not resolve (something it points to moved).
+    CapturedUnresolved,
+    /// This many BPF samples were lost: the ring buffer was full.
+    RingFull(u64),
+}
+
+impl Dropped {
+    /// The reason as `Profile::errors` and the raw format name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dropped::ThreadListChanged => "thread list changed",
+            Dropped::StackMoved => "stack changed while read",
+            Dropped::TagsChanged => "tags changed while read",
+            Dropped::ReadFailed => "read failed",
+            Dropped::NotInThreadList => "thread not in the thread list",
+            Dropped::ContextUnread => "thread context did not read",
+            Dropped::ValueStackUnread => "value stack did not read",
+            Dropped::ValueStackDeeper => "value stack deeper than the copy",
+            Dropped::CapturedUnresolved => "captured stack did not resolve",
+            Dropped::RingFull(_) => "ring buffer full",
+        }
+    }
+
+    /// How many samples this drop stands for.
+    pub fn count(self) -> u64 {
+        match self {
+            Dropped::RingFull(n) => n,
+            _ => 1,
+        }
+    }
+}
+
+/// One read of a process at one tick: the threads it sampled and the samples it dropped.
+/// The user-space sampler makes one per tick and process (`Spy::sample`); the BPF sampler one
+/// per record it drains (`Capture::resolve`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// When the target was read (a sample's one call), if it was: the time the samples get
+    /// on the timeline, which a busy machine can hold up from the tick by milliseconds.
+    pub read_at: Option<std::time::Instant>,
+    pub threads: Vec<SampledThread>,
+    pub dropped: Vec<Dropped>,
+    /// The Ractors of the thread list the sample was read against (its ids; `[0]` before
+    /// 3.0): which are alive at the end of a recording (empty when no list was read).
+    pub ractors: Arc<[u32]>,
+}
+
+impl Sample {
+    /// A sample of nothing, dropped for `why`.
+    pub fn dropped(why: Dropped) -> Self {
+        Sample {
+            dropped: vec![why],
+            ..Sample::default()
+        }
+    }
+
+    /// Keeps only the threads that held the GVL (`RecordConfig::on_cpu`).
+    pub fn keep_on_cpu(&mut self) {
+        self.threads.retain(|t| t.state.on_cpu());
+    }
+}
+
 /// serde for `Profile::frames` (`#[serde(with = ...)]`): `Frame` knows nothing of serde
 /// (the walker makes millions of them), so the raw format goes through a mirror struct.
 pub(crate) mod frame_serde {

@@ -129,7 +129,7 @@ pub fn memory_image(data: &[u8]) {
     let _ = spy.snapshot();
     let _ = spy.snapshot_tags();
     for _ in 0..2 {
-        let _ = spy.sample_threads(crate::spy::ThreadSelection::All);
+        let _ = spy.sample(crate::spy::ThreadSelection::All);
     }
 }
 

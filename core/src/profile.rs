@@ -1,7 +1,7 @@
 //! A recorded profile: samples aggregated as they arrive, so memory grows with the number of
 //! distinct (thread, state, stack) combinations, not with the recording's length. Output
 //! formats live in `crate::output`.
-use crate::model::{Frame, Tags};
+use crate::model::{Frame, Sample, Tags};
 /// Where the profile's thread states and identities are defined (re-exported for its users).
 pub use crate::model::{ThreadInfo, ThreadState};
 use crate::timeline::Timeline;
@@ -265,8 +265,24 @@ impl Aggregator {
         }
     }
 
-    /// Records one thread's stack (innermost frame first).
-    pub fn add(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame]) {
+    /// Records one sample: each thread's stack at the time the sample was read (`started`:
+    /// when the recording began; a sample read before the tick began counts at the tick),
+    /// and the samples it dropped, by reason. What both samplers' loops hand over.
+    pub fn add(&mut self, sample: &Sample, started: std::time::Instant) {
+        if let Some(read) = sample.read_at {
+            self.read_at(read.saturating_duration_since(started));
+        }
+        for t in &sample.threads {
+            self.add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
+        }
+        for why in &sample.dropped {
+            self.errors(why.name(), why.count());
+        }
+    }
+
+    /// Records one thread's stack (innermost frame first), outside any sample: for tests
+    /// and for profiles built from other sources.
+    pub fn add_frames(&mut self, thread: &ThreadInfo, state: ThreadState, frames: &[Frame]) {
         self.add_count(thread, state, frames, 1);
     }
 

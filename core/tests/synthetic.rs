@@ -826,13 +826,13 @@ fn mutated_images_never_panic_hang_or_allocate_wildly() {
         "walker",
         &|spy, _| {
             let ok = spy.snapshot().is_ok();
-            let _ = spy.sample_threads(ThreadSelection::All);
-            let _ = spy.sample_threads(ThreadSelection::GvlHolder);
+            let _ = spy.sample(ThreadSelection::All);
+            let _ = spy.sample(ThreadSelection::GvlHolder);
             ok
         },
         &|spy, _| {
             spy.snapshot().expect("the clean image walks");
-            let _ = spy.sample_threads(ThreadSelection::All);
+            let _ = spy.sample(ThreadSelection::All);
         },
     );
 }
@@ -898,7 +898,7 @@ fn found_crashes_stay_fixed() {
             let mut spy = Spy::with_memory(1, image, l, l.name, roots, Some(symbols));
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let _ = spy.snapshot();
-                let _ = spy.sample_threads(ThreadSelection::All);
+                let _ = spy.sample(ThreadSelection::All);
             }));
             assert!(outcome.is_ok(), "{what}: panicked on layout {}", l.name);
             assert!(

@@ -98,11 +98,13 @@ module RubySpy
       return snapshot_json(handle, options[:threads] == "all") if options[:json]
 
       if options[:threads] == "all"
-        handle.thread_snapshots.each do |t|
+        sample = handle.thread_sample
+        sample[:threads].each do |t|
           puts "#{thread_title(t)}: #{t[:state]}"
           puts "  tags: #{tag_text(t[:tags])}" unless t[:tags].empty?
           t[:frames].each { |f| puts "  #{f}" }
         end
+        dropped_note(sample[:dropped])
       else
         stack = handle.snapshot
         puts "tags: #{tag_text(stack.tags)}" unless stack.tags.empty?
@@ -116,7 +118,9 @@ module RubySpy
     def snapshot_json(handle, all)
       doc = { pid: handle.pid, ruby_version: handle.ruby_version }
       if all
-        doc[:threads] = handle.thread_snapshots.map { |t| t.merge(frames: t[:frames].map(&:to_h)) }
+        sample = handle.thread_sample
+        doc[:threads] = sample[:threads].map { |t| t.merge(frames: t[:frames].map(&:to_h)) }
+        doc[:dropped] = sample[:dropped]
       else
         stack = handle.snapshot
         doc[:tags] = stack.tags
@@ -135,6 +139,14 @@ module RubySpy
 
     def tag_text(tags)
       tags.map { |k, v| "#{k}=#{v}" }.join(" ")
+    end
+
+    # The threads a sample left out, on stderr so that stdout stays the stacks.
+    def dropped_note(dropped)
+      return if dropped.empty?
+
+      counts = dropped.tally.map { |reason, n| "#{n} #{reason}" }.join(", ")
+      warn "#{dropped.size} threads not shown, their stacks did not read (#{counts})"
     end
 
     def tags(argv)

@@ -65,9 +65,21 @@ module RubySpy
     #   +:frames+ (Array of {RubySpy::Frame}),
     #   +:tags+ (the tags of the fiber it was running, Hash{Symbol => String})
     def thread_snapshots
-      @lock.synchronize { @native.thread_snapshots }.map do |t|
+      thread_sample[:threads]
+    end
+
+    # One sample of every Ruby thread of the process, as {#thread_snapshots} gives them, with
+    # the threads it could not read.
+    #
+    # @return [Hash] +:threads+ (what {#thread_snapshots} returns) and +:dropped+ (Array of
+    #   String, one reason per thread whose stack kept moving while read, e.g. "stack changed
+    #   while read": such a thread is left out rather than shown with a wrong stack)
+    def thread_sample
+      sample = @lock.synchronize { @native.thread_sample }
+      threads = sample[:threads].map do |t|
         t.merge(frames: t[:frames].map { |row| Frame.from_row(row) }, tags: Stack.tags_from(t[:tags]))
       end
+      { threads: threads, dropped: sample[:dropped] }
     end
 
     # A census of the process's heap: its live objects by class and type, read from its GC's

@@ -15,14 +15,16 @@ module Imports
   # One crate's module tree and import edges.
   class Crate
     # [module path] => file; file => Set of imported files; file => names it takes from the
-    # crate root (`crate::Result`) where lib.rs only re-exports them.
-    attr_reader :modules, :edges, :through_root
+    # crate root (`crate::Result`) where lib.rs only re-exports them; file => Set of the
+    # ancestors it imports from (`super::Item` in spy/walker.rs reads spy/mod.rs).
+    attr_reader :modules, :edges, :through_root, :up_edges
 
     def initialize(dir)
       @dir = dir
       @modules = {}
       @edges = Hash.new { |h, k| h[k] = Set.new }
       @through_root = Hash.new { |h, k| h[k] = [] }
+      @up_edges = Hash.new { |h, k| h[k] = Set.new }
       walk([], "#{ROOT}/#{dir}/lib.rs")
       reexports = Imports.paths(Imports.code(@modules[[]]), uses_only: true, pub_only: true)
                          .map { |p| p.split("::").last }.to_set
@@ -66,7 +68,9 @@ module Imports
         if named.start_with?("crate::") && full.size == 1 && reexports.include?(full[0]) && !path.empty?
           @through_root[file] << full[0]
         end
-        next if target.nil? || path[0, target.size] == target # itself or an ancestor
+        next if target.nil? || target == path # itself
+        # An ancestor: a tree edge, not an import, except to check-floors's floors inside a folder.
+        next @up_edges[file] << @modules[target] if path[0, target.size] == target
 
         @edges[file] << @modules[target]
       end

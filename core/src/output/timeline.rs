@@ -280,7 +280,7 @@ mod tests {
         let mut agg = Aggregator::new(1, "3.3.0", 1000.0, 0);
         for ms in [0u64, 1, 50, 51] {
             agg.tick_at(Duration::from_millis(ms));
-            agg.add(&main, ThreadState::Running, &[fixture::work()]);
+            agg.add_frames(&main, ThreadState::Running, &[fixture::work()]);
         }
         let doc = timeline(&agg.finish(52_000_000));
         let spans = replay(&doc, 0);

@@ -59,9 +59,9 @@ fn identical_stacks_aggregate_and_memory_follows_distinct_stacks() {
         frame("<main>", "a.rb", 9, false),
     ];
     for i in 0..10_000 {
-        agg.add(&main, ThreadState::Blocked, &a);
+        agg.add_frames(&main, ThreadState::Blocked, &a);
         if i % 2 == 0 {
-            agg.add(&main, ThreadState::Running, &b);
+            agg.add_frames(&main, ThreadState::Running, &b);
         }
     }
     let p = agg.finish(1);
@@ -88,14 +88,14 @@ fn a_thread_seen_without_its_tid_is_the_same_thread_and_a_new_tid_a_new_one() {
     let work = [frame("Spinners.spin_b", "s.rb", 40, false)];
     // An M:N thread asleep reads tid 0 before and after it is seen on a native thread.
     for tid in [0, 0, 42, 0, 42] {
-        agg.add(&spinner(tid), ThreadState::Running, &work);
+        agg.add_frames(&spinner(tid), ThreadState::Running, &work);
     }
     let p = agg.profile();
     assert_eq!(p.threads.len(), 1);
     assert_eq!(p.threads[0].tid, 42);
     assert_eq!(p.stacks.iter().map(|s| s.count).sum::<u64>(), 5);
     // Another tid at the same address: a thread that began where an ended one was.
-    agg.add(&spinner(43), ThreadState::Running, &work);
+    agg.add_frames(&spinner(43), ThreadState::Running, &work);
     let p = agg.finish(1);
     assert_eq!(
         p.threads.iter().map(|t| t.tid).collect::<Vec<_>>(),
@@ -130,8 +130,8 @@ fn threads_that_ended_are_merged_past_the_bound_with_every_sample_kept() {
         for _ in 0..3 {
             tick += 1;
             agg.tick_at(std::time::Duration::from_micros(tick * 1000));
-            agg.add(&main, ThreadState::Blocked, &idle);
-            agg.add(&worker, ThreadState::Running, &work);
+            agg.add_frames(&main, ThreadState::Blocked, &idle);
+            agg.add_frames(&worker, ThreadState::Running, &work);
         }
     }
     let p = agg.finish(tick * 1_000_000);

@@ -6,6 +6,7 @@ use super::{new_aggregator, refresh_live, RecordConfig, Run};
 use crate::bpf::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
 use crate::cost::{clock_ns, thread_cpu_ns, KernelCost};
 use crate::memory::Memory;
+use crate::model::{Dropped, Sample};
 use crate::profile::{Aggregator, Profile, ThreadInfo};
 use crate::spy::{Spy, TRUNCATED_LABEL};
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -40,8 +41,11 @@ struct Recording {
     /// take turns on shared native threads, so a tid that ran no Ruby thread a moment ago
     /// may run one now, and every unknown tick asks for a refresh (`REFRESH_SOONEST` apart).
     shared_natives: bool,
-    /// The time of the last sample on the timeline.
+    /// The time of the last sample on the timeline, and when the recording began.
     last_at: Duration,
+    started: Instant,
+    /// The Ractors of the last thread list (`Sample::ractors`).
+    ractors: Arc<[u32]>,
     /// Samples whose tag table was larger than the program copies, and whose value stack was.
     tags_cut: u64,
     values_cut: u64,
@@ -55,7 +59,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
     let (config, notes, stop, progress) = run.into_parts();
     let pid = spy.pid();
     let mut rec = Recording::new(spy, &config, notes);
-    let started = Instant::now();
+    let started = rec.started;
     let calls_before = spy.memory().calls();
     let cpu_before = thread_cpu_ns();
     let stats_before = bpf.stats();
@@ -107,7 +111,7 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
         // A target that exits is seen by the next refresh (its memory no longer reads).
     }
     drain(spy, &mut bpf, &config, &mut rec);
-    super::note_ractors(spy, &mut rec.agg);
+    super::note_ractors(pid, &rec.ractors, &mut rec.agg);
     super::note_trace_drops(spy, &drops_before, &mut rec.agg);
     rec.expired_tags = spy.capture().tags_expired() - expired_before;
     let stats = bpf.stats();
@@ -135,6 +139,8 @@ impl Recording {
             refresh_wanted: false,
             shared_natives: false,
             last_at: Duration::ZERO,
+            started: Instant::now(),
+            ractors: Arc::from([]),
             tags_cut: 0,
             values_cut: 0,
             expired_tags: 0,
@@ -216,7 +222,8 @@ fn finish(
     if lost > 0 {
         rec.agg
             .note(format!("{lost} samples lost: the ring buffer was full"));
-        rec.agg.errors("ring buffer full", lost);
+        rec.agg
+            .add(&Sample::dropped(Dropped::RingFull(lost)), rec.started);
     }
     rec.agg.finish(started.elapsed().as_nanos() as u64)
 }
@@ -238,6 +245,10 @@ fn refresh_threads<M: Memory>(spy: &mut Spy<M>, bpf: &mut BpfSampler, rec: &mut 
             .note(format!("the thread map could not be updated: {e}"));
     }
     rec.shared_natives = list.iter().any(|t| t.info.ractor > 1);
+    let mut ractors: Vec<u32> = list.iter().map(|t| t.info.ractor).collect();
+    ractors.sort_unstable();
+    ractors.dedup();
+    rec.ractors = ractors.into();
     rec.threads = list.into_iter().map(|t| (t.thread, t.info)).collect();
     true
 }
@@ -262,34 +273,34 @@ fn drain<M: Memory>(
         let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start)).max(rec.last_at);
         rec.last_at = at;
         rec.agg.tick_at(at);
-        let Some(info) = rec.threads.get(&r.captured.thread).cloned() else {
-            rec.agg.error("thread not in the thread list");
-            return;
+        let mut sample = Sample {
+            read_at: Some(rec.started + at),
+            ..Sample::default()
         };
-        if r.unreadable {
-            rec.agg.error("thread context did not read");
-            return;
-        }
-        rec.tags_cut += u64::from(r.tags_cut);
-        let mut captured = r.captured;
-        captured.age = Duration::from_nanos(now.saturating_sub(r.time_ns));
-        match spy.capture().resolve(info, &captured) {
-            Ok(None) => {}
-            Ok(Some(t)) => {
-                if config.on_cpu && !t.state.on_cpu() {
-                    return;
+        match rec.threads.get(&r.captured.thread).cloned() {
+            None => sample.dropped.push(Dropped::NotInThreadList),
+            Some(_) if r.unreadable => sample.dropped.push(Dropped::ContextUnread),
+            Some(info) => {
+                rec.tags_cut += u64::from(r.tags_cut);
+                let mut captured = r.captured;
+                captured.age = Duration::from_nanos(now.saturating_sub(r.time_ns));
+                match spy.capture().resolve(info, &captured) {
+                    Ok(None) => {}
+                    Ok(Some(t)) if config.on_cpu && !t.state.on_cpu() => {}
+                    Ok(Some(t)) => {
+                        rec.truncated += u64::from(r.captured.truncated);
+                        let cut = t
+                            .frames
+                            .last()
+                            .is_some_and(|f| &*f.label == TRUNCATED_LABEL);
+                        rec.values_cut += u64::from(cut && !r.captured.truncated);
+                        sample.threads.push(t);
+                    }
+                    Err(why) => sample.dropped.push(why),
                 }
-                rec.truncated += u64::from(r.captured.truncated);
-                let cut = t
-                    .frames
-                    .last()
-                    .is_some_and(|f| &*f.label == TRUNCATED_LABEL);
-                rec.values_cut += u64::from(cut && !r.captured.truncated);
-                rec.agg
-                    .add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
             }
-            Err(reason) => rec.agg.error(reason),
         }
+        rec.agg.add(&sample, rec.started);
     });
 }
 

@@ -185,7 +185,7 @@ impl Recorder {
             None => {
                 let mut spy = Spy::attach_with(pid, &config.spy)?;
                 if own {
-                    let _ = spy.sample_threads(ThreadSelection::All);
+                    let _ = spy.sample(ThreadSelection::All);
                 }
                 spy
             }
@@ -387,10 +387,6 @@ pub(crate) fn new_aggregator<M: Memory>(
     agg
 }
 
-/// Notes the Ractors besides the main one that the recording sampled, and how many of them
-/// had ended by its end (their samples are kept): Ractors that come and go are the rule in
-/// a Ractor pool, and a reader should know the short-lived ones are in the profile. No note
-/// for a process that started none.
 /// Notes the OpenTelemetry records (`otel_thread_ctx_v1`, spy/traces.rs) that gave no
 /// labels during a recording, by reason: `before` is the spy's count when it began (a kept
 /// spy counts from when it attached).
@@ -419,8 +415,12 @@ pub(crate) fn note_trace_drops<M: Memory>(
     }
 }
 
-pub(crate) fn note_ractors<M: Memory>(spy: &mut Spy<M>, agg: &mut Aggregator) {
-    let pid = spy.pid();
+/// Notes the Ractors besides the main one that the recording sampled, and how many of them
+/// had ended by its end (their samples are kept): Ractors that come and go are the rule in
+/// a Ractor pool, and a reader should know the short-lived ones are in the profile. No note
+/// for a process that started none. `live`: the Ractors of the last thread list read (none:
+/// unknown).
+pub(crate) fn note_ractors(pid: i32, live: &[u32], agg: &mut Aggregator) {
     let seen: std::collections::BTreeSet<u32> = agg
         .profile()
         .threads
@@ -431,20 +431,15 @@ pub(crate) fn note_ractors<M: Memory>(spy: &mut Spy<M>, agg: &mut Aggregator) {
     if seen.is_empty() {
         return;
     }
-    spy.forget_threads();
-    let note = match spy.threads() {
-        Ok(now) => {
-            let ended = seen
-                .iter()
-                .filter(|r| !now.iter().any(|t| t.ractor == **r))
-                .count();
-            format!(
-                "{} Ractors besides the main one were sampled; {ended} of them ended during \
-                 the recording (their samples are kept)",
-                seen.len()
-            )
-        }
-        Err(_) => format!("{} Ractors besides the main one were sampled", seen.len()),
+    let note = if live.is_empty() {
+        format!("{} Ractors besides the main one were sampled", seen.len())
+    } else {
+        let ended = seen.iter().filter(|r| !live.contains(r)).count();
+        format!(
+            "{} Ractors besides the main one were sampled; {ended} of them ended during \
+             the recording (their samples are kept)",
+            seen.len()
+        )
     };
     agg.note(note);
 }

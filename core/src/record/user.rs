@@ -6,6 +6,7 @@ use super::{new_aggregator, refresh_live, unix_ns, RecordConfig, Run, Timer};
 use crate::cost::thread_cpu_ns;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
+use crate::model::{Dropped, Sample};
 use crate::process::{descendants, worker_name};
 use crate::profile::{Aggregator, Profile};
 use crate::spy::Spy;
@@ -21,47 +22,34 @@ const WORK_EVERY: u64 = 16;
 /// A child that is not (yet) Ruby is tried this many times (it may still be exec'ing).
 const CHILD_ATTEMPTS: u32 = 6;
 
-/// Samples one process into the aggregator. Err only when the process is gone.
+/// Samples one process into the aggregator: the sample, or Err only when the process is gone.
 fn sample_into<M: Memory>(
     spy: &mut Spy<M>,
     config: &RecordConfig,
     agg: &mut Aggregator,
     started: Instant,
-) -> Result<()> {
-    match spy.sample_threads(config.threads) {
-        Ok((threads, dropped)) => {
-            // The sample's time is when it read the target, not when its tick began: the
-            // first tick reads every thread cold, and a busy machine holds the sampler up
-            // between the two (both by milliseconds: seen against an app's own spans).
-            if let Some(read) = spy.sampled_at() {
-                agg.read_at(read.saturating_duration_since(started));
-            }
-            for t in threads {
-                if config.on_cpu && !t.state.on_cpu() {
-                    continue;
-                }
-                agg.add_stack(&t.info, t.state, t.stack_token, &t.frames, &t.tags);
-            }
-            for reason in dropped {
-                agg.error(reason);
-            }
-            Ok(())
-        }
+) -> Result<Sample> {
+    let mut sample = match spy.sample(config.threads) {
+        Ok(sample) => sample,
         Err(
             e @ (Error::ProcessExited { .. }
             | Error::NoSuchProcess { .. }
             | Error::ProcessReplaced { .. }),
-        ) => Err(e),
-        Err(Error::StackChanged { .. }) => {
-            agg.error("thread list changed");
-            Ok(())
-        }
+        ) => return Err(e),
+        Err(Error::StackChanged { .. }) => Sample::dropped(Dropped::ThreadListChanged),
         Err(e) => {
-            agg.error("read failed");
             agg.note(format!("a sample of process {} failed: {e}", spy.pid()));
-            Ok(())
+            Sample::dropped(Dropped::ReadFailed)
         }
+    };
+    if config.on_cpu {
+        sample.keep_on_cpu();
     }
+    // The sample's time is when it read the target, not when its tick began: the first tick
+    // reads every thread cold, and a busy machine holds the sampler up between the two (both
+    // by milliseconds: seen against an app's own spans).
+    agg.add(&sample, started);
+    Ok(sample)
 }
 
 pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
@@ -77,6 +65,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     let mut children = Children::default();
     let mut last_scan: Option<Instant> = None;
     let (mut work_ns, mut work_ticks) = (0u64, 0u64);
+    let mut last = Sample::default();
     loop {
         if stop.load(Ordering::Relaxed) {
             break;
@@ -104,16 +93,16 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
         let measured = (agg.profile().ticks + 1).is_multiple_of(WORK_EVERY);
         let woke = if measured { thread_cpu_ns() } else { 0 };
         agg.tick_at(started.elapsed());
-        if let Err(e) = sample_into(spy, &config, &mut agg, started) {
-            let what = match e {
-                Error::ProcessReplaced { detail, .. } => detail,
-                _ => "exited".to_string(),
-            };
-            agg.note(format!(
-                "process {pid} {what} after {:.1} s; the samples taken until then are kept",
-                started.elapsed().as_secs_f64()
-            ));
-            break;
+        let sample = match sample_into(spy, &config, &mut agg, started) {
+            Ok(sample) => sample,
+            Err(e) => {
+                note_gone(&mut agg, pid, e, started);
+                break;
+            }
+        };
+        // The end-of-recording notes read the last sample that read the thread list.
+        if sample.read_at.is_some() {
+            last = sample;
         }
         children.sample(&config, &mut agg, started);
         if let Ok(mut p) = progress.lock() {
@@ -130,7 +119,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     if config.subprocesses {
         children.name_workers(pid, &mut agg);
     }
-    super::note_ractors(spy, &mut agg);
+    super::note_ractors(pid, &last.ractors, &mut agg);
     super::note_trace_drops(spy, &drops_before, &mut agg);
     let ticks = agg.profile().ticks;
     let work = (work_ns as f64 * ticks as f64 / work_ticks.max(1) as f64) as u64;
@@ -141,6 +130,18 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
         spy.memory().calls() - calls_before + children.calls(),
     );
     agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+/// Notes that the recorded process ended (or exec'd) during the recording.
+fn note_gone(agg: &mut Aggregator, pid: i32, e: Error, started: Instant) {
+    let what = match e {
+        Error::ProcessReplaced { detail, .. } => detail,
+        _ => "exited".to_string(),
+    };
+    agg.note(format!(
+        "process {pid} {what} after {:.1} s; the samples taken until then are kept",
+        started.elapsed().as_secs_f64()
+    ));
 }
 
 /// Sleeps until `next` (it is `now`), and returns when the tick is: `next`, or `now` when far
@@ -221,7 +222,7 @@ impl Children {
         let ended_calls = &mut self.ended_calls;
         self.spies.retain_mut(|child| {
             let what = match sample_into(child, config, agg, started) {
-                Ok(()) => return true,
+                Ok(_) => return true,
                 Err(Error::ProcessReplaced { detail, .. }) => detail,
                 Err(_) => "exited".to_string(),
             };

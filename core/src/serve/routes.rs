@@ -6,6 +6,7 @@ use super::tracked::{self, AllocsAnswer, AllocsRequest};
 use super::Shared;
 use crate::allocs::pprof::Opens;
 use crate::census::{self, render, CensusOptions};
+use crate::model::Sample;
 use crate::output::{self, thread_title, Format, Options};
 use crate::process::{descendants, worker_name};
 use crate::record::{RecordConfig, Recorder};
@@ -393,10 +394,15 @@ fn threads(shared: &Shared) -> Response {
     let mut text = String::new();
     for pid in pids {
         let attached = Spy::attach(pid).and_then(|mut spy| {
-            let (threads, _) = spy.sample_threads(ThreadSelection::All)?;
-            Ok((spy.version().to_string(), threads))
+            let sample = spy.sample(ThreadSelection::All)?;
+            Ok((spy.version().to_string(), sample))
         });
-        let (version, threads) = match attached {
+        let (
+            version,
+            Sample {
+                threads, dropped, ..
+            },
+        ) = match attached {
             Ok(found) => found,
             Err(e) if pid == root => return Response::text(500, &format!("cannot read: {e}\n")),
             Err(_) => continue, // a child that is not Ruby, or gone
@@ -419,6 +425,15 @@ fn threads(shared: &Shared) -> Response {
                 let _ = writeln!(text, "    {}:{}:in '{}'", f.path, f.lineno, f.label);
             }
             text.push('\n');
+        }
+        if !dropped.is_empty() {
+            let reasons: Vec<&str> = dropped.iter().map(|d| d.name()).collect();
+            let _ = writeln!(
+                text,
+                "{} threads not shown, their stacks did not read: {}\n",
+                dropped.len(),
+                reasons.join(", ")
+            );
         }
     }
     Response::text(200, &text)

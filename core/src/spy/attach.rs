@@ -1,10 +1,12 @@
 //! Attaching to a process: libruby, its version and layout, its VM, and the identity check
 //! that notices the pid running something else later.
 use super::fits::{fitting, not_fitting};
-use super::*;
-use crate::error::{Error, MemoryError, Result};
-use crate::memory::{Memory, ProcessMemory};
-use crate::objects::{ClassNames, SymbolTable};
+use super::layouts;
+use super::leaves::{Attempt, Config, IDENTITY_TTL};
+use super::parts::ImageParts;
+use crate::error::{Error, MemoryError, ObjectError, Result};
+use crate::memory::{field, Memory, ProcessMemory};
+use crate::objects::SymbolTable;
 use crate::process::{
     find_pthread_tid_descriptor, find_ruby_binary, heap_ranges, read_maps, Identity, Mapping,
     Replaced, RubyBinary,
@@ -53,13 +55,10 @@ pub(super) struct Target<M: Memory> {
     pub(super) shape_tree_scanned: bool,
 }
 
-impl Spy<ProcessMemory> {
-    /// Attaches to a live process: finds libruby, its version and its VM.
-    pub fn attach(pid: i32) -> Result<Self> {
-        Self::attach_with(pid, &Config::default())
-    }
-
-    pub fn attach_with(pid: i32, config: &Config) -> Result<Self> {
+impl Target<ProcessMemory> {
+    /// Attaches to a live process: finds libruby, its version and its VM. With the target,
+    /// the address of its `rb_symbols_t` when the binary names it.
+    pub(super) fn attach(pid: i32, config: &Config) -> Result<(Self, Option<u64>)> {
         if pid <= 0 {
             return Err(Error::InvalidArgument(format!(
                 "pid must be positive, got {pid}"
@@ -113,31 +112,24 @@ impl Spy<ProcessMemory> {
                 )
             }));
         };
-        let mut spy = Spy::with_memory(
-            pid,
-            mem,
-            layout,
-            &found,
-            roots,
-            binary.symbol("ruby_global_symbols"),
-        );
-        spy.target.warning = warning;
-        spy.target.layout_source = layouts::settled(source, layout);
-        spy.target.identity = identity.map(|i| (i, std::time::Instant::now()));
-        spy.target.writable = binary.writable.clone();
-        spy.target.heap = heap_ranges(&maps);
-        spy.target.pthread_tid = pthread_tid_offset(pid, &spy.target.mem, layout, &maps, &roots);
-        spy.target.shape_tree = binary
+        let mut t = Target::new(pid, mem, layout, &found, roots);
+        t.warning = warning;
+        t.layout_source = layouts::settled(source, layout);
+        t.identity = identity.map(|i| (i, std::time::Instant::now()));
+        t.writable = binary.writable.clone();
+        t.heap = heap_ranges(&maps);
+        t.pthread_tid = pthread_tid_offset(pid, &t.mem, layout, &maps, &roots);
+        t.shape_tree = binary
             .symbol("rb_shape_tree")
             .or_else(|| binary.symbol("rb_shape_tree_ptr"));
-        spy.target.zjit_entry = binary
+        t.zjit_entry = binary
             .symbol("rb_zjit_entry")
             .filter(|_| layout.cfp_jit_return.is_some());
-        spy.target.jit_flags = [
+        t.jit_flags = [
             binary.variable("rb_zjit_entry", 8),
             binary.variable("rb_yjit_enabled_p", 1),
         ];
-        Ok(spy)
+        Ok((t, binary.symbol("ruby_global_symbols")))
     }
 }
 
@@ -264,59 +256,39 @@ pub(super) fn memory_error(pid: i32, context: &'static str, e: MemoryError) -> E
     }
 }
 
-impl<M: Memory> Spy<M> {
-    /// A spy over any memory source whose VM is already known: for tests and fuzzing
-    /// against memory images (`symbols`: the address of `rb_symbols_t`, if known).
-    pub fn with_memory(
+impl<M: Memory> Target<M> {
+    /// A target over any memory source whose VM is already known (`Spy::with_memory`).
+    pub(super) fn new(
         pid: i32,
         mem: M,
         layout: &'static Layout,
         version: &str,
         roots: VmRoots,
-        symbols: Option<u64>,
     ) -> Self {
-        Spy {
-            target: Target {
-                pid,
-                mem,
-                layout,
-                version: version.to_string(),
-                warning: None,
-                layout_source: layouts::LayoutSource::Table {
-                    name: layout.name,
-                    unusable: None,
-                },
-                vm: roots.vm,
-                gvl_owner: roots.gvl_owner,
-                main_thread: roots.main_thread,
-                writable: Vec::new(),
-                heap: Vec::new(),
-                identity: None,
-                thread_list_head: roots.thread_list,
-                pthread_tid: None,
-                zjit_entry: None,
-                zjit_on: None,
-                jit_flags: [None, None],
-                shape_tree: None,
-                shape_tree_scanned: false,
+        Target {
+            pid,
+            mem,
+            layout,
+            version: version.to_string(),
+            warning: None,
+            layout_source: layouts::LayoutSource::Table {
+                name: layout.name,
+                unusable: None,
             },
-            cache: frames::Cache {
-                symbols: symbols.map(SymbolTable::new),
-                classes: ClassNames::for_vm(roots.vm),
-                ..Default::default()
-            },
-            walk: Default::default(),
-            memo: Default::default(),
-            sampler: Default::default(),
-            tags: Default::default(),
+            vm: roots.vm,
+            gvl_owner: roots.gvl_owner,
+            main_thread: roots.main_thread,
+            writable: Vec::new(),
+            heap: Vec::new(),
+            identity: None,
+            thread_list_head: roots.thread_list,
+            pthread_tid: None,
+            zjit_entry: None,
+            zjit_on: None,
+            jit_flags: [None, None],
+            shape_tree: None,
+            shape_tree_scanned: false,
         }
-    }
-
-    /// Where libruby's writable data is, for a spy over a memory image (`with_memory`): the
-    /// scans for structs no symbol names look there.
-    pub fn with_writable(mut self, segments: Vec<(u64, u64)>) -> Self {
-        self.target.writable = segments;
-        self
     }
 }
 
@@ -496,14 +468,16 @@ impl<M: Memory> Target<M> {
     }
 }
 
-impl<M: Memory> Spy<M> {
+impl<M: Memory> Target<M> {
     /// What a spy over a memory image of this target needs besides the memory
-    /// (`Spy::over_image`), as attaching and the walks so far found it.
-    pub fn image_parts(&mut self) -> ImageParts {
-        let tags = self
-            .profiler_state_offset()
-            .map(|o| (o, self.tags.owner_offset));
-        let t = &self.target;
+    /// (`Spy::image_parts`), as attaching and the walks so far found it: `symbols` and
+    /// `tags` are what the spy's caches and tag reader found.
+    pub(super) fn image_parts(
+        &self,
+        symbols: Option<u64>,
+        tags: Option<(i64, Option<i64>)>,
+    ) -> ImageParts {
+        let t = self;
         ImageParts {
             layout: t.layout,
             version: t.version.clone(),
@@ -513,7 +487,7 @@ impl<M: Memory> Spy<M> {
                 gvl_owner: t.gvl_owner,
                 thread_list: t.thread_list_head,
             },
-            symbols: self.cache.symbols.as_ref().map(|s| s.addr),
+            symbols,
             writable: t.writable.clone(),
             heap: t.heap.clone(),
             tags,
@@ -527,17 +501,15 @@ impl<M: Memory> Spy<M> {
     /// from (`image::capture`): what attaching found by reading the process (its maps and
     /// ELF files) comes from `parts` instead, and nothing is read from the process's files
     /// afterwards (an image's pid is nobody's).
-    pub fn over_image(pid: i32, mem: M, parts: &ImageParts) -> Self {
+    pub(super) fn over_image(pid: i32, mem: M, parts: &ImageParts) -> Self {
         let p = parts;
-        let mut spy = Spy::with_memory(pid, mem, p.layout, &p.version, p.roots, p.symbols)
-            .with_writable(p.writable.clone());
-        let t = &mut spy.target;
+        let mut t = Target::new(pid, mem, p.layout, &p.version, p.roots);
+        t.writable = p.writable.clone();
         t.heap = p.heap.clone();
         t.pthread_tid = p.pthread_tid;
         t.zjit_entry = p.zjit_entry;
         t.shape_tree = p.shape_tree;
         t.shape_tree_scanned = p.shape_tree.is_some();
-        spy.tags.preset(p.tags);
-        spy
+        t
     }
 }

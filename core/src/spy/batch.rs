@@ -1,16 +1,16 @@
 //! A sample's one call: what to read for every thread (`ThreadSampler::plan_sample`), the
-//! read itself, and each thread's state from it (`classify`). `Spy::sample_threads`
-//! (mod.rs) walks the stacks this read and decodes the tags.
+//! read itself, and each thread's state from it (`classify`). `Sampling::sample`
+//! (sample.rs) walks the stacks this read and decodes the tags.
 use super::attach::Target;
+use super::leaves::{Attempt, SNAPSHOT_ATTEMPTS};
 use super::tags::{TagRead, TagReader};
 use super::thread_list::{
     read_ractors, thread_info, Listed, RactorEntry, LIST_TTL, MAX_THREADS, RELIST_MIN,
 };
 use super::walker::frame_count;
-use super::{word, Attempt, Memory};
 use crate::error::MemoryError;
 use crate::error::{Error, Result};
-use crate::memory::{field, ReadBatch, Span};
+use crate::memory::{field, word, Memory, ReadBatch, Span};
 use crate::model::{ThreadSelection, ThreadState};
 use crate::objects::is_heap_object;
 use rbspy_ext_bindings::Layout;
@@ -24,6 +24,8 @@ pub(super) struct ThreadSampler {
     /// Ractors they run in.
     pub(super) threads: Vec<Listed>,
     pub(super) ractors: Vec<RactorEntry>,
+    /// Their ids, for each sample (`Sample::ractors`).
+    pub(super) ractor_ids: Arc<[u32]>,
     pub(super) read_at: Option<Instant>,
     /// The execution context each thread had when last sampled.
     ecs: FxHashMap<u64, u64>,
@@ -44,9 +46,6 @@ pub(super) struct ThreadSampler {
     owner_spans: Vec<Span>,
     /// The spans of each Ractor's GC flags, reused likewise.
     gc_flag_spans: Vec<Span>,
-    /// When the last sample's one call was made: the moment its states, tags and (mostly)
-    /// stacks were read, which the recorder gives the sample as its time.
-    pub(super) last_call: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -80,7 +79,7 @@ fn task_lives(pid: i32, tid: i64) -> bool {
 const PREFETCH_FRAMES: u64 = 16;
 
 /// The steps of a sample that need only the target and the sampler's own state; `Spy`
-/// orchestrates them with the walker and the tag reader (`sample_threads_once`).
+/// orchestrates them with the walker and the tag reader (sample.rs, `sample_once`).
 impl ThreadSampler {
     /// Follows every Ractor's thread list (`vm->living_threads` before 3.0).
     pub(super) fn read_thread_list<M: Memory>(
@@ -133,6 +132,7 @@ impl ThreadSampler {
             }
         }
         self.threads = threads;
+        self.ractor_ids = ractors.iter().map(|r| r.id).collect();
         self.ractors = ractors;
         self.read_at = Some(Instant::now());
         Ok(())
@@ -143,7 +143,7 @@ impl ThreadSampler {
         if !stale {
             return Ok(());
         }
-        for _ in 0..super::SNAPSHOT_ATTEMPTS {
+        for _ in 0..SNAPSHOT_ATTEMPTS {
             match self.read_thread_list(t) {
                 Ok(()) => return Ok(()),
                 Err(Attempt::Fatal(e)) => return Err(e),
@@ -152,7 +152,7 @@ impl ThreadSampler {
         }
         Err(Error::StackChanged {
             pid: t.pid,
-            attempts: super::SNAPSHOT_ATTEMPTS,
+            attempts: SNAPSHOT_ATTEMPTS,
             last: "the thread list kept changing".into(),
         })
     }
@@ -436,12 +436,13 @@ impl ThreadSampler {
         );
     }
 
-    /// The sample's arena, kept for the next sample.
-    pub(super) fn discard(&mut self, batch: Batch) {
-        self.last_call = Some(batch.called);
+    /// The sample's arena, kept for the next sample; and when its one call was made: the
+    /// moment its states, tags and (mostly) stacks were read, the sample's time.
+    pub(super) fn discard(&mut self, batch: Batch) -> Instant {
         self.reads = batch.reads;
         self.owner_spans = batch.owners;
         self.gc_flag_spans = batch.gc_flags;
+        batch.called
     }
 }
 
@@ -511,7 +512,7 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
-    use super::super::MAX_FRAMES;
+    use super::super::leaves::MAX_FRAMES;
     use super::*;
 
     /// A context read while its thread moved (M:N threads) must not become the next sample's

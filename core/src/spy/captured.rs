@@ -7,15 +7,17 @@
 //! A child module of `spy` so that it shares the walker's private machinery; the sampler
 //! reaches it through [`Spy::capture`].
 use super::batch::gc_state;
+use super::leaves::Attempt;
+use super::sample::Sampling;
 use super::tags::Decoder;
 use super::traces::{record_labels, with_labels};
 use super::walker::Plan;
-use super::{word, Attempt, Frame, Memory, SampledThread, Spy};
 use crate::context::otel_thread::Drop;
 use crate::context::ownership::copy_trusted;
 use crate::context::profiler_state;
 use crate::error::Result;
-use crate::model::{ThreadInfo, ThreadState};
+use crate::memory::{word, Memory};
+use crate::model::{Dropped, Frame, SampledThread, Tags, ThreadInfo, ThreadState};
 use crate::objects::is_heap_object;
 use std::sync::Arc;
 
@@ -99,14 +101,14 @@ pub const TRUNCATED_LABEL: &str = "[truncated]";
 /// the kernel, and the captures turned into samples through the spy's walker, caches, thread
 /// list and tag reader.
 pub struct Capture<'a, M: Memory> {
-    pub(super) spy: &'a mut Spy<M>,
+    pub(super) spy: Sampling<'a, M>,
 }
 
 impl<M: Memory> Capture<'_, M> {
     /// The target's layout and addresses as the BPF sampler needs them.
     pub fn layout(&mut self) -> CaptureLayout {
         let l = self.spy.target.layout;
-        let objspace = self.spy.sampler.objspace(&self.spy.target);
+        let objspace = self.spy.sampler.objspace(self.spy.target);
         let (thread_nt, nt_thread_id) = match (l.thread_nt, l.native_thread_pthread) {
             (Some(nt), Some(id)) => (nt as u64, id as u64),
             _ => (0, 0),
@@ -125,7 +127,7 @@ impl<M: Memory> Capture<'_, M> {
             } else {
                 0
             },
-            tag_offset: self.spy.tags.offset(&self.spy.target),
+            tag_offset: self.spy.tags.offset(self.spy.target),
             tag_owner_offset: self.spy.tags.owner_offset,
             otel_offset: self.spy.tags.otel_offset,
             ec_tls: None,
@@ -149,7 +151,7 @@ impl<M: Memory> Capture<'_, M> {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
             let (ecs, pointers) = self.thread_ecs();
-            let t = &self.spy.target;
+            let t = &*self.spy.target;
             let mut votes: std::collections::BTreeMap<i64, usize> = Default::default();
             // Page by page: the static TLS may start within the window, after memory that is
             // not mapped, and one failed read must not hide the pages that are.
@@ -185,10 +187,10 @@ impl<M: Memory> Capture<'_, M> {
     fn thread_ecs(&mut self) -> (Vec<u64>, Vec<u64>) {
         let main = self.spy.target.main_thread;
         let mut threads = vec![main];
-        if self.spy.sampler.fresh_thread_list(&self.spy.target).is_ok() {
+        if self.spy.sampler.fresh_thread_list(self.spy.target).is_ok() {
             threads.extend(self.spy.sampler.threads.iter().map(|l| l.thread));
         }
-        let t = &self.spy.target;
+        let t = &*self.spy.target;
         let ecs = (threads.iter())
             .filter_map(|&th| {
                 t.mem
@@ -199,7 +201,7 @@ impl<M: Memory> Capture<'_, M> {
             .collect();
         let mut pointers: Vec<u64> = Vec::new();
         for th in threads.into_iter().take(64) {
-            if let Some(tp) = self.spy.tags.thread_pointer(&self.spy.target, th) {
+            if let Some(tp) = self.spy.tags.thread_pointer(self.spy.target, th) {
                 if tp != 0 && !pointers.contains(&tp) {
                     pointers.push(tp);
                 }
@@ -210,12 +212,12 @@ impl<M: Memory> Capture<'_, M> {
 
     /// The Ruby threads of every Ractor as last read (re-read when older than 100 ms).
     pub fn threads(&mut self) -> Result<Vec<CaptureThread>> {
-        self.spy.sampler.fresh_thread_list(&self.spy.target)?;
+        self.spy.sampler.fresh_thread_list(self.spy.target)?;
         let threads = self.spy.sampler.threads.clone();
         Ok(threads
             .into_iter()
             .map(|t| CaptureThread {
-                thread_pointer: self.spy.tags.thread_pointer(&self.spy.target, t.thread),
+                thread_pointer: self.spy.tags.thread_pointer(self.spy.target, t.thread),
                 gvl_owner: self
                     .spy
                     .sampler
@@ -231,13 +233,13 @@ impl<M: Memory> Capture<'_, M> {
     /// One captured thread as a sample: its state from the GVL owner and GC flags copied
     /// with it, its frames through the walker, its tags decoded from the copied table.
     /// `Ok(None)` for a thread with no Ruby stack yet (or any more), which is not a dropped
-    /// sample; `Err` gives why it could not be resolved (a drop reason, as `sample_threads`
+    /// sample; `Err` gives why it could not be resolved (a drop reason, as `Spy::sample`
     /// has).
     pub fn resolve(
         &mut self,
         info: Arc<ThreadInfo>,
         c: &Captured,
-    ) -> std::result::Result<Option<SampledThread>, &'static str> {
+    ) -> std::result::Result<Option<SampledThread>, Dropped> {
         let state = if c.thread == c.gvl_owner {
             gc_state(self.spy.target.layout, c.gc_flags)
         } else {
@@ -249,7 +251,7 @@ impl<M: Memory> Capture<'_, M> {
             return Ok(None);
         }
         if c.values.is_empty() {
-            return Err("value stack did not read");
+            return Err(Dropped::ValueStackUnread);
         }
         // A value stack longer than the copy: the frames whose environments lie below it
         // are cut, like frames past the depth cap.
@@ -261,7 +263,7 @@ impl<M: Memory> Capture<'_, M> {
             whole
         };
         if usable == 0 {
-            return Err("value stack deeper than the copy");
+            return Err(Dropped::ValueStackDeeper);
         }
         let plan = Plan {
             vm_stack,
@@ -277,16 +279,16 @@ impl<M: Memory> Capture<'_, M> {
             .resolve(plan, &c.frames[..usable], c.values)
         {
             Ok(stack) => stack,
-            Err(Attempt::Fatal(_)) => return Err("read failed"),
+            Err(Attempt::Fatal(_)) => return Err(Dropped::ReadFailed),
             Err(Attempt::Changed(_)) if cut => {
                 // A block reaching an environment below the copy: nothing cached is in doubt.
-                return Err("value stack deeper than the copy");
+                return Err(Dropped::ValueStackDeeper);
             }
             Err(Attempt::Changed(_)) => {
                 // Something cached may be what no longer holds (an escaped environment).
                 self.spy.walker().forget_envs();
                 self.spy.cache.validated_at = None;
-                return Err("captured stack did not resolve");
+                return Err(Dropped::CapturedUnresolved);
             }
         };
         let (frames, token) = if c.truncated || usable < whole {
@@ -322,7 +324,7 @@ impl<M: Memory> Capture<'_, M> {
     /// Whether the thread publishes the copied table now, with the same words: then the
     /// objects it holds are alive (a freed table's address may hold a new one).
     fn still_published(&mut self, c: &Captured) -> bool {
-        let Some((table, words)) = self.spy.tags.published_table(&self.spy.target, c.thread) else {
+        let Some((table, words)) = self.spy.tags.published_table(self.spy.target, c.thread) else {
             return false;
         };
         *table == c.tag_table && words.as_slice() == c.tag_words
@@ -348,7 +350,7 @@ impl<M: Memory> Capture<'_, M> {
     /// `crate::context::ownership::TABLE_WINDOW` of its copy, or while its thread still publishes it; otherwise the
     /// sample gets no tags (counted), never the text of whatever took the freed object's
     /// place. Immediates (Integers, static Symbols, true, false, nil) need no such care.
-    fn tags(&mut self, c: &Captured) -> super::Tags {
+    fn tags(&mut self, c: &Captured) -> Tags {
         let tags = self.table_tags(c);
         let labels = match (c.otel_record, c.otel_unread) {
             (0, _) => return tags,
@@ -365,9 +367,9 @@ impl<M: Memory> Capture<'_, M> {
     }
 
     /// The tags of a captured `ruby_profiler_state` table (see `tags`).
-    fn table_tags(&mut self, c: &Captured) -> super::Tags {
+    fn table_tags(&mut self, c: &Captured) -> Tags {
         // One empty set for every sample without tags (a new Arc would be an allocation).
-        static NONE: std::sync::LazyLock<super::Tags> = std::sync::LazyLock::new(Default::default);
+        static NONE: std::sync::LazyLock<Tags> = std::sync::LazyLock::new(Default::default);
         let Some(pairs) = profiler_state::pairs(c.tag_words).filter(|_| c.tag_table != 0) else {
             return NONE.clone();
         };
@@ -377,8 +379,8 @@ impl<M: Memory> Capture<'_, M> {
             return NONE.clone();
         }
         let mut d = Decoder {
-            target: &self.spy.target,
-            cache: &mut self.spy.cache,
+            target: self.spy.target,
+            cache: self.spy.cache,
         };
         d.decode(c.tag_words).unwrap_or_default()
     }

@@ -1,7 +1,8 @@
 //! An iseq's labels as Ruby prints them where they are not read as they are: 3.4's
 //! rescue, ensure and eval clauses labelled as their code, and 4.1's base label, which no
 //! field keeps any more.
-use super::*;
+use super::leaves::Attempt;
+use super::walker::Walker;
 use crate::memory::{word, word32, Memory};
 use crate::objects::read_string;
 use std::sync::Arc;

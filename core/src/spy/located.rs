@@ -2,7 +2,7 @@
 //! function has none and takes those of the Ruby frame that called it, as does, from Ruby
 //! 4.0, a method written in Ruby inside the VM (vm_backtrace.c: `bt_backpatch_loc`,
 //! `is_internal_location`).
-use super::Frame;
+use crate::model::Frame;
 use std::sync::Arc;
 
 /// How the path of an iseq defined inside the VM (`<internal:kernel>`, `<internal:array>`,

@@ -4,8 +4,8 @@
 //! caches, and the caches are trusted for exactly one epoch: whoever validates or drops them
 //! calls [`StackMemo::invalidate`].
 use super::envs::Envs;
-use super::walker::RawFrame;
-use super::{Frame, Stack};
+use super::leaves::{RawFrame, Stack};
+use crate::model::Frame;
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 

@@ -3,10 +3,10 @@
 //! its values as text, through the walker's caches. spy/tags.rs reads the tables; this is
 //! what turns their bytes into tags, for samples, snapshots and the BPF sampler's copies.
 use super::attach::Target;
-use super::frames::Cache;
-use super::Memory;
+use super::cache::Cache;
 use crate::context::ownership::ReadAt;
 use crate::context::profiler_state::{self, Header, HEADER_LEN, PAIR_LEN};
+use crate::memory::Memory;
 use crate::model::Tags;
 use std::sync::Arc;
 use std::time::Instant;

@@ -6,10 +6,9 @@
 //!
 //! A child module of `spy` so that it shares the walker's symbol table and class names.
 use super::attach::Target;
-use super::{word, Memory};
 use crate::context::ownership::{PointerRead, ReadAt};
 use crate::context::profiler_state::{Header, HEADER_LEN};
-use crate::memory::{field, ReadBatch, Span};
+use crate::memory::{field, word, Memory, ReadBatch, Span};
 use crate::objects::is_heap_object;
 
 pub(super) use super::tag_decoder::Decoder;
@@ -81,7 +80,7 @@ struct LastTable {
     at: Instant,
 }
 
-/// What `sample_threads` reads for one thread's tags, in its one call (spans of its batch):
+/// What `Spy::sample` reads for one thread's tags, in its one call (spans of its batch):
 /// the owner and `ruby_profiler_state` pointer on the native thread the Ruby thread was on
 /// last time and, where it had a table then, that table's bytes again (`last`: the table's
 /// address and span). No spans while the thread's native thread is not known yet.

@@ -7,8 +7,8 @@
 //! Ractors in `vm->ractor.set`, the main one first. A process that never starts a Ractor has
 //! one entry there, so the list costs it two reads per `LIST_TTL` and nothing per sample.
 use super::attach::Target;
-use super::{field, Attempt, Memory};
-use crate::memory::{word, word32};
+use super::leaves::Attempt;
+use crate::memory::{field, word, word32, Memory};
 use crate::model::ThreadInfo;
 use crate::objects::{is_heap_object, read_string};
 use std::sync::Arc;

@@ -5,10 +5,9 @@
 use super::attach::Target;
 use super::tags::{pointer_read, TagRead, TagReader, TAG_ATTEMPTS};
 use super::traces::{read_record, Labels, LastRecord};
-use super::Memory;
 use crate::context::otel_thread::Drop;
 use crate::context::ownership::ReadAt;
-use crate::memory::ReadBatch;
+use crate::memory::{Memory, ReadBatch};
 use std::time::Instant;
 
 impl TagReader {

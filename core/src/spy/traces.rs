@@ -11,9 +11,9 @@
 //! with its State for the grace period, so a record read within `TABLE_WINDOW` of its
 //! pointer is the one published then; a record decoded later, or whose `valid` is not 1, or
 //! that cannot be read whole, gives no labels and a counted [`Drop`].
-use super::Memory;
 use crate::context::otel_thread::{labels, Drop, Head, HEAD_LEN};
 use crate::context::ownership::ReadAt;
+use crate::memory::Memory;
 use crate::model::Tags;
 use std::sync::Arc;
 use std::time::Instant;

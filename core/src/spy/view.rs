@@ -1,8 +1,8 @@
 //! The narrow view of an attached target that a reader beside the stack walker (the heap
 //! census, core/src/census/) reads through.
 use super::attach::{memory_error, Target};
+use super::leaves::Attempt;
 use super::thread_list::read_ractors;
-use super::Attempt;
 use crate::error::{Error, MemoryError, Result};
 use crate::memory::Memory;
 use crate::objects::{ClassNames, SymbolTable};

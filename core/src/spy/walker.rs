@@ -1,13 +1,19 @@
 //! The walk: a thread's execution context → its control frames and environments → raw
 //! frames, memoised by raw stack, with one batched read per step.
+use super::attach::Target;
+use super::cache::Cache;
+use super::envs::Envs;
 use super::envs::{slots, Slots};
-use super::*;
+use super::leaves::{
+    Attempt, RawFrame, Stack, MAX_CACHED_ENVS, MAX_EP_DEPTH, MAX_FRAMES, MAX_VALUE_STACK,
+    REVALIDATE,
+};
+use super::memo::StackMemo;
 use crate::memory::word;
 use crate::memory::{field, Memory, ReadBatch, Span};
+use crate::model::Frame;
 use crate::objects::is_heap_object;
-use attach::Target;
-use frames::Cache;
-use memo::StackMemo;
+use rustc_hash::FxHashMap;
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -462,13 +468,6 @@ impl<M: Memory> Walker<'_, M> {
         self.walk.heap_envs.insert(ep, s);
         Ok(s)
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub(super) struct RawFrame {
-    pub(super) pc: u64,
-    pub(super) iseq: u64,
-    pub(super) ep: u64,
 }
 
 /// Where one execution context's frames are (see `Spy::plan`).

@@ -2,9 +2,9 @@
 //! its control frame (zjit.h, `CFP_ISEQ` and `CFP_PC`). And which JIT a target runs, for a
 //! profile's metadata ([`jit_of`]).
 use super::attach::Target;
-use super::walker::RawFrame;
-use super::{Attempt, Memory, Walker};
-use crate::memory::word;
+use super::leaves::{Attempt, RawFrame};
+use super::walker::Walker;
+use crate::memory::{word, Memory};
 use crate::vm::read_words;
 
 impl<M: Memory> Walker<'_, M> {

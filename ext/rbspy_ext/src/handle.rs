@@ -210,15 +210,15 @@ impl Handle {
         Ok(h)
     }
 
-    /// Every Ruby thread of every Ractor: `[{tid:, name:, main:, ractor:, ractor_name:, state:,
-    /// frames: [frame_row, ...], tags:
-    /// [[key, value], ...]}, ...]`.
-    fn thread_snapshots(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
-        let (threads, _dropped) = run(ruby, rb_self.own_process, "sampling threads", || {
-            rb_self.lock().sample_threads(ThreadSelection::All)
+    /// One sample of every Ruby thread of every Ractor: `{threads: [{tid:, name:, main:,
+    /// ractor:, ractor_name:, state:, frames: [frame_row, ...], tags: [[key, value], ...]},
+    /// ...], dropped: [reason, ...]}`, `dropped` naming each thread whose stack did not read.
+    fn thread_sample(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
+        let sample = run(ruby, rb_self.own_process, "sampling threads", || {
+            rb_self.lock().sample(ThreadSelection::All)
         })?;
-        let out = ruby.ary_new_capa(threads.len());
-        for t in threads {
+        let out = ruby.ary_new_capa(sample.threads.len());
+        for t in &sample.threads {
             let frames = ruby.ary_new_capa(t.frames.len());
             for f in t.frames.iter() {
                 frames.push(frame_row(f))?;
@@ -234,7 +234,11 @@ impl Handle {
             h.aset(ruby.to_symbol("tags"), tag_pairs(ruby, &t.tags)?)?;
             out.push(h)?;
         }
-        Ok(out)
+        let dropped = ruby.ary_from_iter(sample.dropped.iter().map(|d| d.name()));
+        let h = ruby.hash_new();
+        h.aset(ruby.to_symbol("threads"), out)?;
+        h.aset(ruby.to_symbol("dropped"), dropped)?;
+        Ok(h)
     }
 
     /// The target's `ruby_profiler_state_tp_offset`, if it has loaded rbspy_ext.
@@ -271,7 +275,7 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         "profiler_state_offset",
         method!(Handle::profiler_state_offset, 0),
     )?;
-    class.define_method("thread_snapshots", method!(Handle::thread_snapshots, 0))?;
+    class.define_method("thread_sample", method!(Handle::thread_sample, 0))?;
     class.define_method("census", method!(Handle::census, 2))?;
     crate::classes::resolve::<Handle>(ruby);
     Ok(())
