@@ -1,4 +1,5 @@
-# A CPU-bound target for bench/record.rb: a ~20-frame stack doing arithmetic, counting its
+# A CPU-bound target for bench/record.rb: a ~20-frame stack (ARGV[2] levels of 3 frames, 8 by
+# default; bench/sample_floor.rb asks for ~200 frames) doing arithmetic, counting its
 # own iterations so its speed with and without a profiler can be compared. Writes its
 # iteration rate (per second, measured over ARGV[1] seconds) to ARGV[0] when done, and a
 # "ready" marker to ARGV[0].ready first.
@@ -22,4 +23,4 @@ module Bench
   end
 end
 
-Bench::Cpu.new.run(8, Float(ARGV[1] || 10))
+Bench::Cpu.new.run(Integer(ARGV[2] || 8), Float(ARGV[1] || 10))

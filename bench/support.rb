@@ -34,12 +34,12 @@ def target_ruby
   ENV["TARGET_RUBY"].to_s.split.then { |cmd| cmd.empty? ? [RbConfig.ruby] : cmd }
 end
 
-# Runs the CPU-bound target (fixtures_cpu_target.rb) for +seconds+, yielding its pid once it
-# runs; returns [its iterations per second, what the block returned].
-def run_target(seconds)
+# Runs the CPU-bound target (fixtures_cpu_target.rb, +depth+ levels) for +seconds+, yielding
+# its pid once it runs; returns [its iterations per second, what the block returned].
+def run_target(seconds, depth: 8)
   Dir.mktmpdir do |dir|
     out = File.join(dir, "rate")
-    pid = Process.spawn(*target_ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s)
+    pid = Process.spawn(*target_ruby, File.join(__dir__, "fixtures_cpu_target.rb"), out, seconds.to_s, depth.to_s)
     sleep 0.01 until File.exist?("#{out}.ready")
     result = yield pid
     Process.wait(pid)

@@ -90,7 +90,12 @@ RSpec.describe "target lifecycle" do
     end
     skip "could not get pid #{pid} again (another process took it)" unless successor
     begin
-      sleep 0.3 # the new Ruby is up
+      # The new Ruby is up once it runs its method (before, it may not read as Ruby yet).
+      wait_for("the new Ruby in reused_pid_spin") do
+        RubySpy.snapshot(successor).any? { |f| f.label.end_with?("reused_pid_spin") } || nil
+      rescue RubySpy::Error
+        nil
+      end
       expect { handle.snapshot }.to raise_error(RubySpy::ProcessReplaced, /its pid now belongs to another process/)
     ensure
       Process.kill(:KILL, successor)

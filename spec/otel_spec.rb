@@ -344,6 +344,8 @@ RSpec.describe "OpenTelemetry context" do
       File.binwrite(pb, user.render(:pprof))
       picked = traces(go_pprof("-traces", "-sample_index=samples", "-tagfocus=trace id=#{trace_id}", pb))
       expect(picked.sum { |t| Integer(t[:value]) }).to eq(user.select(trace_id: trace_id).samples)
+      # Reported, not counted as 0: a run that is not root checked user space only.
+      skip "user space passed; the BPF half needs root (CAP_BPF and CAP_PERFMON)" unless bpf
     end
 
     it "does the same in each of Puma's workers (workers 2), each publishing its own process context" do

@@ -36,6 +36,7 @@ pub mod profile;
 pub mod record;
 pub mod serve;
 pub mod spy;
+pub mod sync;
 pub mod timeline;
 pub mod vm;
 

@@ -83,13 +83,6 @@ pub fn read_array_entry<M: Memory>(mem: &M, l: &Layout, value: u64, index: u64) 
     Ok(mem.read_u64(ptr.wrapping_add(index.wrapping_mul(8)))?)
 }
 
-/// Length of a T_ARRAY.
-pub fn read_array_len<M: Memory>(mem: &M, l: &Layout, value: u64) -> ObjResult<u64> {
-    let mut head = [0u8; 48];
-    mem.read(value, &mut head[..array_head_len(l)])?;
-    array_len(l, &head).ok_or(ObjectError::Shape("Array", value))
-}
-
 /// How many bytes of a T_ARRAY `array_len` needs.
 pub fn array_head_len(l: &Layout) -> usize {
     l.rarray_heap_ptr + 8

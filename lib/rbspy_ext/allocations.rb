@@ -67,10 +67,8 @@ module RubySpy
     #   live_bytes: Integer}+, most live bytes first
     def sites
       frames = @native.frames.map { |row| Frame.from_row(row) }
-      @native.sites.map do |ids, klass, type, samples, allocated, allocated_bytes, live, live_bytes|
-        { frames: ids.map { |i| frames[i] }, class: klass, type: type, samples: samples, allocated: allocated,
-          allocated_bytes: allocated_bytes, live: live, live_bytes: live_bytes }
-      end.sort_by { |s| [-s[:live_bytes], -s[:allocated_bytes]] }
+      @native.sites.map { |site| site.merge(frames: site[:frames].map { |i| frames[i] }) }
+             .sort_by { |s| [-s[:live_bytes], -s[:allocated_bytes]] }
     end
 
     # Go's heap profile of the allocations, gzipped pprof: sample types +alloc_objects+,

@@ -14,6 +14,7 @@ pub use record::Record;
 
 use crate::error::{Error, Result};
 use crate::spy::{CaptureLayout, CaptureThread};
+use crate::sync::locked;
 use libbpf_rs::{MapCore, MapFlags, ObjectBuilder};
 use rustc_hash::FxHashSet;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -148,7 +149,7 @@ impl BpfSampler {
     /// written (the ring is shared by every CPU). Returns how many there were.
     pub fn drain(&mut self, mut f: impl FnMut(&Record)) -> usize {
         let _ = self.ring.consume();
-        let bytes = std::mem::take(&mut *self.received.lock().unwrap_or_else(|p| p.into_inner()));
+        let bytes = std::mem::take(&mut *locked(&self.received));
         let mut n = 0;
         let mut at = 0;
         while at + 4 <= bytes.len() {
@@ -163,7 +164,7 @@ impl BpfSampler {
             at += 4 + len;
         }
         // Hand the buffer back for reuse (the callback appends to it).
-        let mut kept = self.received.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = locked(&self.received);
         if kept.is_empty() {
             let mut bytes = bytes;
             bytes.clear();

@@ -16,6 +16,7 @@ mod types;
 pub use find::hex;
 pub use types::TypeError;
 
+use crate::sync::locked;
 use find::{Elf, Identity};
 use object::{Object, ObjectSection};
 pub use rbspy_ext_bindings::FieldValue;
@@ -112,7 +113,7 @@ pub fn layout_for(
 }
 
 fn kept(key: &str) -> Option<DebugLayout> {
-    let kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = locked(&KEPT);
     kept.iter()
         .find(|(k, _)| k == key)
         .map(|(_, l)| DebugLayout {
@@ -145,9 +146,7 @@ fn keep(
         cached,
         heap,
     };
-    KEPT.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push((key, kept.clone()));
+    locked(&KEPT).push((key, kept.clone()));
     kept
 }
 

@@ -6,7 +6,9 @@
 //!
 //! A function is a label plus a path; C functions are one function whatever calls them and
 //! are shown "label (C function)". Percentages are of all samples; ties sort by name.
+use super::leaves::leaf_label;
 use super::{stack_samples, thread_label, FunctionKey, OutputError};
+use crate::model::Frame;
 use crate::profile::{Profile, ThreadState};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
@@ -14,7 +16,17 @@ use std::io::Write;
 /// Rows in each table.
 pub const TOP: usize = 20;
 
-pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<(), OutputError> {
+/// What a summary lists besides its function tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tables {
+    /// The functions by self and by total samples (`--format summary`).
+    Functions,
+    /// Those and the source lines by self samples (`--format lines`).
+    FunctionsAndLines,
+}
+
+/// The summary of `profile` (see [`Tables`]).
+pub fn write(profile: &Profile, out: &mut dyn Write, tables: Tables) -> Result<(), OutputError> {
     let total = stack_samples(profile);
     header(profile, total, out)?;
 
@@ -61,7 +73,7 @@ pub fn write(profile: &Profile, out: &mut dyn Write, by_line: bool) -> Result<()
         top(&total_samples, |f| function_name(f)),
         out,
     )?;
-    if by_line {
+    if tables == Tables::FunctionsAndLines {
         let rows = top(&line_samples, |(path, line, label)| match path.is_empty() {
             true => label.to_string(), // a state leaf: no line of the program
             false => format!("{path}:{line} {label}"),
@@ -84,15 +96,10 @@ type Counts<'a> = HashMap<FunctionKey<'a>, u64>;
 /// Samples by function: with it innermost (self), and with it anywhere in the stack (total,
 /// counted once per sample however deep it recurses).
 fn function_samples(profile: &Profile) -> (Counts<'_>, Counts<'_>) {
-    let mut self_samples = Counts::new();
+    let self_samples = self_samples(profile, |_, _| None);
     let mut total_samples = Counts::new();
     let mut in_stack: HashSet<FunctionKey> = HashSet::new();
     for stack in &profile.stacks {
-        let Some(&leaf) = stack.frames.first() else {
-            continue;
-        };
-        let leaf = &profile.frames[leaf as usize];
-        *self_samples.entry(FunctionKey::of(leaf)).or_default() += stack.count;
         in_stack.clear();
         in_stack.extend(
             stack
@@ -105,6 +112,42 @@ fn function_samples(profile: &Profile) -> (Counts<'_>, Counts<'_>) {
         }
     }
     (self_samples, total_samples)
+}
+
+/// Samples by the function innermost in them: a stack's innermost frame's, or the leaf
+/// `leaf` gives a stack (a state leaf, for a profile not given its leaves yet: see
+/// `top_self`). Stacks are grouped by innermost frame first, so many stacks cost one lookup
+/// each.
+fn self_samples(
+    profile: &Profile,
+    leaf: impl Fn(ThreadState, Option<&Frame>) -> Option<&'static str>,
+) -> Counts<'_> {
+    let mut by_frame: HashMap<(u32, Option<&'static str>), u64> = HashMap::new();
+    for s in &profile.stacks {
+        if let Some(&innermost) = s.frames.first() {
+            let leaf = leaf(s.state, profile.frames.get(innermost as usize));
+            *by_frame.entry((innermost, leaf)).or_insert(0) += s.count;
+        }
+    }
+    let mut counts = Counts::new();
+    for ((frame, leaf), n) in by_frame {
+        let key = match leaf {
+            Some(label) => FunctionKey { label, path: "" },
+            None => FunctionKey::of(&profile.frames[frame as usize]),
+        };
+        *counts.entry(key).or_insert(0) += n;
+    }
+    counts
+}
+
+/// The `n` (at most [`TOP`]) functions with the most self samples (label, samples), as the
+/// summary's first table ranks them: what `rubyspy top` shows live.
+/// A wait for the GVL or a GC pause counts as its state leaf, as in every view, without the
+/// copy of the profile `leaves::with_state_leaves` makes (this runs twice a second).
+pub fn top_self(profile: &Profile, n: usize) -> Vec<(String, u64)> {
+    let mut rows = top(&self_samples(profile, leaf_label), |f| f.label.to_string());
+    rows.truncate(n);
+    rows
 }
 
 /// One function's samples (see [`functions`]).

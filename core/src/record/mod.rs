@@ -12,8 +12,7 @@ mod mode;
 mod user;
 use crate::error::{Error, Result};
 use crate::memory::Memory;
-use crate::output::leaves::leaf_label;
-use crate::output::FunctionKey;
+use crate::output::summary::top_self;
 use crate::profile::{Aggregator, Profile};
 use crate::spy::{Config, Spy, ThreadSelection};
 use mode::{kernel_mode, Mode};
@@ -202,11 +201,6 @@ impl Recorder {
         Ok(Self::spawn(spy, config, keep, mode))
     }
 
-    /// Starts sampling with an already attached spy.
-    pub fn start_with<M: Memory + Send + 'static>(spy: Spy<M>, config: RecordConfig) -> Recorder {
-        Self::spawn(spy, config, drop, Mode::default())
-    }
-
     /// Starts the sampler thread, which hands the spy to `done` when the recording ends.
     fn spawn<M: Memory + Send + 'static>(
         mut spy: Spy<M>,
@@ -321,34 +315,6 @@ pub(crate) fn unix_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// The 10 functions seen most often at the top of a stack so far, by label. A function is
-/// what the summary counts (`output::FunctionKey`: label and path, a C function by label),
-/// and a wait for the GVL or a GC pause is its state leaf, as in every view.
-fn top_functions(profile: &Profile) -> Vec<(String, u64)> {
-    let mut by_frame: rustc_hash::FxHashMap<(u32, Option<&'static str>), u64> = Default::default();
-    for s in &profile.stacks {
-        if let Some(&innermost) = s.frames.first() {
-            let leaf = leaf_label(s.state, profile.frames.get(innermost as usize));
-            *by_frame.entry((innermost, leaf)).or_insert(0) += s.count;
-        }
-    }
-    let mut by_function: rustc_hash::FxHashMap<FunctionKey, u64> = Default::default();
-    for ((frame, leaf), n) in by_frame {
-        let key = match leaf {
-            Some(label) => FunctionKey { label, path: "" },
-            None => FunctionKey::of(&profile.frames[frame as usize]),
-        };
-        *by_function.entry(key).or_insert(0) += n;
-    }
-    let mut top: Vec<(String, u64)> = by_function
-        .into_iter()
-        .map(|(f, n)| (f.label.to_string(), n))
-        .collect();
-    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    top.truncate(10);
-    top
-}
-
 /// What the recorder hands the sampler loop it runs (user.rs or bpf.rs): the configuration,
 /// the notes its choice of sampler left, and the flag and progress it shares with the
 /// `Recorder`.
@@ -448,7 +414,7 @@ pub(crate) fn note_ractors(pid: i32, live: &[u32], agg: &mut Aggregator) {
 /// far.
 pub(crate) fn refresh_live(progress: &Mutex<Progress>, agg: &Aggregator, live: bool) {
     if let Ok(mut p) = progress.lock() {
-        p.top = top_functions(agg.profile());
+        p.top = top_self(agg.profile(), 10);
         if live {
             p.profile = Some(Arc::new(agg.profile().clone()));
         }

@@ -22,6 +22,7 @@ mod tracked;
 pub use tracked::{provide_allocations, AllocsAnswer, AllocsRequest};
 
 use crate::error::{Error, Result};
+use crate::sync::locked;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
@@ -222,7 +223,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
 /// up to `ROOM_WAIT` for that thread to give the slot back.
 fn make_room(shared: &Shared) -> bool {
     {
-        let mut reading = shared.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let mut reading = locked(&shared.reading);
         let Some(i) = reading.iter().position(|r| r.1.elapsed() >= EVICT_AFTER) else {
             return false;
         };
@@ -251,21 +252,13 @@ struct Conn {
 
 impl Conn {
     fn new(stream: TcpStream, shared: Arc<Shared>) -> Conn {
-        shared
-            .reading
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((stream.as_raw_fd(), Instant::now()));
+        locked(&shared.reading).push((stream.as_raw_fd(), Instant::now()));
         Conn { stream, shared }
     }
 
     /// Out of the list of evictable connections: its head is in.
     fn head_read(&self) {
-        let mut reading = self
-            .shared
-            .reading
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut reading = locked(&self.shared.reading);
         let fd = self.stream.as_raw_fd();
         reading.retain(|r| r.0 != fd);
     }

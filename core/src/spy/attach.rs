@@ -14,6 +14,15 @@ use crate::process::{
 use crate::vm::{check_vm, find_vm, VmRoots};
 use rbspy_ext_bindings::Layout;
 
+/// When `Target::check_identity` looks at /proc again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Check {
+    /// Once `IDENTITY_TTL` has passed since the last look: before every read.
+    WhenDue,
+    /// At once: after a read failed, which may be the process gone or replaced.
+    Now,
+}
+
 /// What attaching to a process found, fixed for the spy's life: the process, its memory, the
 /// layout of its Ruby, and the VM's roots.
 pub(super) struct Target<M: Memory> {
@@ -344,13 +353,13 @@ impl<M: Memory> Target<M> {
     /// Err when the pid no longer holds the process attached to: gone (`ProcessExited`), or
     /// `ProcessReplaced` when it ran exec or the pid was reused, so that nothing read from it
     /// is taken for the old process's. Checked at most every [`IDENTITY_TTL`] (two small
-    /// /proc reads) unless `now`, which the read paths ask for after a failure.
-    pub(super) fn check_identity(&mut self, now: bool) -> Result<()> {
+    /// /proc reads) unless `Check::Now`, which the read paths ask for after a failure.
+    pub(super) fn check_identity(&mut self, when: Check) -> Result<()> {
         let pid = self.pid;
         let Some((identity, checked)) = &mut self.identity else {
             return Ok(());
         };
-        if !now && checked.elapsed() < IDENTITY_TTL {
+        if when == Check::WhenDue && checked.elapsed() < IDENTITY_TTL {
             return Ok(());
         }
         *checked = std::time::Instant::now();

@@ -20,7 +20,7 @@ use crate::memory::{Memory, ProcessMemory};
 use crate::model::{Sample, ThreadInfo};
 use crate::objects::{ClassNames, SymbolTable};
 use crate::vm::VmRoots;
-use attach::Target;
+use attach::{Check, Target};
 use leaves::Attempt;
 use rbspy_ext_bindings::Layout;
 use sample::Sampling;
@@ -43,6 +43,8 @@ mod parts;
 mod sample;
 mod tag_decoder;
 mod tags;
+#[cfg(test)]
+mod tests;
 mod thread_list;
 mod trace_reads;
 mod traces;
@@ -209,13 +211,13 @@ impl<M: Memory> Spy<M> {
     /// The stack of the thread holding the GVL (the main thread when none does), innermost
     /// frame first. Retries a bounded number of times if the stack changes while read.
     pub fn snapshot(&mut self) -> Result<Vec<Frame>> {
-        self.target.check_identity(false)?;
+        self.target.check_identity(Check::WhenDue)?;
         let mut last = String::new();
         for _ in 0..SNAPSHOT_ATTEMPTS {
             match self.walker().try_snapshot() {
                 Ok(stack) => return Ok(stack.frames.to_vec()),
                 Err(Attempt::Fatal(e)) => {
-                    self.target.check_identity(true)?;
+                    self.target.check_identity(Check::Now)?;
                     return Err(e);
                 }
                 Err(Attempt::Changed(why)) => {
@@ -235,7 +237,7 @@ impl<M: Memory> Spy<M> {
                 pid: self.target.pid,
             });
         }
-        self.target.check_identity(true)?;
+        self.target.check_identity(Check::Now)?;
         Err(Error::StackChanged {
             pid: self.target.pid,
             attempts: SNAPSHOT_ATTEMPTS,

@@ -9,7 +9,7 @@
 //! before its stack is walked (a table is trusted only within `TABLE_WINDOW` of that call);
 //! then `confirm_tags` keeps a walk only if its tags are sure to be those its stack ran
 //! under, and `retry_walk` walks again, between two readings of the tags, those that are not.
-use super::attach::Target;
+use super::attach::{Check, Target};
 use super::batch::{Batch, ThreadSampler};
 use super::cache::Cache;
 use super::leaves::{Attempt, Stack, THREAD_ATTEMPTS};
@@ -69,7 +69,7 @@ impl<M: Memory> Sampling<'_, M> {
     /// One sample of the selected threads: each thread's state and stack. Threads whose
     /// stack moved while read are left out and named in `dropped`; nothing is ever invented.
     pub(super) fn sample(&mut self, which: ThreadSelection) -> Result<Sample> {
-        self.target.check_identity(false)?;
+        self.target.check_identity(Check::WhenDue)?;
         let mut result = self.sample_once(which);
         // A thread that ended between the list and the read of its context fails the whole
         // read: list the threads again at once, rather than drop every thread's sample of
@@ -81,7 +81,7 @@ impl<M: Memory> Sampling<'_, M> {
         match result {
             // A failed read may be the process gone or replaced (see `check_identity`).
             Err(e) if !matches!(e, Error::PermissionDenied { .. }) => {
-                self.target.check_identity(true)?;
+                self.target.check_identity(Check::Now)?;
                 Err(e)
             }
             result => result,

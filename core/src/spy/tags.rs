@@ -67,9 +67,9 @@ pub(super) struct TagReader {
 /// again (`TagRead::tp`), and a different one means this is another thread.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Pointer {
-    nt: u64,
+    pub(super) nt: u64,
     pub(super) tp: u64,
-    tp_at: u64,
+    pub(super) tp_at: u64,
 }
 
 #[derive(Debug)]
@@ -106,7 +106,7 @@ pub(super) struct TagRead {
     /// another pointer here.
     pub pointer_again: Option<Span>,
     /// Where the pointer is (for `reread_pointer`).
-    pointer_at: u64,
+    pub(super) pointer_at: u64,
     /// `otel_thread_ctx_v1`, read between the owner reads with `ruby_profiler_state` (None
     /// where the extension has none), the record it held last time and its span, and the
     /// pointer again after the stack, as for the table.

@@ -1,6 +1,6 @@
 //! The narrow view of an attached target that a reader beside the stack walker (the heap
 //! census, core/src/census/) reads through.
-use super::attach::{memory_error, Target};
+use super::attach::{memory_error, Check, Target};
 use super::leaves::Attempt;
 use super::thread_list::read_ractors;
 use crate::error::{Error, MemoryError, Result};
@@ -70,7 +70,7 @@ impl<M: Memory> TargetView<'_, M> {
 
     /// Err when the process is gone or the pid holds another (checked now).
     pub fn check_identity(&mut self) -> Result<()> {
-        self.target.check_identity(true)
+        self.target.check_identity(Check::Now)
     }
 
     /// The permanent name of `class`, from the spy's cache (found with the symbol table,

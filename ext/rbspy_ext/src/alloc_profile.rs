@@ -3,7 +3,8 @@
 //! published, joined with a census of its heap (census.rs). `RubySpy::Allocations`
 //! (lib/rbspy_ext/allocations.rb) wraps it.
 use crate::errors;
-use magnus::{method, prelude::*, Error, RString, Ruby};
+use crate::rows::FrameRow;
+use magnus::{method, prelude::*, Error, RArray, RString, Ruby};
 use rbspy_ext_core::allocs::view::{self, Measure};
 use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::output::{self, Format, Options};
@@ -70,29 +71,30 @@ impl NativeAllocationProfile {
         Ok(ruby.str_from_slice(&out))
     }
 
-    /// `[[frame indexes], class, type, samples, allocated, allocated_bytes, live, live_bytes]`
-    /// per site; `frames` gives the frames' rows.
-    #[allow(clippy::type_complexity)]
-    fn sites(&self) -> Vec<(Vec<u32>, String, String, u64, u64, u64, u64, u64)> {
-        (self.0.sites.iter())
-            .map(|s| {
-                let e = s.estimates();
-                (
-                    s.frames.clone(),
-                    s.class.clone(),
-                    s.type_name.clone(),
-                    s.samples,
-                    e.alloc_objects,
-                    e.alloc_space,
-                    e.inuse_objects,
-                    e.inuse_space,
-                )
-            })
-            .collect()
+    /// `{frames: [frame indexes], class:, type:, samples:, allocated:, allocated_bytes:,
+    /// live:, live_bytes:}` per site; `frames` gives the frames' rows.
+    fn sites(ruby: &Ruby, rb_self: &Self) -> Result<RArray, Error> {
+        let out = ruby.ary_new_capa(rb_self.0.sites.len());
+        for s in &rb_self.0.sites {
+            let e = s.estimates();
+            let h = ruby.hash_new();
+            h.aset(
+                ruby.to_symbol("frames"),
+                ruby.ary_from_vec(s.frames.clone()),
+            )?;
+            h.aset(ruby.to_symbol("class"), s.class.as_str())?;
+            h.aset(ruby.to_symbol("type"), s.type_name.as_str())?;
+            h.aset(ruby.to_symbol("samples"), s.samples)?;
+            h.aset(ruby.to_symbol("allocated"), e.alloc_objects)?;
+            h.aset(ruby.to_symbol("allocated_bytes"), e.alloc_space)?;
+            h.aset(ruby.to_symbol("live"), e.inuse_objects)?;
+            h.aset(ruby.to_symbol("live_bytes"), e.inuse_space)?;
+            out.push(h)?;
+        }
+        Ok(out)
     }
 
-    #[allow(clippy::type_complexity)]
-    fn frames(&self) -> Vec<(&str, &str, Option<&str>, Option<&str>, i32, bool)> {
+    fn frames(&self) -> Vec<FrameRow<'_>> {
         self.0.frames.iter().map(crate::rows::frame_row).collect()
     }
 

@@ -13,6 +13,7 @@ use rbspy_ext_core::allocs::{pprof, AllocProfile};
 use rbspy_ext_core::census::TYPE_NAMES;
 use rbspy_ext_core::model::Frame;
 use rbspy_ext_core::serve::{provide_allocations, AllocsAnswer, AllocsRequest};
+use rbspy_ext_core::sync::locked;
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -75,7 +76,7 @@ fn class_name(klass: VALUE) -> String {
 
 /// The tracker's counts as an `AllocProfile` (see `named`), or None before any tracking.
 fn snapshot() -> Option<NativeAllocationProfile> {
-    let copied = tracker::copy(false)?;
+    let copied = tracker::copy(tracker::Take::Counts)?;
     let profile = named(copied, ruby_version().to_string());
     Some(NativeAllocationProfile(Arc::new(profile)))
 }
@@ -86,7 +87,7 @@ type Names = (String, Option<String>, Option<String>);
 static NAMED: Mutex<(u64, Vec<Names>)> = Mutex::new((0, Vec::new()));
 
 fn frame_names_of(run: u64, frames: &[(VALUE, i32)]) -> Vec<Names> {
-    let mut named = NAMED.lock().unwrap_or_else(|p| p.into_inner());
+    let mut named = locked(&NAMED);
     if named.0 != run || named.1.len() > frames.len() {
         *named = (run, Vec::with_capacity(frames.len()));
     }
@@ -161,7 +162,7 @@ fn named(copied: Copied, version: String) -> AllocProfile {
 /// and when tracking stops): the named profile, each site's class and type, and the live
 /// samples, copied at one moment.
 fn publish() {
-    let Some(mut copied) = tracker::copy(true) else {
+    let Some(mut copied) = tracker::copy(tracker::Take::WithLive) else {
         return;
     };
     let version = ruby_version().to_string();

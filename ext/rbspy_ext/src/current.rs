@@ -2,10 +2,9 @@
 //! a `RUBY_EVENT_FIBER_SWITCH` hook, installed once a Ractor first applies a state, points
 //! `ruby_profiler_state` at the table of whichever fiber runs (on 3.3+ a thread-resumed hook
 //! does the same when a Ruby thread gets the GVL, for M:N threads).
-use crate::otel::Trace;
 use crate::state::{publish, state_of, State};
 use magnus::rb_sys::{AsRawValue, FromRawValue};
-use magnus::{function, prelude::*, value::ReprValue, Error, IntoValue, RString, Ruby, Value};
+use magnus::{function, prelude::*, value::ReprValue, Error, IntoValue, Ruby, Value};
 use rb_sys::{ID, VALUE};
 use std::ffi::c_void;
 
@@ -77,63 +76,6 @@ pub(crate) fn current(_ruby: &Ruby) -> Value {
             fiber_local_id(),
         ))
     }
-}
-
-/// `RubySpy::NativeOTel.trace(trace_id, span_id, flags, root_span_id, endpoint)`: makes the
-/// current fiber's state one with this trace (trace_id nil: none) and the current tags.
-fn trace(
-    ruby: &Ruby,
-    trace_id: Option<RString>,
-    span_id: Option<RString>,
-    flags: u8,
-    root: Option<RString>,
-    endpoint: Option<RString>,
-) -> Result<(), Error> {
-    let trace = match (
-        id::<16>(ruby, trace_id, "trace")?,
-        id::<8>(ruby, span_id, "span")?,
-    ) {
-        (Some(trace_id), Some(span_id)) => Some(std::sync::Arc::new(Trace {
-            trace_id,
-            span_id,
-            flags,
-            local_root_span_id: id::<8>(ruby, root, "root span")?,
-            endpoint: endpoint.map(|e| e.to_string()).transpose()?,
-        })),
-        _ => None,
-    };
-    if let Some(trace) = &trace {
-        crate::otel::note_endpoint(trace);
-    }
-    let current = current(ruby).as_raw();
-    let base = state_of(current);
-    // The same span again (a context with a new value, not a new span), or still none.
-    if base.and_then(|b| b.trace()).map(|t| &**t) == trace.as_deref() {
-        return Ok(());
-    }
-    let state = match State::traced(base, trace) {
-        Some(state) => state.into_value_with(ruby).as_raw(),
-        None => rb_sys::Qnil as VALUE,
-    };
-    apply_raw(state);
-    Ok(())
-}
-
-/// A binary String of N bytes (an OpenTelemetry id) as an array; nil as None.
-fn id<const N: usize>(
-    ruby: &Ruby,
-    s: Option<RString>,
-    what: &str,
-) -> Result<Option<[u8; N]>, Error> {
-    let Some(s) = s else { return Ok(None) };
-    // SAFETY: copied at once, with no Ruby call in between.
-    let bytes = unsafe { s.as_slice() };
-    bytes.try_into().map(Some).map_err(|_| {
-        Error::new(
-            ruby.exception_arg_error(),
-            format!("a {what} id is {N} bytes, got {}", bytes.len()),
-        )
-    })
 }
 
 extern "C" {
@@ -316,8 +258,6 @@ pub fn init(ruby: &Ruby) -> Result<(), Error> {
         .define_module("RubySpy")?
         .const_get::<_, magnus::RClass>("State")?;
     class.define_singleton_method("current", function!(current, 0))?;
-    let otel = ruby.define_module("RubySpy")?.define_module("NativeOTel")?;
-    otel.define_singleton_method("trace", function!(trace, 5))?;
     class.define_singleton_method("apply", function!(apply, 1))?;
     class.define_singleton_method("hook_installed?", function!(hook_installed, 0))?;
     class.define_singleton_method("resyncs_on_resume?", function!(resyncs_on_resume, 0))?;

@@ -1,15 +1,15 @@
 //! `RubySpy::NativeHandle`: one attached process. `RubySpy::Handle` (lib/rbspy_ext/handle.rb)
 //! wraps it and turns the raw frame rows into `RubySpy::Frame` objects.
 use crate::census::NativeCensus;
+use crate::guard::{guarded, Gvl};
 use crate::rows::frame_row;
-use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, value::ReprValue, Error, RArray, RHash, Ruby, Value};
 use rbspy_ext_core::census;
 use rbspy_ext_core::heap_sites;
 use rbspy_ext_core::spy::ThreadSelection;
+use rbspy_ext_core::sync::locked;
 use rbspy_ext_core::{Config, Frame, Spy};
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 #[magnus::wrap(class = "RubySpy::NativeHandle", free_immediately, size)]
@@ -21,7 +21,7 @@ struct Handle {
     frame_ids: Mutex<HashMap<Frame, u32>>,
     /// Snapshots of the calling process keep the GVL: releasing it would let another
     /// thread take it, and the snapshot would show that thread instead of the caller.
-    own_process: bool,
+    gvl: Gvl,
 }
 
 fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
@@ -41,41 +41,19 @@ fn pid_arg(ruby: &Ruby, pid: Value) -> Result<i32, Error> {
     Ok(pid as i32)
 }
 
-/// Runs core work without the GVL (or with it, for the own process), mapping errors and
-/// panics to Ruby exceptions.
-fn run<T>(
-    ruby: &Ruby,
-    keep_gvl: bool,
-    what: &str,
-    work: impl FnOnce() -> rbspy_ext_core::Result<T>,
-) -> Result<T, Error> {
-    let result = if keep_gvl {
-        catch_unwind(AssertUnwindSafe(work))
-    } else {
-        nogvl(work)
-    };
-    match result {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(errors::to_ruby(ruby, e)),
-        Err(_) => Err(errors::panicked(ruby, what)),
-    }
-}
-
 impl Handle {
     fn new(ruby: &Ruby, pid: Value, force_version: Option<String>) -> Result<Handle, Error> {
         let pid = pid_arg(ruby, pid)?;
-        let own_process = pid as u32 == std::process::id();
+        let gvl = Gvl::for_pid(pid);
         let config = Config {
             force_version,
             ..Config::default()
         };
-        let spy = run(ruby, own_process, "attaching", || {
-            Spy::attach_with(pid, &config)
-        })?;
+        let spy = guarded(ruby, gvl, "attaching", || Spy::attach_with(pid, &config))?;
         Ok(Handle {
             spy: Mutex::new(spy),
             frame_ids: Mutex::new(HashMap::new()),
-            own_process,
+            gvl,
         })
     }
 
@@ -151,7 +129,7 @@ impl Handle {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Spy> {
         // A panic while locked was already reported; the caches stay usable.
-        self.spy.lock().unwrap_or_else(|p| p.into_inner())
+        locked(&self.spy)
     }
 
     /// A census of the process's heap (`RubySpy::Census` wraps it). `max_bytes`: stop
@@ -163,7 +141,7 @@ impl Handle {
         max_bytes: Option<u64>,
         sites: bool,
     ) -> Result<NativeCensus, Error> {
-        let (census, sites) = run(ruby, rb_self.own_process, "taking a heap census", || {
+        let (census, sites) = guarded(ruby, rb_self.gvl, "taking a heap census", || {
             let options = census::CensusOptions { max_bytes };
             let mut spy = rb_self.lock();
             let census = census::take(spy.target_view(), options)?;
@@ -179,13 +157,13 @@ impl Handle {
     /// pairs. Callers serialise calls (lib/rbspy_ext/handle.rb holds a Mutex) so every fresh
     /// id reaches the cache before another snapshot can refer to it.
     fn snapshot_ids(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
-        let (ids, fresh, tags) = run(ruby, rb_self.own_process, "taking a snapshot", || {
+        let (ids, fresh, tags) = guarded(ruby, rb_self.gvl, "taking a snapshot", || {
             let (frames, tags) = {
                 let mut spy = rb_self.lock();
                 let frames = spy.snapshot()?;
                 (frames, spy.snapshot_tags())
             };
-            let mut table = rb_self.frame_ids.lock().unwrap_or_else(|p| p.into_inner());
+            let mut table = locked(&rb_self.frame_ids);
             let mut fresh = Vec::new();
             let ids: Vec<u32> = frames
                 .into_iter()
@@ -214,7 +192,7 @@ impl Handle {
     /// ractor:, ractor_name:, state:, frames: [frame_row, ...], tags: [[key, value], ...]},
     /// ...], dropped: [reason, ...]}`, `dropped` naming each thread whose stack did not read.
     fn thread_sample(ruby: &Ruby, rb_self: &Self) -> Result<RHash, Error> {
-        let sample = run(ruby, rb_self.own_process, "sampling threads", || {
+        let sample = guarded(ruby, rb_self.gvl, "sampling threads", || {
             rb_self.lock().sample(ThreadSelection::All)
         })?;
         let out = ruby.ary_new_capa(sample.threads.len());

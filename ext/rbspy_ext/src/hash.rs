@@ -1,7 +1,8 @@
 //! Reading a Ruby Hash's pairs without Ruby calls in between, for `RubySpy::State`
-//! (crate::state), which `RubySpy.tag` (crate::tag) builds on.
+//! (crate::state), which `RubySpy.tag` (crate::tag) builds on; and one option of the
+//! options Hashes the Ruby side passes.
 use magnus::rb_sys::AsRawValue;
-use magnus::RHash;
+use magnus::{Error, RHash, Ruby};
 use rb_sys::VALUE;
 
 /// `hash`'s (key, value) pairs in order. Read with a bare `rb_hash_foreach` whose callback
@@ -26,4 +27,14 @@ pub(crate) fn hash_entries(hash: RHash) -> Vec<(VALUE, VALUE)> {
         )
     };
     out
+}
+
+/// `options[key]` converted, for the options Hashes lib/rbspy_ext/recorder.rb and
+/// profile.rb pass (validated there).
+pub(crate) fn option<T: magnus::TryConvert>(
+    ruby: &Ruby,
+    options: RHash,
+    key: &str,
+) -> Result<T, Error> {
+    options.lookup(ruby.to_symbol(key))
 }

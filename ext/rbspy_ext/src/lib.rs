@@ -8,10 +8,13 @@ mod census;
 mod classes;
 mod current;
 mod errors;
+mod guard;
 mod handle;
 mod hash;
+mod native_otel;
 mod nogvl;
 mod otel;
+mod profile;
 mod recorder;
 mod rows;
 mod server;
@@ -74,7 +77,8 @@ fn init(ruby: &Ruby) -> Result<(), Error> {
     state::init(ruby)?;
     current::init(ruby)?;
     tag::init(ruby)?;
-    otel::init(ruby)?;
+    native_otel::init(ruby)?;
     server::init(ruby)?;
+    profile::init(ruby)?;
     recorder::init(ruby)
 }

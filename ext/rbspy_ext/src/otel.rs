@@ -16,10 +16,11 @@
 //!   published again when the resource changes or a tag name joins the key map, and anew in
 //!   a forked child (the mapping is not inherited: `MADV_DONTFORK`).
 use magnus::rb_sys::{AsRawValue, FromRawValue};
-use magnus::{function, prelude::*, Error, RArray, RString, Ruby, Symbol, Value};
+use magnus::{prelude::*, RString, Symbol, Value};
 use rb_sys::{ID, VALUE};
 use rbspy_ext_core::context::otel_process::{self, Header};
 use rbspy_ext_core::context::otel_thread::{hex, Record, ENDPOINT_KEY, LOCAL_ROOT_KEY};
+use rbspy_ext_core::sync::locked;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -47,7 +48,7 @@ pub fn note_endpoint(trace: &Trace) {
     let Some(root) = trace.local_root_span_id else {
         return;
     };
-    let mut kept = ENDPOINTS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut kept = locked(&ENDPOINTS);
     if let Some(i) = kept.iter().rposition(|(r, _)| *r == root) {
         if kept[i].1 == trace.endpoint {
             return;
@@ -62,7 +63,7 @@ pub fn note_endpoint(trace: &Trace) {
 /// `trace` with its local root's latest endpoint, when that is another one.
 pub fn renamed(trace: &Trace) -> Option<Trace> {
     let root = trace.local_root_span_id?;
-    let kept = ENDPOINTS.lock().unwrap_or_else(|e| e.into_inner());
+    let kept = locked(&ENDPOINTS);
     let (_, latest) = kept.iter().rev().find(|(r, _)| *r == root)?;
     (*latest != trace.endpoint).then(|| Trace {
         endpoint: latest.clone(),
@@ -115,7 +116,7 @@ static PUBLISHED: Mutex<Published> = Mutex::new(Published {
 });
 
 fn published() -> MutexGuard<'static, Published> {
-    PUBLISHED.lock().unwrap_or_else(|p| p.into_inner())
+    locked(&PUBLISHED)
 }
 
 /// The OTEP 4947 record of a State holding `pairs` under `trace`, or None while the bridge
@@ -207,14 +208,9 @@ unsafe fn value_text(value: VALUE) -> String {
     unsafe { v.classname() }.into_owned()
 }
 
-/// `RubySpy::NativeOTel.publish_process(attributes)`: publishes the process context with
-/// these resource attributes (an Array of [key, value] Strings), and turns records on.
-fn publish_process(attributes: RArray) -> Result<(), Error> {
-    let mut resource = Vec::with_capacity(attributes.len());
-    for pair in attributes.into_iter() {
-        let (key, value): (String, String) = magnus::TryConvert::try_convert(pair)?;
-        resource.push((key, value));
-    }
+/// Publishes the process context with these resource attributes (`NativeOTel.publish_process`),
+/// and turns records on.
+pub(crate) fn publish_process(resource: Vec<(String, String)>) {
     let mut p = published();
     if p.keys.is_empty() {
         // At the indexes the readers expect them (`ENDPOINT_KEY.0`, `LOCAL_ROOT_KEY.0`).
@@ -223,17 +219,16 @@ fn publish_process(attributes: RArray) -> Result<(), Error> {
     p.resource = resource;
     write(&mut p);
     ON.store(true, Ordering::Relaxed);
-    Ok(())
 }
 
-/// `RubySpy::NativeOTel.key_map`: the key map as published.
-fn key_map() -> Vec<String> {
+/// The key map as published.
+pub(crate) fn key_map() -> Vec<String> {
     published().keys.clone()
 }
 
-/// `RubySpy::NativeOTel.stats`: tags left out (key map full), entries left out (record
-/// full), payloads too large to publish.
-fn stats() -> (u64, u64, u64) {
+/// Tags left out (key map full), entries left out (record full), payloads too large to
+/// publish.
+pub(crate) fn stats() -> (u64, u64, u64) {
     (
         KEYS_FULL.load(Ordering::Relaxed),
         LEFT_OUT.load(Ordering::Relaxed),
@@ -241,8 +236,8 @@ fn stats() -> (u64, u64, u64) {
     )
 }
 
-/// `RubySpy::NativeOTel.address`: where the OTEL_CTX mapping is (0: none yet).
-fn address() -> u64 {
+/// Where the OTEL_CTX mapping is (0: none yet).
+pub(crate) fn address() -> u64 {
     published().mapping.as_ref().map_or(0, |m| m.at as u64)
 }
 
@@ -370,23 +365,12 @@ fn now_ns() -> u64 {
         .map_or(1, |d| d.as_nanos() as u64)
 }
 
-/// `RubySpy::NativeOTel.after_fork`: in a forked child, publishes the process context anew
-/// (the parent's mapping is not inherited).
-fn after_fork() {
+/// In a forked child, publishes the process context anew (the parent's mapping is not
+/// inherited).
+pub(crate) fn after_fork() {
     let mut p = published();
     if ON.load(Ordering::Relaxed) {
         p.mapping = None;
         write(&mut p);
     }
-}
-
-pub fn init(ruby: &Ruby) -> Result<(), Error> {
-    let module = ruby.define_module("RubySpy")?;
-    let native = module.define_module("NativeOTel")?;
-    native.define_singleton_method("publish_process", function!(publish_process, 1))?;
-    native.define_singleton_method("key_map", function!(key_map, 0))?;
-    native.define_singleton_method("stats", function!(stats, 0))?;
-    native.define_singleton_method("address", function!(address, 0))?;
-    native.define_singleton_method("after_fork", function!(after_fork, 0))?;
-    Ok(())
 }

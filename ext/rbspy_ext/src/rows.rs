@@ -3,8 +3,17 @@ use rbspy_ext_core::Frame;
 
 /// `[label, base_label, path, absolute_path, lineno, c_function]`, what
 /// `RubySpy::Frame.from_row` (lib/rbspy_ext/frame.rb) takes.
-#[allow(clippy::type_complexity)]
-pub(crate) fn frame_row(f: &Frame) -> (&str, &str, Option<&str>, Option<&str>, i32, bool) {
+pub(crate) type FrameRow<'a> = (
+    &'a str,
+    &'a str,
+    Option<&'a str>,
+    Option<&'a str>,
+    i32,
+    bool,
+);
+
+/// A frame as a [`FrameRow`].
+pub(crate) fn frame_row(f: &Frame) -> FrameRow<'_> {
     (
         &f.label,
         &f.base_label,

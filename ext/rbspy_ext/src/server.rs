@@ -1,6 +1,7 @@
 //! `RubySpy::NativeServer`: a thin wrapper over the core's pprof listener (core/src/serve),
 //! which runs on native threads of its own and never calls into Ruby. The Ruby API (options,
 //! the environment variable, docs) is lib/rbspy_ext/server.rb.
+use crate::guard::{guarded, Gvl};
 use crate::{errors, nogvl::nogvl};
 use magnus::{function, method, prelude::*, Error, Ruby};
 use rbspy_ext_core::serve::{ServeConfig, Server};
@@ -38,11 +39,10 @@ impl NativeServer {
             pid: std::process::id() as i32,
             subprocesses,
         };
-        match std::panic::catch_unwind(|| Server::start(config)) {
-            Ok(Ok(server)) => Ok(NativeServer(Mutex::new(Some(server)))),
-            Ok(Err(e)) => Err(errors::to_ruby(ruby, e)),
-            Err(_) => Err(errors::panicked(ruby, "starting the pprof listener")),
-        }
+        let server = guarded(ruby, Gvl::Keep, "starting the pprof listener", || {
+            Server::start(config)
+        })?;
+        Ok(NativeServer(Mutex::new(Some(server))))
     }
 
     /// The port listened on (the one the system chose, for port 0); nil once stopped.

@@ -22,6 +22,7 @@ use magnus::{
 use rb_sys::{ID, VALUE};
 use rbspy_ext_core::context::ownership::UNPUBLISHED_ALIVE;
 use rbspy_ext_core::context::profiler_state;
+use rbspy_ext_core::sync::locked;
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -292,7 +293,7 @@ static PUBLISHED: Mutex<Published> = Mutex::new(Published {
 
 fn published() -> std::sync::MutexGuard<'static, Published> {
     // Nothing panics while holding it, but a poisoned lock must not stop marking.
-    PUBLISHED.lock().unwrap_or_else(|e| e.into_inner())
+    locked(&PUBLISHED)
 }
 
 /// When to queue `object`, a State that stopped being published just now, or None if it

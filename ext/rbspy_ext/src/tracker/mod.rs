@@ -15,15 +15,14 @@
 //! words, call `rb_profile_frames` (which only reads the control frames) and work on Rust
 //! data: the frames and classes they keep are plain VALUEs, marked (and so pinned) by a
 //! hidden root object, and turned into names only when a snapshot is asked for, with the GVL
-//! and outside any hook. Turning hooks on and off is left to the postponed job.
-//!
-//! `GC.compact` moves objects, so the root's compaction callback re-keys the live set with
-//! `rb_gc_location`.
+//! and outside any hook. Turning hooks on and off is left to the postponed job. `GC.compact`
+//! moves objects, so the root's compaction callback re-keys the live set (`rb_gc_location`).
 //!
 //! Bounds: at most [`MAX_SITES`] sites and [`MAX_LIVE`] live samples; past them samples are
 //! counted in the notes, not kept. Only the Ractor that starts tracking is tracked before
 //! Ruby 4.0 (hooks are per Ractor there); from 4.0 internal hooks fire in every Ractor.
 mod arming;
+pub(crate) mod debug;
 mod live;
 mod publish;
 mod sites;
@@ -39,6 +38,7 @@ use rbspy_ext_core::allocs::marks::MarkBits;
 use rbspy_ext_core::allocs::SiteCounts;
 use rbspy_ext_core::census::AllocatedCounters;
 use rbspy_ext_core::memory::Memory;
+use rbspy_ext_core::sync::locked;
 use sites::Tracker;
 pub use sites::{MAX_LIVE, MAX_SITES};
 use stats::{HOOK_TIMED_EVERY, STATS};
@@ -46,30 +46,6 @@ use std::ffi::c_void;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
-
-/// Ruby's debug API (ruby/debug.h), declared here: rb-sys's bindings for 2.7 leave it out.
-/// The same functions and signatures on every Ruby from 2.7 (rb_profile_frames: 2.3).
-pub(crate) mod debug {
-    use rb_sys::VALUE;
-    use std::ffi::c_void;
-
-    extern "C" {
-        pub fn rb_profile_frames(start: i32, limit: i32, buff: *mut VALUE, lines: *mut i32) -> i32;
-        pub fn rb_profile_frame_path(frame: VALUE) -> VALUE;
-        pub fn rb_profile_frame_absolute_path(frame: VALUE) -> VALUE;
-        pub fn rb_profile_frame_full_label(frame: VALUE) -> VALUE;
-        pub fn rb_tracepoint_new(
-            target_thread: VALUE,
-            events: u32,
-            func: unsafe extern "C" fn(VALUE, *mut c_void),
-            data: *mut c_void,
-        ) -> VALUE;
-        pub fn rb_tracepoint_enable(tracepoint: VALUE) -> VALUE;
-        pub fn rb_tracepoint_disable(tracepoint: VALUE) -> VALUE;
-        pub fn rb_tracearg_from_tracepoint(tracepoint: VALUE) -> *mut c_void;
-        pub fn rb_tracearg_object(arg: *mut c_void) -> VALUE;
-    }
-}
 
 const NEWOBJ: u32 = 0x0010_0000;
 const GC_END_MARK: u32 = 0x0080_0000;
@@ -79,7 +55,7 @@ static TRACKER: Mutex<Option<Tracker>> = Mutex::new(None);
 static TRACEPOINTS: Mutex<Option<(usize, usize)>> = Mutex::new(None);
 
 fn tracker() -> MutexGuard<'static, Option<Tracker>> {
-    TRACKER.lock().unwrap_or_else(|p| p.into_inner())
+    locked(&TRACKER)
 }
 
 /// The NEWOBJ hook: inside the allocator (see the module docs).
@@ -150,7 +126,7 @@ pub(crate) fn with_gvl<T: Send + 'static>(
     }
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     {
-        let mut slot = TASK.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = locked(&TASK);
         if slot.is_some() {
             return None;
         }
@@ -160,7 +136,7 @@ pub(crate) fn with_gvl<T: Send + 'static>(
     }
     arming::post();
     let value = rx.recv_timeout(timeout).ok();
-    TASK.lock().unwrap_or_else(|p| p.into_inner()).take();
+    locked(&TASK).take();
     value
 }
 
@@ -168,7 +144,7 @@ pub(crate) fn with_gvl<T: Send + 'static>(
 /// a waiting task first.
 unsafe extern "C" fn poll(_data: *mut c_void) {
     let at = Instant::now();
-    let task = TASK.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let task = locked(&TASK).take();
     if let Some(task) = task {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
     }
@@ -315,7 +291,7 @@ unsafe extern "C" fn compact_tracker(_data: *mut c_void) {
 }
 
 fn tracepoint_values() -> MutexGuard<'static, Option<(usize, usize)>> {
-    TRACEPOINTS.lock().unwrap_or_else(|p| p.into_inner())
+    locked(&TRACEPOINTS)
 }
 
 /// The hidden root whose mark and compaction functions are the tracker's, and the two
@@ -514,12 +490,19 @@ pub(crate) struct Copied {
     pub start_unix_ns: u64,
     pub duration_ns: u64,
     pub running: bool,
-    /// With `copy(true)`: each live sample's address, site, slot bytes, samples and rate.
+    /// With `Take::WithLive`: each live sample's address, site, slot bytes, samples and rate.
     pub live: Vec<(u64, u32, u32, u32, u64)>,
 }
 
-/// The tracker's counts, and with `live` its live samples, as of one moment.
-pub(crate) fn copy(live: bool) -> Option<Copied> {
+/// What `copy` takes of the tracker: its counts by site, or those and its live samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Take {
+    Counts,
+    WithLive,
+}
+
+/// The tracker's counts, and with `Take::WithLive` its live samples, as of one moment.
+pub(crate) fn copy(take: Take) -> Option<Copied> {
     register_pending();
     follow_weak();
     // SAFETY: reads the GC's count, with the GVL.
@@ -590,6 +573,9 @@ pub(crate) fn copy(live: bool) -> Option<Copied> {
         start_unix_ns: t.start_unix_ns,
         duration_ns: t.started.elapsed().as_nanos() as u64,
         running: t.running,
-        live: if live { t.live.samples() } else { Vec::new() },
+        live: match take {
+            Take::WithLive => t.live.samples(),
+            Take::Counts => Vec::new(),
+        },
     })
 }

@@ -11,6 +11,7 @@
 //! 70 MB of JSON) waits [`SPACING`] times as long as it took, so publishing never takes more
 //! than 0.1 % of the process's time; two blobs are kept, the current one and the one before.
 use rbspy_ext_core::allocs::published::MAGIC;
+use rbspy_ext_core::sync::locked;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -81,7 +82,7 @@ pub fn set_publisher(f: fn()) {
 /// From the job: publishes when the tracker changed (`changes`) and [`EVERY`] has passed.
 pub fn when_due(changes: u64) {
     let due = {
-        let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = locked(&LAST);
         let due = match *last {
             None => changes > 0,
             Some((at, seen, took)) => seen != changes && at.elapsed() >= EVERY.max(took * SPACING),
@@ -94,7 +95,7 @@ pub fn when_due(changes: u64) {
     if due {
         let started = Instant::now();
         now();
-        if let Some(last) = LAST.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+        if let Some(last) = locked(&LAST).as_mut() {
             last.2 = started.elapsed();
         }
     }
@@ -114,12 +115,12 @@ pub fn now() {
 
 /// A new tracking run: what the last one published is due again at its first change.
 pub fn reset() {
-    *LAST.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    *locked(&LAST) = None;
 }
 
 /// Points the header at `blob`, keeping the two before it alive.
 pub fn store(blob: Vec<u8>) {
-    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut kept = locked(&KEPT);
     let h = &rbspy_ext_allocations_state;
     h.seq.fetch_add(1, Ordering::AcqRel);
     h.data.store(blob.as_ptr() as u64, Ordering::Release);

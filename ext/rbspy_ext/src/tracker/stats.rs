@@ -3,6 +3,7 @@
 //! the GC hook cost. `RubySpy::NativeAllocations.stats` returns them; bench/alloc_cost.rb
 //! turns them into the cost table of issue 48. Plain relaxed counters: a reader wants
 //! magnitudes, and the hook must not pay for more.
+use rbspy_ext_core::sync::locked;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -85,8 +86,8 @@ impl Stats {
         for c in self.counters() {
             c.store(0, Relaxed);
         }
-        *STARTED.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-        *ARMED_AT.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *locked(&STARTED) = Some(Instant::now());
+        *locked(&ARMED_AT) = None;
     }
 
     fn counters(&self) -> [&AtomicU64; 16] {
@@ -112,7 +113,7 @@ impl Stats {
 
     /// The hook was turned on (true) or off.
     pub fn switched(&self, on: bool) {
-        let mut at = ARMED_AT.lock().unwrap_or_else(|p| p.into_inner());
+        let mut at = locked(&ARMED_AT);
         match (on, at.take()) {
             (true, None) => {
                 self.arms.fetch_add(1, Relaxed);
@@ -153,17 +154,11 @@ impl Stats {
             .zip(self.counters())
             .map(|(&n, c)| (n, c.load(Relaxed) as f64))
             .collect();
-        let current = ARMED_AT
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .map_or(0, |since| since.elapsed().as_nanos() as u64);
+        let current = locked(&ARMED_AT).map_or(0, |since| since.elapsed().as_nanos() as u64);
         if let Some(armed) = pairs.iter_mut().find(|(n, _)| *n == "armed_ns") {
             armed.1 += current as f64;
         }
-        let seconds = STARTED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .map_or(0.0, |s| s.elapsed().as_secs_f64());
+        let seconds = locked(&STARTED).map_or(0.0, |s| s.elapsed().as_secs_f64());
         pairs.push(("seconds", seconds));
         pairs
     }

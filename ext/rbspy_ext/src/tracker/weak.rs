@@ -5,6 +5,7 @@
 //! mark bit), and moves it with the object under `GC.compact`. Every function here calls
 //! Ruby: with the GVL, outside any hook.
 use rb_sys::VALUE;
+use rbspy_ext_core::sync::locked;
 use std::sync::Mutex;
 
 /// The current map (0: none yet), in a registered slot so that the GC keeps it alive.
@@ -35,7 +36,7 @@ pub(super) fn renew() {
         let class = rb_sys::rb_const_get(space, rb_sys::rb_intern(c"WeakMap".as_ptr()));
         rb_sys::rb_class_new_instance(0, std::ptr::null(), class)
     };
-    let mut slot = SLOT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut slot = locked(&SLOT);
     match slot.as_mut() {
         Some(value) => **value = map,
         None => {
@@ -48,10 +49,7 @@ pub(super) fn renew() {
 }
 
 fn map() -> Option<VALUE> {
-    SLOT.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .map(|v| **v)
+    locked(&SLOT).as_ref().map(|v| **v)
 }
 
 /// Puts `object` in the map under sample `id`.
