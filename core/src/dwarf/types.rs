@@ -60,6 +60,14 @@ pub struct Types<'a> {
     enumerators: HashMap<String, i64>,
 }
 
+/// One step of a member path (`find_member`): the member's type, its byte offset in the
+/// struct, and its bitfield's (first bit, width) where it is one.
+struct Found {
+    ty: At,
+    offset: u64,
+    bits: Option<(u64, u64)>,
+}
+
 impl<'a> Types<'a> {
     /// Indexes `dwarf`, stopping early once every name in `wanted` (types as spelled in C,
     /// and enumerators) has been seen.
@@ -199,7 +207,12 @@ impl<'a> Types<'a> {
             count: None,
         };
         for step in path.split('.') {
-            let Some((found, offset, bits)) = self.find_member(at, step, 0)? else {
+            let Some(Found {
+                ty: found,
+                offset,
+                bits,
+            }) = self.find_member(at, step, 0)?
+            else {
                 return Ok(None);
             };
             member.bits = bits.map(|(bit, width)| (member.offset * 8 + bit, width));
@@ -214,13 +227,7 @@ impl<'a> Types<'a> {
 
     /// The member named `name` of the struct or union at `at` (looking inside anonymous
     /// members): its type, byte offset and bitfield bits.
-    #[allow(clippy::type_complexity)]
-    fn find_member(
-        &self,
-        at: At,
-        name: &str,
-        depth: usize,
-    ) -> Result<Option<(At, u64, Option<(u64, u64)>)>> {
+    fn find_member(&self, at: At, name: &str, depth: usize) -> Result<Option<Found>> {
         if depth > MAX_HOPS {
             return Err(TypeError::Corrupt(
                 "anonymous members nest too deep (a cycle?)".into(),
@@ -270,17 +277,21 @@ impl<'a> Types<'a> {
             let location = if bits.is_some() { 0 } else { location };
             match e.attr_value(gimli::DW_AT_name) {
                 Some(n) if self.dwarf.attr_string(unit, n)?.slice() == name.as_bytes() => {
-                    return Ok(Some((ty, location, bits)));
+                    return Ok(Some(Found {
+                        ty,
+                        offset: location,
+                        bits,
+                    }));
                 }
                 Some(_) => {}
                 None => {
                     let inner = self.strip(ty)?;
-                    if let Some((found, offset, bits)) = self.find_member(inner, name, depth + 1)? {
-                        return Ok(Some((
-                            found,
-                            location + offset,
-                            bits.map(|(b, w)| (b + location * 8, w)),
-                        )));
+                    if let Some(found) = self.find_member(inner, name, depth + 1)? {
+                        return Ok(Some(Found {
+                            offset: location + found.offset,
+                            bits: found.bits.map(|(b, w)| (b + location * 8, w)),
+                            ..found
+                        }));
                     }
                 }
             }

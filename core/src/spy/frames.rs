@@ -13,6 +13,14 @@ use crate::objects::{imemo_type, is_heap_object, label_module, read_array_entry,
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
+/// What a sample's validation reads (`Walker::to_validate`): the iseqs to check or load,
+/// every candidate method entry of the frames, and the candidates not known yet.
+struct ToRead {
+    iseqs: Vec<u64>,
+    candidates: Vec<u64>,
+    methods: Vec<u64>,
+}
+
 impl<M: Memory> Walker<'_, M> {
     /// Iseqs and method entries the frames need. What is cached is trusted between full
     /// validations (every [`REVALIDATE`]): an iseq while the frame's pc lies inside its
@@ -30,7 +38,11 @@ impl<M: Memory> Walker<'_, M> {
             .cache
             .validated_at
             .is_none_or(|t| t.elapsed() >= REVALIDATE);
-        let (iseq_addrs, candidates, me_addrs) = self.to_validate(frames, wanted, full);
+        let ToRead {
+            iseqs: iseq_addrs,
+            candidates,
+            methods: me_addrs,
+        } = self.to_validate(frames, wanted, full);
         // Read again on a full validation; one that has become a method entry since is a
         // change (an address reused).
         let were_not_methods = if full {
@@ -86,13 +98,7 @@ impl<M: Memory> Walker<'_, M> {
     /// What a sample must read: the iseqs of `frames` not cached or not trusted (every one on
     /// a `full` validation), every candidate method entry of `wanted`, and those of them not
     /// known yet (every one on a full validation).
-    #[allow(clippy::type_complexity)]
-    fn to_validate(
-        &self,
-        frames: &[RawFrame],
-        wanted: &[Wanted],
-        full: bool,
-    ) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+    fn to_validate(&self, frames: &[RawFrame], wanted: &[Wanted], full: bool) -> ToRead {
         let mut iseq_addrs: Vec<u64> = frames
             .iter()
             .filter(|f| f.iseq != 0 && f.pc != 0)
@@ -118,7 +124,11 @@ impl<M: Memory> Walker<'_, M> {
             .collect();
         me_addrs.sort_unstable();
         me_addrs.dedup();
-        (iseq_addrs, candidates, me_addrs)
+        ToRead {
+            iseqs: iseq_addrs,
+            candidates,
+            methods: me_addrs,
+        }
     }
 
     /// Checks each iseq header read (and its cached body's) against the cache, loading the
