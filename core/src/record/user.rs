@@ -119,6 +119,7 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
     if config.subprocesses {
         children.name_workers(pid, &mut agg);
     }
+    let last = last_sample(spy, &config, &agg, last);
     super::note_ractors(pid, &last.ractors, &mut agg);
     super::note_trace_drops(spy, &drops_before, &mut agg);
     let ticks = agg.profile().ticks;
@@ -130,6 +131,28 @@ pub(super) fn run<M: Memory>(spy: &mut Spy<M>, run: Run<'_>) -> Profile {
         spy.memory().calls() - calls_before + children.calls(),
     );
     agg.finish(started.elapsed().as_nanos() as u64)
+}
+
+/// The sample the end-of-recording notes read: `last`, or where the recording saw Ractors
+/// besides the main one, a sample whose thread list is read afresh (a tick's list may be
+/// 100 ms old, and Ractors that ended since would count as alive).
+fn last_sample<M: Memory>(
+    spy: &mut Spy<M>,
+    config: &RecordConfig,
+    agg: &Aggregator,
+    last: Sample,
+) -> Sample {
+    let pid = spy.pid();
+    if !agg
+        .profile()
+        .threads
+        .iter()
+        .any(|t| t.pid == pid && t.ractor > 1)
+    {
+        return last;
+    }
+    spy.forget_threads();
+    spy.sample(config.threads).unwrap_or(last)
 }
 
 /// Notes that the recorded process ended (or exec'd) during the recording.
