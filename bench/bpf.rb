@@ -26,7 +26,7 @@ SECONDS = Float(ARGV[0] || 5)
 ROOT = File.expand_path("..", __dir__)
 system("cargo", "build", "--quiet", "--release", "-p", "rbspy_ext_core", "--example", "record",
        chdir: ROOT) or abort "building core/examples/record.rs failed"
-EXAMPLE = File.join(ROOT, "target", "release", "examples", "record")
+EXAMPLE = File.join(ENV.fetch("CARGO_TARGET_DIR", File.join(ROOT, "target")), "release", "examples", "record")
 
 # What a tick costs the code it interrupts (core/examples/record.rs interrupt), with a
 # sleeping Ruby to take the layout from: a loop pinned to CPU 0 with and without the program

@@ -10,7 +10,7 @@ use crate::memory::{field, Memory};
 use rbspy_ext_bindings::Layout;
 
 /// What the walker needs from a validated VM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct VmRoots {
     pub vm: u64,
     pub main_thread: u64,

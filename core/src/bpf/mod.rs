@@ -58,8 +58,8 @@ pub struct BpfSampler {
     ring: libbpf_rs::RingBuffer<'static>,
     _links: Vec<libbpf_rs::Link>,
     object: libbpf_rs::Object,
-    /// Records copied out of the ring by its callback, each after its length (u32).
-    received: Arc<Mutex<Vec<u8>>>,
+    /// The handler `drain` lends the ring's callback (see `Lent`).
+    lent: Arc<Mutex<Lent>>,
     /// Keeps `kernel.bpf_stats_enabled` on while it is open.
     _stats: Option<OwnedFd>,
     /// The keys in the program's thread map: thread pointers, or `rb_thread_t *`s when
@@ -93,13 +93,13 @@ impl BpfSampler {
         let object = load(open)?;
         let stats = enable_stats();
         let links = attach(&object, rate_hz)?;
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let ring = ring_buffer(&object, received.clone())?;
+        let lent = Arc::new(Mutex::new(Lent::default()));
+        let ring = ring_buffer(&object, lent.clone())?;
         Ok(BpfSampler {
             ring,
             _links: links,
             object,
-            received,
+            lent,
             _stats: stats,
             tids: FxHashSet::default(),
             by_thread: layout.ec_tls.is_some(),
@@ -148,27 +148,28 @@ impl BpfSampler {
     /// Takes every record the ring holds and hands each to `f`, in the order they were
     /// written (the ring is shared by every CPU). Returns how many there were.
     pub fn drain(&mut self, mut f: impl FnMut(&Record)) -> usize {
-        let _ = self.ring.consume();
-        let bytes = std::mem::take(&mut *locked(&self.received));
         let mut n = 0;
-        let mut at = 0;
-        while at + 4 <= bytes.len() {
-            let len = u32::from_ne_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-            let Some(raw) = bytes.get(at + 4..at + 4 + len) else {
-                break;
-            };
+        let mut each = |raw: &[u8]| {
             if let Some(r) = Record::parse(raw) {
                 f(&r);
                 n += 1;
             }
-            at += 4 + len;
-        }
-        // Hand the buffer back for reuse (the callback appends to it).
-        let mut kept = locked(&self.received);
-        if kept.is_empty() {
-            let mut bytes = bytes;
-            bytes.clear();
-            *kept = bytes;
+        };
+        let each: &mut dyn FnMut(&[u8]) = &mut each;
+        // SAFETY: only the borrow's lifetime is erased. The pointer is used by the ring's
+        // callback, which runs only inside the `consume` below, and `Taken` takes it out
+        // of the slot before `each` goes out of scope, on a panic too.
+        let each = unsafe {
+            std::mem::transmute::<*mut (dyn FnMut(&[u8]) + '_), *mut (dyn FnMut(&[u8]) + 'static)>(
+                each,
+            )
+        };
+        locked(&self.lent).handler = Some(Handler(each));
+        let taken = Taken(&self.lent);
+        let _ = self.ring.consume();
+        drop(taken);
+        if let Some(panic) = locked(&self.lent).panic.take() {
+            std::panic::resume_unwind(panic);
         }
         n
     }
@@ -444,10 +445,38 @@ fn perf_event_open(cpu: usize, period_ns: u64) -> std::io::Result<i32> {
     Ok(fd as i32)
 }
 
-/// A reader of the program's ring buffer whose callback copies each record out.
+/// What the ring's callback hands each record to. The callback is registered once, for the
+/// sampler's life, and can borrow nothing: `drain` lends it its handler for one `consume`,
+/// so that records are resolved where the program wrote them. (Copied out first, at 10 kHz
+/// the copy of each record's value stack was 40 % of the recorder's time.)
+#[derive(Default)]
+struct Lent {
+    handler: Option<Handler>,
+    /// A panic of the handler, caught in the callback (it must not unwind through libbpf)
+    /// and resumed by `drain`.
+    panic: Option<Box<dyn std::any::Any + Send>>,
+}
+
+#[derive(Clone, Copy)]
+struct Handler(*mut dyn FnMut(&[u8]));
+
+// SAFETY: a `Handler` is set, used and taken back by the one thread inside `drain`.
+unsafe impl Send for Handler {}
+
+/// Takes the lent handler back when dropped.
+struct Taken<'a>(&'a Mutex<Lent>);
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        locked(self.0).handler = None;
+    }
+}
+
+/// A reader of the program's ring buffer whose callback hands each record, in place, to the
+/// handler `drain` lent it.
 fn ring_buffer(
     object: &libbpf_rs::Object,
-    received: Arc<Mutex<Vec<u8>>>,
+    lent: Arc<Mutex<Lent>>,
 ) -> Result<libbpf_rs::RingBuffer<'static>> {
     let map = object
         .maps()
@@ -456,11 +485,20 @@ fn ring_buffer(
     let mut builder = libbpf_rs::RingBufferBuilder::new();
     builder
         .add(&map, move |data: &[u8]| {
-            if let Ok(mut out) = received.lock() {
-                out.extend_from_slice(&(data.len() as u32).to_ne_bytes());
-                out.extend_from_slice(data);
+            let mut lent = locked(&lent);
+            let Some(Handler(each)) = lent.handler else {
+                return 1; // not inside `drain`: leave the record in the ring
+            };
+            // SAFETY: `drain` set the pointer for this `consume` and takes it back after.
+            let run = std::panic::AssertUnwindSafe(|| unsafe { (*each)(data) });
+            match std::panic::catch_unwind(run) {
+                Ok(()) => 0,
+                Err(panic) => {
+                    lent.panic = Some(panic);
+                    lent.handler = None;
+                    1
+                }
             }
-            0
         })
         .map_err(|e| unavailable(format!("reading the ring buffer: {e}")))?;
     builder

@@ -262,6 +262,8 @@ fn drain<M: Memory>(
     spy.capture().begin_batch();
     // Every record of a drain was taken before it began: their ages are counted from then.
     let now = monotonic_ns();
+    // One sample for every record, emptied each time (no allocation per record).
+    let mut sample = Sample::default();
     bpf.drain(|r: &Record| {
         if r.unknown {
             rec.unknown += 1;
@@ -273,10 +275,9 @@ fn drain<M: Memory>(
         let at = Duration::from_nanos(r.time_ns.saturating_sub(rec.mono_start)).max(rec.last_at);
         rec.last_at = at;
         rec.agg.tick_at(at);
-        let mut sample = Sample {
-            read_at: Some(rec.started + at),
-            ..Sample::default()
-        };
+        sample.read_at = Some(rec.started + at);
+        sample.threads.clear();
+        sample.dropped.clear();
         match rec.threads.get(&r.captured.thread).cloned() {
             None => sample.dropped.push(Dropped::NotInThreadList),
             Some(_) if r.unreadable => sample.dropped.push(Dropped::ContextUnread),

@@ -46,6 +46,11 @@ pub(super) struct ThreadSampler {
     owner_spans: Vec<Span>,
     /// The spans of each Ractor's GC flags, reused likewise.
     gc_flag_spans: Vec<Span>,
+    /// Each thread's reads and context fields, reused likewise.
+    thread_reads: Vec<ThreadReads>,
+    heads: Vec<[u8; 24]>,
+    /// The threads `classify` chose, reused likewise (`Sampling::walk_chosen`).
+    pub(super) chosen: Vec<(usize, ThreadState)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -73,6 +78,13 @@ pub(super) fn gc_state(l: &Layout, flags: u32) -> ThreadState {
 /// Whether native thread `tid` of process `pid` still runs (its /proc entry is there).
 fn task_lives(pid: i32, tid: i64) -> bool {
     std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+}
+
+/// The Vec kept in `slot`, emptied, for this sample to fill and hand back (`discard`).
+fn emptied<T>(slot: &mut Vec<T>) -> Vec<T> {
+    let mut v = std::mem::take(slot);
+    v.clear();
+    v
 }
 
 /// How many frames deeper than last time a stack may be and still be read with its thread.
@@ -198,12 +210,10 @@ impl ThreadSampler {
         let span = fields.iter().copied().max().unwrap_or(0) + 8 - span_from;
         let mut reads = std::mem::take(&mut self.reads);
         reads.clear();
-        let mut owners = std::mem::take(&mut self.owner_spans);
-        owners.clear();
+        let mut owners = emptied(&mut self.owner_spans);
         owners.extend(self.ractors.iter().map(|r| reads.add(r.owner, 8)));
         // Each Ractor's GC flags (one objspace for all before 4.1).
-        let mut gc_flags = std::mem::take(&mut self.gc_flag_spans);
-        gc_flags.clear();
+        let mut gc_flags = emptied(&mut self.gc_flag_spans);
         gc_flags.extend(self.ractors.iter().map(|r| {
             if is_heap_object(r.objspace) {
                 reads.add(field(r.objspace, l.objspace_flags), 4)
@@ -212,7 +222,9 @@ impl ThreadSampler {
             }
         }));
         let tag_offset = tags.offset(t);
-        let mut threads = Vec::with_capacity(count);
+        let mut threads = emptied(&mut self.thread_reads);
+        let mut heads = emptied(&mut self.heads);
+        heads.resize(count, [0; 24]);
         for i in 0..count {
             let thread = self.threads[i].thread;
             let wanted = which == ThreadSelection::All || self.last_owners.contains(&thread);
@@ -253,7 +265,7 @@ impl ThreadSampler {
             owners,
             gc_flags,
             threads,
-            heads: vec![[0; 24]; count],
+            heads,
             called: Instant::now(),
         }
     }
@@ -297,7 +309,7 @@ impl ThreadSampler {
         let owners = batch.owners.iter().map(|o| word(batch.reads.get(*o), 0));
         self.last_owners.extend(owners);
         let runnable = l.thread_status_runnable << status_mask.trailing_zeros();
-        let mut chosen = Vec::new();
+        let mut chosen = emptied(&mut self.chosen);
         let mut owners_listed = 0;
         for (i, listed) in self.threads.iter().enumerate() {
             let thread = &listed.thread;
@@ -442,6 +454,8 @@ impl ThreadSampler {
         self.reads = batch.reads;
         self.owner_spans = batch.owners;
         self.gc_flag_spans = batch.gc_flags;
+        self.thread_reads = batch.threads;
+        self.heads = batch.heads;
         batch.called
     }
 }
@@ -465,6 +479,7 @@ pub(super) struct Batch {
 }
 
 /// What one sample reads for one thread.
+#[derive(Debug)]
 pub(super) struct ThreadReads {
     /// The span of its `rb_thread_t` (see `Batch::span_from`).
     pub(super) fields: Span,
@@ -476,7 +491,7 @@ pub(super) struct ThreadReads {
 }
 
 /// A thread's control frames and value stack, read with it where its stack was last time.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub(super) struct PrefetchSpans {
     pub(super) vm_stack: u64,
     pub(super) from: u64,

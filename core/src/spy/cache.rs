@@ -7,7 +7,7 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 /// What never changes about one iseq.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct IseqInfo {
     pub(super) body: u64,
     pub(super) encoded: u64,

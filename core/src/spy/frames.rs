@@ -523,3 +523,76 @@ impl<M: Memory> Walker<'_, M> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::attach::Target;
+    use super::super::cache::{Cache, IseqInfo};
+    use super::super::memo::StackMemo;
+    use super::super::walker::{WalkState, Walker, Wanted};
+    use super::*;
+    use crate::memory::MemoryImage;
+    use crate::vm::VmRoots;
+
+    /// What `to_validate` asks of `frames` and `wanted` with a cache that has an iseq at
+    /// 0x1000 whose instructions are 0x5000..0x5000 + 10 words, and a cref at 0x8000.
+    fn asked(frames: &[RawFrame], chain: Vec<u64>, full: bool) -> (Vec<u64>, Vec<u64>) {
+        let l = rbspy_ext_bindings::layout_for_version("3.3.8").expect("3.3.8's layout");
+        let mut target = Target::new(1, MemoryImage::new(), l, l.name, VmRoots::default());
+        let (mut cache, mut walk, mut memo) =
+            (Cache::default(), WalkState::default(), StackMemo::default());
+        let iseq = IseqInfo {
+            body: 0x2000,
+            encoded: 0x5000,
+            size: 10,
+            ..Default::default()
+        };
+        cache.iseqs.insert(0x1000, iseq);
+        cache.not_methods.insert(0x8000);
+        let w = Walker {
+            target: &mut target,
+            cache: &mut cache,
+            walk: &mut walk,
+            memo: &mut memo,
+        };
+        let wanted = [Wanted {
+            index: 0,
+            cfunc: false,
+            chain,
+        }];
+        let r = w.to_validate(frames, &wanted, full);
+        assert_eq!(r.candidates, wanted[0].chain, "every candidate is checked");
+        (r.iseqs, r.methods)
+    }
+
+    fn frame(iseq: u64, pc: u64) -> RawFrame {
+        RawFrame { pc, iseq, ep: 0 }
+    }
+
+    #[test]
+    fn a_cached_iseq_is_trusted_while_the_pc_lies_in_its_instructions() {
+        let (inside, past, below) = (0x5000 + 9 * 8, 0x5000 + 11 * 8, 0x4ff8);
+        // Not cached, or a full validation: read (once each); no pc or no iseq: never.
+        let (cached, other) = (|pc| frame(0x1000, pc), |pc| frame(0x3000, pc));
+        let mixed = [other(1), cached(inside), other(2), frame(0x4000, 0)];
+        let cases: [(&[RawFrame], bool, &[u64]); 6] = [
+            (&[frame(0x1000, inside)], false, &[]),
+            (&[frame(0x1000, past)], false, &[0x1000]),
+            (&[frame(0x1000, below)], false, &[0x1000]),
+            (&mixed, false, &[0x3000]),
+            (&mixed, true, &[0x1000, 0x3000]),
+            (&[frame(0, inside)], true, &[]),
+        ];
+        for (frames, full, read) in cases {
+            let got = asked(frames, vec![], full).0;
+            assert_eq!(got, read, "{frames:x?}, full: {full}");
+        }
+    }
+
+    #[test]
+    fn method_entries_known_either_way_are_read_again_only_on_a_full_validation() {
+        let chain = vec![0x9000, 0x8000, 0x9000];
+        assert_eq!(asked(&[], chain.clone(), false).1, [0x9000]);
+        assert_eq!(asked(&[], chain, true).1, [0x8000, 0x9000]);
+    }
+}

@@ -53,6 +53,7 @@ pub(super) struct RawFrame {
 }
 
 /// A failure inside one attempt: either the stack moved (retry) or a real error.
+#[derive(Debug)]
 pub(super) enum Attempt {
     Changed(String),
     Fatal(Error),

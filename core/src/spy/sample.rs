@@ -17,7 +17,7 @@ use super::memo::StackMemo;
 use super::tags::{Decoder, TagReader};
 use super::walker::{Prefetched, WalkState, Walker};
 use crate::error::{Error, MemoryError, Result};
-use crate::memory::Memory;
+use crate::memory::{recycle, Memory};
 use crate::model::{Dropped, Sample, SampledThread, Tags, ThreadSelection, ThreadState};
 use std::time::Instant;
 
@@ -110,7 +110,8 @@ impl<M: Memory> Sampling<'_, M> {
         // A thread that has not started running Ruby yet, or has finished, has no VM stack
         // (null `vm_stack` and `cfp`): it has nothing to sample, which is not a dropped sample.
         chosen.retain(|(i, _)| self.walker().ec_fields(&batch.heads[*i])[0] != 0);
-        let (threads, failed) = self.walk_chosen(&mut batch, chosen);
+        let (threads, failed) = self.walk_chosen(&mut batch, &chosen);
+        self.sampler.chosen = chosen;
         let read_at = Some(self.sampler.discard(batch));
         let dropped = self.confirm_drops(failed?)?;
         Ok(Sample {
@@ -146,24 +147,21 @@ impl<M: Memory> Sampling<'_, M> {
     fn walk_chosen(
         &mut self,
         batch: &mut Batch,
-        chosen: Vec<(usize, ThreadState)>,
+        chosen: &[(usize, ThreadState)],
     ) -> (Vec<SampledThread>, Result<Vec<(u64, Dropped)>>) {
-        let contexts: Vec<[u64; 3]> = chosen
-            .iter()
-            .map(|(i, _)| self.walker().ec_fields(&batch.heads[*i]))
-            .collect();
+        let mut contexts = std::mem::take(&mut self.walk.contexts);
+        contexts.clear();
+        contexts.extend((chosen.iter()).map(|(i, _)| self.walker().ec_fields(&batch.heads[*i])));
         let reads = &batch.reads;
-        let pre: Vec<Option<Prefetched>> = chosen
-            .iter()
-            .map(|(i, _)| {
-                batch.threads[*i].prefetch.map(|p| Prefetched {
-                    vm_stack: p.vm_stack,
-                    from: p.from,
-                    frames: reads.get(p.frames),
-                    values: reads.get(p.values),
-                })
+        let mut pre: Vec<Option<Prefetched>> = recycle(std::mem::take(&mut self.walk.prefetched));
+        pre.extend(chosen.iter().map(|(i, _)| {
+            batch.threads[*i].prefetch.map(|p| Prefetched {
+                vm_stack: p.vm_stack,
+                from: p.from,
+                frames: reads.get(p.frames),
+                values: reads.get(p.values),
             })
-            .collect();
+        }));
         // Tags before stacks: a table is trusted only when decoded within `TABLE_WINDOW` of
         // the batch's read, and walking every thread with cold caches (a process's first
         // sample) can take longer than that.
@@ -174,11 +172,11 @@ impl<M: Memory> Sampling<'_, M> {
         let calls = self.target.mem.calls();
         let results = self.walker().walk_many(&contexts, pre);
         let walked_late = self.target.mem.calls() != calls;
-        let results = self.confirm_tags(batch, &chosen, results, walked_late);
+        let results = self.confirm_tags(batch, chosen, results, walked_late);
         let mut sampled = Vec::with_capacity(chosen.len());
         let mut failed = Vec::new();
-        let chosen = chosen.into_iter().zip(tags);
-        for ((((i, state), tags), ec), first) in chosen.zip(contexts).zip(results) {
+        let chosen = chosen.iter().copied().zip(tags);
+        for ((((i, state), tags), ec), first) in chosen.zip(contexts.iter().copied()).zip(results) {
             let thread = self.sampler.threads[i].thread;
             let (stack, tags) = match self.retry_walk(thread, first, tags) {
                 Ok(Retried::Walked(walked)) => walked,
@@ -202,6 +200,7 @@ impl<M: Memory> Sampling<'_, M> {
                 tags,
             });
         }
+        self.walk.contexts = contexts;
         (sampled, Ok(failed))
     }
 

@@ -109,9 +109,7 @@ mod ractors {
 
     #[test]
     fn follows_the_ractor_list_from_the_main_ractor() {
-        let ractors = read_ractors(&target(&[(1, Some(1)), (2, None)]))
-            .ok()
-            .expect("reads");
+        let ractors = read_ractors(&target(&[(1, Some(1)), (2, None)])).expect("reads");
         assert_eq!(ractors.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2]);
         assert!(
             ractors.iter().all(|r| r.name.is_none()),

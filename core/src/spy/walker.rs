@@ -10,7 +10,7 @@ use super::leaves::{
 };
 use super::memo::StackMemo;
 use crate::memory::word;
-use crate::memory::{field, Memory, ReadBatch, Span};
+use crate::memory::{field, recycle, Memory, ReadBatch, Span};
 use crate::model::Frame;
 use crate::objects::is_heap_object;
 use rustc_hash::FxHashMap;
@@ -42,6 +42,12 @@ pub(super) struct WalkState {
     pub(super) reads: ReadBatch,
     /// The raw frames of the stack being resolved, reused from stack to stack.
     pub(super) frames: Vec<RawFrame>,
+    /// `walk_many`'s plans and buffers, and `Sampling::walk_chosen`'s contexts and
+    /// prefetched bytes, reused likewise (see `recycle`).
+    pub(super) plans: Vec<std::result::Result<Plan, Attempt>>,
+    pub(super) bufs: Vec<FrameBuffers<'static>>,
+    pub(super) contexts: Vec<[u64; 3]>,
+    pub(super) prefetched: Vec<Option<Prefetched<'static>>>,
 }
 
 impl<M: Memory> Walker<'_, M> {
@@ -161,14 +167,16 @@ impl<M: Memory> Walker<'_, M> {
         ecs: &[[u64; 3]],
         prefetched: Vec<Option<Prefetched<'_>>>,
     ) -> Vec<std::result::Result<Stack, Attempt>> {
-        let plans: Vec<_> = ecs.iter().map(|ec| self.plan(*ec)).collect();
+        let mut plans = std::mem::take(&mut self.walk.plans);
+        plans.clear();
+        plans.extend(ecs.iter().map(|ec| self.plan(*ec)));
         // The walker's own batch, out of `self` while its bytes are borrowed.
         let mut reads = std::mem::take(&mut self.walk.reads);
         reads.clear();
         let bufs = self.frame_buffers(&plans, prefetched, &mut reads);
         let results = self.read_frames(&plans, &bufs, &mut reads);
         let stacks = plans
-            .into_iter()
+            .drain(..)
             .zip(&bufs)
             .zip(results)
             .map(|((plan, buf), read)| match (read, plan) {
@@ -179,13 +187,15 @@ impl<M: Memory> Walker<'_, M> {
             })
             .collect();
         self.walk.reads = reads;
+        self.walk.plans = plans;
+        self.walk.bufs = recycle(bufs);
         stacks
     }
 
     /// Each planned stack's bytes: what `prefetched` already holds when the frames fit in
     /// it, else reads added to `reads` for `read_frames` to make.
     fn frame_buffers<'a>(
-        &self,
+        &mut self,
         plans: &[std::result::Result<Plan, Attempt>],
         prefetched: Vec<Option<Prefetched<'a>>>,
         reads: &mut ReadBatch,
@@ -193,8 +203,8 @@ impl<M: Memory> Walker<'_, M> {
         let cfp_size = self.target.layout.cfp_size;
         let mut prefetched = prefetched;
         prefetched.resize_with(plans.len(), || None);
-        let mut bufs = Vec::with_capacity(plans.len());
-        for (p, pre) in plans.iter().zip(prefetched) {
+        let mut bufs: Vec<FrameBuffers<'a>> = recycle(std::mem::take(&mut self.walk.bufs));
+        for (p, pre) in plans.iter().zip(prefetched.drain(..)) {
             let Ok(p) = p else {
                 bufs.push(FrameBuffers::done(&[], &[]));
                 continue;
@@ -221,6 +231,7 @@ impl<M: Memory> Walker<'_, M> {
                 }),
             }
         }
+        self.walk.prefetched = recycle(prefetched);
         bufs
     }
 
@@ -507,11 +518,13 @@ pub(super) struct Wanted {
 
 /// One stack's control frames and value stack: read already (prefetched with its thread, or
 /// nothing to read), or to be read at an address into the walker's batch.
+#[derive(Debug)]
 pub(super) struct FrameBuffers<'a> {
     cfps: Bytes<'a>,
     values: Bytes<'a>,
 }
 
+#[derive(Debug)]
 enum Bytes<'a> {
     Done(&'a [u8]),
     Read(u64, Span),
