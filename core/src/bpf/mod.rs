@@ -26,8 +26,14 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sampler.bpf.o")
 
 /// The program's name, as `bpftool prog show` lists it while a recording runs.
 pub const PROGRAM: &str = "rbspy_sample";
-/// How often the recorder drains the ring buffer: 20 wake-ups a second whatever the rate.
+/// How often the recorder drains the ring buffer before it knows how fast records come.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
+/// The longest and shortest drain periods once it knows: as long as half the ring holds,
+/// within these (a drain costs a wake-up, ~90 µs of CPU on this VM, whatever it drains).
+pub const DRAIN_LONGEST: Duration = Duration::from_millis(200);
+pub const DRAIN_SHORTEST: Duration = Duration::from_millis(20);
+/// The ring's size (`events` in core/bpf/sampler.bpf.c).
+pub const RING_BYTES: u64 = 1 << 23;
 /// Deepest stack copied, in frames (see `MAX_FRAME_BYTES` in core/bpf/sampler.h); deeper
 /// stacks keep their innermost frames and end in a `[truncated]` frame.
 pub const MAX_FRAMES: u64 = 512;
@@ -146,10 +152,12 @@ impl BpfSampler {
     }
 
     /// Takes every record the ring holds and hands each to `f`, in the order they were
-    /// written (the ring is shared by every CPU). Returns how many there were.
-    pub fn drain(&mut self, mut f: impl FnMut(&Record)) -> usize {
-        let mut n = 0;
+    /// written (the ring is shared by every CPU). Returns how many there were, and their
+    /// bytes.
+    pub fn drain(&mut self, mut f: impl FnMut(&Record)) -> (usize, u64) {
+        let (mut n, mut bytes) = (0, 0);
         let mut each = |raw: &[u8]| {
+            bytes += raw.len() as u64;
             if let Some(r) = Record::parse(raw) {
                 f(&r);
                 n += 1;
@@ -171,7 +179,7 @@ impl BpfSampler {
         if let Some(panic) = locked(&self.lent).panic.take() {
             std::panic::resume_unwind(panic);
         }
-        n
+        (n, bytes)
     }
 
     /// The program's cost so far and what it could not record.

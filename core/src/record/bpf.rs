@@ -1,9 +1,11 @@
-//! A recording by the BPF sampler: the recorder thread sleeps `DRAIN_EVERY`, drains the ring
+//! A recording by the BPF sampler: the recorder thread sleeps (`Recording::period`), drains the ring
 //! and resolves each record through the spy. The thread map is refreshed from the spy's
 //! thread list every `REFRESH_EVERY`, and sooner when the program saw a thread it did not
 //! know.
 use super::{new_aggregator, refresh_live, RecordConfig, Run};
-use crate::bpf::{BpfSampler, Record, Stats, DRAIN_EVERY, MAX_FRAMES};
+use crate::bpf::{
+    BpfSampler, Record, Stats, DRAIN_EVERY, DRAIN_LONGEST, DRAIN_SHORTEST, MAX_FRAMES, RING_BYTES,
+};
 use crate::cost::{clock_ns, thread_cpu_ns, KernelCost};
 use crate::memory::Memory;
 use crate::model::{Dropped, Sample};
@@ -53,6 +55,9 @@ struct Recording {
     /// drain every `DRAIN_FOR_TAGS` since a drain last left some out.
     expired_tags: u64,
     tags_expiring: Option<Instant>,
+    /// When the ring was last drained, and the bytes a second its records came at then.
+    drained_at: Instant,
+    ring_rate: Option<f64>,
 }
 
 pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>) -> Profile {
@@ -96,7 +101,9 @@ pub(crate) fn run<M: Memory>(spy: &mut Spy<M>, mut bpf: BpfSampler, run: Run<'_>
             refresh_live(progress, &rec.agg, config.live);
         }
         let left = config.duration.map(|d| d.saturating_sub(now - started));
-        std::thread::sleep(rec.period(now, left));
+        // Parked rather than asleep: `Recorder::stop` unparks it, so a stop never waits for
+        // the rest of a long period.
+        std::thread::park_timeout(rec.period(now, left));
         wakeups += 1;
         let expired = spy.capture().tags_expired();
         drain(spy, &mut bpf, &config, &mut rec);
@@ -145,6 +152,8 @@ impl Recording {
             values_cut: 0,
             expired_tags: 0,
             tags_expiring: None,
+            drained_at: Instant::now(),
+            ring_rate: None,
         }
     }
 
@@ -152,10 +161,17 @@ impl Recording {
     /// samples lose their tags to a late drain (tables of objects replaced faster than the
     /// drain period), drain within the window their values live.
     fn period(&self, now: Instant, left: Option<Duration>) -> Duration {
-        let period = if self.tags_expiring.is_some_and(|until| now < until) {
-            DRAIN_FOR_TAGS
-        } else {
-            DRAIN_EVERY
+        // Otherwise as seldom as half the ring holds what comes meanwhile: a drain's wake-up
+        // costs the same whatever it drains (at 1 kHz, drains 50 ms apart were most of the
+        // recorder's CPU), and the other half is room for a burst of deeper stacks. Not
+        // once tags have been lost to a drain: then never more than `DRAIN_EVERY` apart,
+        // or each return to long periods would lose a long period's tags again.
+        let period = match self.ring_rate {
+            _ if self.tags_expiring.is_some_and(|until| now < until) => DRAIN_FOR_TAGS,
+            _ if self.tags_expiring.is_some() => DRAIN_EVERY,
+            None => DRAIN_EVERY,
+            Some(rate) => Duration::from_secs_f64((RING_BYTES / 2) as f64 / rate.max(1.0))
+                .clamp(DRAIN_SHORTEST, DRAIN_LONGEST),
         };
         left.map_or(period, |l| l.min(period))
     }
@@ -262,9 +278,11 @@ fn drain<M: Memory>(
     spy.capture().begin_batch();
     // Every record of a drain was taken before it began: their ages are counted from then.
     let now = monotonic_ns();
+    let since = rec.drained_at.elapsed();
+    rec.drained_at = Instant::now();
     // One sample for every record, emptied each time (no allocation per record).
     let mut sample = Sample::default();
-    bpf.drain(|r: &Record| {
+    let (_, bytes) = bpf.drain(|r: &Record| {
         if r.unknown {
             rec.unknown += 1;
             rec.refresh_wanted |= rec.unknown_tids.insert(r.tid) || rec.shared_natives;
@@ -303,6 +321,10 @@ fn drain<M: Memory>(
         }
         rec.agg.add(&sample, rec.started);
     });
+    // A drain just after another (the last one) says little of the rate.
+    if since >= Duration::from_millis(5) {
+        rec.ring_rate = Some(bytes as f64 / since.as_secs_f64());
+    }
 }
 
 fn note_exit(agg: &mut Aggregator, pid: i32, started: Instant) {

@@ -278,6 +278,8 @@ impl Recorder {
         }
         self.stop.store(true, Ordering::Relaxed);
         let thread = self.thread.take().expect("stop is called once");
+        // The BPF recorder parks between drains (record/bpf.rs).
+        thread.thread().unpark();
         thread.join().unwrap_or_else(|_| Profile {
             notes: vec!["the sampler thread failed; the profile is empty".into()],
             ..Profile::default()
@@ -303,6 +305,7 @@ impl Drop for Recorder {
         }
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
+            t.thread().unpark();
             let _ = t.join();
         }
     }
